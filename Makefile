@@ -1,0 +1,41 @@
+# Two entry points: `make demo` runs the main job, `make test` runs the tests.
+# Each creates .venv and installs what it needs (the CPU torch wheel when no GPU is present).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup system-deps bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing the default torch build"; $(BIN)/pip install -q "torch>=2.3"; \
+	else echo "no GPU: installing the CPU torch wheel"; $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian packages the tests use: redis-server, Prometheus (promtool), wrk/hey, docker-compose (config only).
+system-deps:
+	@missing=""; \
+	for b in redis-server:redis-server prometheus:prometheus promtool:prometheus wrk:wrk hey:hey docker-compose:docker-compose; do \
+		cmd=$${b%%:*}; pkg=$${b##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+		else echo "missing Debian packages:$$missing (install them as root)"; fi; fi
+
+demo: $(STAMP)
+	$(BIN)/prewarm up
+
+test: system-deps $(STAMP)
+	$(BIN)/lint-imports
+	$(BIN)/pytest -q -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/gateway.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache

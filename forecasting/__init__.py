@@ -1,0 +1,1 @@
+"""History, forecasting, planning and trace replay: the pure brain of prewarm."""

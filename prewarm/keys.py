@@ -1,0 +1,112 @@
+"""Every Redis key template and TTL prewarm uses, each with a one-line comment.
+
+Nothing else in the code base spells a key: adapters call these functions, so a key's
+shape can be found and changed in one place.
+"""
+
+from __future__ import annotations
+
+PREFIX = "prewarm"
+
+# --- replica registry -------------------------------------------------------------------
+#: Hash of one replica's fields (see `Replica.to_fields`); deleted on deregistration.
+def replica(rid: str) -> str:
+    return f"{PREFIX}:replica:{rid}"
+
+
+#: Set of the ids of every registered replica (any state) of one model.
+def model_replicas(model: str) -> str:
+    return f"{PREFIX}:model:{model}:replicas"
+
+
+#: Set of the ids of every registered replica on one node.
+def node_replicas(node: str) -> str:
+    return f"{PREFIX}:node:{node}:replicas"
+
+
+#: Set of model names that have (or had) replicas; the gateway's /v1/models reads it.
+MODELS = f"{PREFIX}:models"
+
+#: Set of node names that have (or had) replicas.
+NODES = f"{PREFIX}:nodes"
+
+#: Sorted set of ready replica ids of a model in a pool, scored by heartbeat expiry (epoch s).
+def ready(model: str, pool: str) -> str:
+    return f"{PREFIX}:ready:{model}:{pool}"
+
+
+#: Sorted set of loading/warming replica ids of a model, scored by heartbeat expiry.
+def loading(model: str) -> str:
+    return f"{PREFIX}:loading:{model}"
+
+
+#: Sorted set of every live replica id, scored by heartbeat expiry; the reaper scans it.
+HEARTBEATS = f"{PREFIX}:heartbeats"
+
+#: Stream of every state transition (audit trail and metrics source), capped at EVENTS_MAXLEN.
+EVENTS = f"{PREFIX}:events"
+EVENTS_MAXLEN = 100_000
+
+# --- gateway ------------------------------------------------------------------------------
+#: Counter of user requests for a model in one time bucket: history for the forecaster.
+def requests(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:requests:{model}:{resolution_s}:{bucket_start}"
+
+
+#: Set of model names the gateway has counted requests for.
+REQUEST_MODELS = f"{PREFIX}:requests:models"
+
+#: Bucket sizes (seconds) of the request counters, and how long each bucket is kept.
+REQUEST_RESOLUTIONS_S: dict[int, int] = {10: 2 * 86400, 60: 35 * 86400}
+
+#: Hash of unmet demand per model (requests that found nothing ready): count and last time.
+def demand(model: str) -> str:
+    return f"{PREFIX}:demand:{model}"
+
+
+#: Pub/sub channel on which the gateway announces unmet demand (scale from zero).
+DEMAND_CHANNEL = f"{PREFIX}:demand"
+#: Demand records expire after this long without a new unmet request.
+DEMAND_TTL_S = 3600
+
+# --- agent and planner ----------------------------------------------------------------------
+#: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
+def baseline(model: str, node_class: str) -> str:
+    return f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+#: List of recent cold-start durations (seconds) of a model, newest first, capped at LOADTIMES_KEEP.
+def load_times(model: str) -> str:
+    return f"{PREFIX}:loadtimes:{model}"
+
+
+LOADTIMES_KEEP = 200
+
+#: Marker that a planned scale event was enqueued (idempotency of re-plans); kept EVENT_TTL_S.
+def planned_event(event_id: str) -> str:
+    return f"{PREFIX}:planned:{event_id}"
+
+
+EVENT_TTL_S = 2 * 86400
+
+#: Lock held by the task working on a replica, so a redelivered task does not run twice at once.
+def replica_lock(rid: str) -> str:
+    return f"{PREFIX}:lock:{rid}"
+
+
+#: Hash of the last forecast per model (time, quantiles) for metrics and the stale-plan alert.
+def last_forecast(model: str) -> str:
+    return f"{PREFIX}:forecast:{model}"
+
+
+#: Hash of the planner's state per model (carried between `plan` calls).
+def planner_state(model: str) -> str:
+    return f"{PREFIX}:plannerstate:{model}"
+
+
+#: Hash of a node's view (snapshots held, capacity), refreshed by its agent.
+def node_info(node: str) -> str:
+    return f"{PREFIX}:nodeinfo:{node}"
+
+
+NODE_INFO_TTL_S = 60

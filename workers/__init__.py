@@ -1,0 +1,1 @@
+"""Celery application, tasks and the node agent: the only place where stages meet."""
