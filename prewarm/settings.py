@@ -104,6 +104,8 @@ class WarmupSettings(_Group):
     requests: int = Field(8, ge=1)  # synthetic requests per warmup
     prompt_mean_tokens: float = Field(23.0, gt=0)
     prompt_sd_tokens: float = Field(5.0, ge=0)
+    prompt_distribution: Literal["gaussian", "uniform", "lognormal", "fixed"] = "gaussian"  # shape of prompt lengths
+    prompt_max_tokens: int | None = Field(None, ge=1)  # clip long prompts; None: no upper clip
     max_tokens: int = Field(1, ge=1)
     topics: dict[str, float] = Field(
         default_factory=lambda: {"code": 0.4, "chat": 0.3, "summarize": 0.2, "translate": 0.1}
@@ -162,6 +164,31 @@ class AgentSettings(_Group):
     max_attempts: int = Field(3, ge=1)  # deliveries of one task before it is given up
     fragmentation_threshold: float = Field(0.3, gt=0, le=1)
     task_time_limit_s: int = Field(900, gt=0)
+    # --- the Celery pipeline (workers/) ---
+    visibility_timeout_s: int | None = Field(None, gt=0)  # broker redelivery of unacked tasks; None: time limit + 60 s
+    restore_interval_s: int = Field(10, ge=1)  # how often a worker sweeps for unacked tasks past the visibility timeout
+    lock_ttl_s: float = Field(30.0, gt=0)  # replica work lock; refreshed every third of it while a task works
+    retry_backoff_s: float = Field(2.0, gt=0)  # first retry delay of a temporary failure (doubles per attempt)
+    concurrency: int | None = Field(None, ge=1)  # worker threads; None: replica_slots + 2
+    state_dir: str = ".prewarm/agent"  # runtime pid files and logs (adoption after an agent crash)
+    runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
+    drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
+
+    @field_validator("visibility_timeout_s")
+    @classmethod
+    def _visibility_above_time_limit(cls, v: int | None, info: Any) -> int | None:
+        limit = info.data.get("task_time_limit_s")
+        if v is not None and limit is not None and v <= limit:
+            raise ValueError(f"must be greater than task_time_limit_s ({limit}), or a running task is redelivered")
+        return v
+
+    @property
+    def effective_visibility_timeout_s(self) -> int:
+        return self.visibility_timeout_s or self.task_time_limit_s + 60
+
+    @property
+    def effective_concurrency(self) -> int:
+        return self.concurrency or self.replica_slots + 2
 
 
 class PlannerSettings(_Group):
