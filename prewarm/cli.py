@@ -8,8 +8,10 @@ command with exit code 2 and a message naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 from prewarm.errors import SettingsError
 from prewarm.settings import Settings
@@ -26,7 +28,42 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("settings", help="print the effective settings (secrets masked)")
     p.set_defaults(handler=_cmd_settings)
 
+    p = sub.add_parser("gateway", help="run the HTTP gateway (embedded Redis when PREWARM_REDIS_URL is unset)")
+    p.add_argument("--host", help="listen address (default: gateway.host)")
+    p.add_argument("--port", type=int, help="listen port (default: gateway.port)")
+    p.set_defaults(handler=_cmd_gateway)
+
     return parser
+
+
+@contextlib.contextmanager
+def _redis_for(settings: Settings) -> Iterator[str]:
+    """Yield the Redis URL to use: PREWARM_REDIS_URL, or an embedded server started and stopped here.
+
+    The embedded server's URL is exported as PREWARM_REDIS_URL so child processes share it.
+    """
+    if settings.redis.url:
+        yield settings.redis.url
+        return
+    from prewarm.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        settings.redis.url = server.url
+        os.environ["PREWARM_REDIS_URL"] = server.url
+        print(f"prewarm: PREWARM_REDIS_URL is unset; started an embedded Redis at {server.url}", flush=True)
+        try:
+            yield server.url
+        finally:
+            os.environ.pop("PREWARM_REDIS_URL", None)
+            print("prewarm: embedded Redis stopped", flush=True)
+
+
+def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
+    from prewarm import gateway
+
+    with _redis_for(settings):
+        gateway.run(settings, host=args.host, port=args.port)
+    return 0
 
 
 def _cmd_settings(args: argparse.Namespace, settings: Settings) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
 
 import redis
+import redis.asyncio as aioredis
 
 from prewarm import keys
 from prewarm.domain import (
@@ -302,3 +303,28 @@ class ReplicaRegistry:
         key = keys.baseline(model, node_class)
         self.client.hsetnx(key, "latency_s", repr(float(latency_s)))
         return float(self.client.hget(key, "latency_s") or latency_s)
+
+
+class AsyncRegistryReader:
+    """The gateway's asyncio side of the registry: the one-round-trip routing view and model list."""
+
+    def __init__(self, client: "aioredis.Redis[str]") -> None:
+        self.client = client
+        self._view = client.register_script(VIEW)
+
+    async def view(self, model: str, *, now: float) -> RoutingView:
+        try:
+            raw = await self._view(
+                keys=[keys.ready(model, Pool.SERVING.value), keys.ready(model, Pool.WARM.value), keys.loading(model)],
+                args=[now, keys.replica("")],
+            )
+        except _REDIS_DOWN as exc:
+            raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
+        groups = [tuple(Replica.from_fields(_pairs(row)) for row in rows) for rows in raw]
+        return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
+
+    async def models(self) -> set[str]:
+        try:
+            return set(await self.client.smembers(keys.MODELS))
+        except _REDIS_DOWN as exc:
+            raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc

@@ -1,0 +1,308 @@
+"""The gateway over real HTTP: real upstream servers, a real Redis registry, the real proxy."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from prewarm import keys, signing
+from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.embedded import EmbeddedRedis
+from prewarm.gateway import Gateway
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from tests.httpservers import AppThread, Upstream
+
+SECRET = "test-secret"
+
+
+def request(url: str, method: str = "GET", path: str = "/", body: Any = None,
+            headers: dict[str, str] | None = None, raw: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    try:
+        payload = resp.read()
+    except http.client.IncompleteRead as exc:
+        payload = exc.partial
+    out = (resp.status, {k.lower(): v for k, v in resp.getheaders()}, payload)
+    conn.close()
+    return out
+
+
+def make_settings(redis_url: str, **gateway: Any) -> Settings:
+    return Settings(
+        redis=RedisSettings(url=redis_url, socket_timeout_s=0.5, connect_timeout_s=0.5),
+        gateway=GatewaySettings(refresh_interval_s=0.01, **gateway),
+        registry=RegistrySettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=3.0),
+        warmup=WarmupSettings(secret=SECRET),
+    )
+
+
+class Harness:
+    def __init__(self, redis_url: str, **gateway: Any) -> None:
+        self.settings = make_settings(redis_url, **gateway)
+        self.gateway = Gateway(self.settings)
+        self.server = AppThread(self.gateway.app()).start()
+        self.url = self.server.url
+        self.reg = ReplicaRegistry(redis.Redis.from_url(redis_url, decode_responses=True), self.settings.registry)
+        self.upstreams: list[AppThread] = []
+
+    def upstream(self, up: Upstream) -> str:
+        t = AppThread(up.app()).start()
+        self.upstreams.append(t)
+        return t.url
+
+    def add(self, slot: int, up: Upstream, *, pool: Pool = Pool.SERVING, state: ReplicaState = ReplicaState.READY,
+            progress: float = 1.0, phase: LoadPhase = LoadPhase.DONE) -> Replica:
+        r = Replica("m", "r1", "n1", slot, endpoint=self.upstream(up), pool=pool)
+        now = time.time()
+        self.reg.register(r, now=now)
+        path = {ReplicaState.PENDING: [], ReplicaState.LOADING: [ReplicaState.LOADING],
+                ReplicaState.READY: [ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY]}[state]
+        for s in path:
+            self.reg.transition(r.id, s, now=now)
+        if state is ReplicaState.LOADING:
+            self.reg.set_progress(r.id, progress, phase, now=now)
+        return r
+
+    def complete(self, model: str = "m", **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        return request(self.url, "POST", "/v1/completions", {"model": model, "prompt": "hi", **kw.pop("extra", {})}, **kw)
+
+    def close(self) -> None:
+        self.server.stop()
+        for t in self.upstreams:
+            t.stop()
+        self.reg.client.close()
+
+
+@pytest.fixture()
+def gw(redis_url: str) -> Iterator[Harness]:
+    h = Harness(redis_url)
+    yield h
+    h.close()
+
+
+def served_by(resp: tuple[int, dict[str, str], bytes]) -> str:
+    assert resp[0] == 200, resp
+    return str(json.loads(resp[2])["served_by"])
+
+
+def test_fewest_in_flight_among_ready_serving(gw: Harness) -> None:
+    slow, fast = Upstream("a", delay_s=1.0), Upstream("b")
+    gw.add(0, slow)
+    gw.add(1, fast)
+    first: list[Any] = []
+    t = threading.Thread(target=lambda: first.append(gw.complete()))
+    t.start()
+    deadline = time.time() + 5
+    while not slow.received and time.time() < deadline:
+        time.sleep(0.01)
+    assert served_by(gw.complete()) == "b"  # a has one request in flight
+    t.join()
+    assert served_by(first[0]) == "a"
+
+
+def test_loading_under_threshold_goes_to_warm_pool_then_to_the_loading_replica(gw: Harness) -> None:
+    warm, loading = Upstream("warm"), Upstream("loading")
+    gw.add(5, warm, pool=Pool.WARM)
+    r = gw.add(0, loading, state=ReplicaState.LOADING, progress=0.5, phase=LoadPhase.FIRST_LAYERS)
+    assert served_by(gw.complete()) == "warm"
+    gw.reg.set_progress(r.id, 0.75, LoadPhase.REST, now=time.time())
+    time.sleep(0.05)
+    assert served_by(gw.complete()) == "loading"
+
+
+def test_nothing_ready_answers_503_with_retry_after_and_records_demand(gw: Harness) -> None:
+    gw.add(0, Upstream("x"), state=ReplicaState.LOADING, progress=0.1, phase=LoadPhase.EMBEDDINGS)
+    status, headers, body = gw.complete()
+    assert status == 503
+    assert int(headers["retry-after"]) >= 1
+    assert json.loads(body)["error"]["code"] == "unavailable"
+    demand = gw.reg.client.hgetall(keys.demand("m"))
+    assert demand["count"] == "1"
+
+
+def test_hold_waits_for_a_replica_to_become_ready(redis_url: str) -> None:
+    h = Harness(redis_url, hold_timeout_s=5.0)
+    try:
+        r = h.add(0, Upstream("late"), state=ReplicaState.LOADING, progress=0.2, phase=LoadPhase.FIRST_LAYERS)
+
+        def finish() -> None:
+            time.sleep(0.5)
+            h.reg.transition(r.id, ReplicaState.WARMING, now=time.time())
+            h.reg.transition(r.id, ReplicaState.READY, now=time.time())
+
+        threading.Thread(target=finish).start()
+        started = time.monotonic()
+        assert served_by(h.complete()) == "late"
+        assert time.monotonic() - started >= 0.4
+        assert h.reg.client.hget(keys.demand("m"), "count") == "1"
+    finally:
+        h.close()
+
+
+def _user_count(client: "redis.Redis[str]") -> int:
+    return sum(int(client.get(k) or 0) for k in client.scan_iter(keys.requests("m", 60, 0).rsplit(":", 1)[0] + ":*"))
+
+
+def test_signed_warmup_goes_to_warm_pool_and_is_not_counted(gw: Harness) -> None:
+    serving, warm = Upstream("serving"), Upstream("warm")
+    gw.add(0, serving)
+    gw.add(5, warm, pool=Pool.WARM)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    hdrs = signing.warmup_headers(SECRET, "POST", "/v1/completions", body, time.time())
+    status, _, payload = request(gw.url, "POST", "/v1/completions", raw=body, headers=hdrs)
+    assert status == 200 and json.loads(payload)["served_by"] == "warm"
+    assert warm.headers[-1].get(signing.HEADER) == "1"  # the replica sees it as warmup too
+    time.sleep(1.3)  # one counter flush
+    assert _user_count(gw.reg.client) == 0
+
+
+def test_forged_warmup_gains_nothing(gw: Harness) -> None:
+    serving, warm = Upstream("serving"), Upstream("warm")
+    gw.add(0, serving)
+    gw.add(5, warm, pool=Pool.WARM)
+    forged = {signing.HEADER: "1", signing.HEADER_TS: f"{time.time():.3f}", signing.HEADER_SIG: "0" * 64}
+    status, _, payload = gw.complete(headers=forged)
+    assert status == 200 and json.loads(payload)["served_by"] == "serving"  # routed as plain user traffic
+    assert signing.HEADER not in serving.headers[-1]  # the marker is stripped
+    time.sleep(1.3)
+    assert _user_count(gw.reg.client) == 1  # counted as user traffic
+
+
+def test_forged_warmup_refused_when_configured(redis_url: str) -> None:
+    h = Harness(redis_url, warmup_forged="refuse")
+    try:
+        h.add(0, Upstream("s"))
+        status, _, body = h.complete(headers={signing.HEADER: "1"})
+        assert status == 403 and json.loads(body)["error"]["code"] == "invalid_warmup_signature"
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_body"),
+        (b'{"prompt": "hi"}', 400, "missing_model"),
+        (b'{"model": 42}', 400, "missing_model"),
+        (b'{"model": "nope", "prompt": "x"}', 404, "model_not_found"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(gw: Harness, raw: bytes, status: int, code: str) -> None:
+    gw.add(0, Upstream("s"))
+    got, _, body = request(gw.url, "POST", "/v1/completions", raw=raw)
+    assert got == status
+    assert json.loads(body)["error"]["code"] == code
+    assert served_by(gw.complete()) == "s"  # and it keeps serving
+
+
+def test_oversized_body_is_413(redis_url: str) -> None:
+    h = Harness(redis_url, max_body_bytes=1024)
+    try:
+        h.add(0, Upstream("s"))
+        status, _, _ = h.complete(extra={"prompt": "x" * 4096})
+        assert status == 413
+        assert served_by(h.complete()) == "s"
+    finally:
+        h.close()
+
+
+def test_streaming_is_proxied(gw: Harness) -> None:
+    gw.add(0, Upstream("s"))
+    status, headers, body = gw.complete(extra={"stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_replica_closing_mid_stream_and_mid_body(gw: Harness) -> None:
+    up = Upstream("s", mode="close_mid_stream")
+    gw.add(0, up)
+    status, _, body = gw.complete(extra={"stream": True})
+    assert status == 200 and b"upstream_closed" in body and b"[DONE]" not in body
+    up.mode = "close_mid_body"
+    time.sleep(1.1)  # the exclusion after a failure lasts one heartbeat interval
+    status, _, body = gw.complete()
+    assert status == 502 and json.loads(body)["error"]["code"] == "upstream_closed"
+    up.mode = "ok"
+    time.sleep(1.1)  # the exclusion after a failure lasts one heartbeat interval
+    assert served_by(gw.complete()) == "s"
+
+
+def test_failing_replica_is_marked_failed_and_traffic_moves(gw: Harness) -> None:
+    bad, good = Upstream("bad", mode="fail"), Upstream("good")
+    r_bad = gw.add(0, bad)
+    gw.add(1, good)
+    statuses = []
+    for _ in range(gw.settings.gateway.failure_threshold):
+        status, _, _ = gw.complete()
+        statuses.append(status)
+        gw.gateway.state.excluded.clear()  # force the bad replica to be chosen again until marked failed
+    assert statuses[0] == 500  # the replica's own answer is passed through
+    stored = gw.reg.get(r_bad.id)
+    assert stored is not None and stored.state is ReplicaState.FAILED and "failing requests" in stored.reason
+    time.sleep(0.05)
+    assert all(served_by(gw.complete()) == "good" for _ in range(3))
+
+
+def test_unreachable_replica_falls_over_to_another(gw: Harness) -> None:
+    good = Upstream("good")
+    dead = Replica("m", "r1", "n1", 0, endpoint="http://127.0.0.1:9")  # nothing listens on the discard port
+    now = time.time()
+    gw.reg.register(dead, now=now)
+    for s in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
+        gw.reg.transition(dead.id, s, now=now)
+    gw.add(1, good)
+    assert served_by(gw.complete()) == "good"
+
+
+def test_models_health_metrics_and_counters(gw: Harness) -> None:
+    gw.add(0, Upstream("s"))
+    status, _, body = request(gw.url, path="/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["m"]
+    assert json.loads(request(gw.url, path="/healthz")[2])["registry"] == "ok"
+    for _ in range(3):
+        served_by(gw.complete())
+    time.sleep(1.3)
+    now = time.time()
+    minute = keys.requests("m", 60, int(now // 60) * 60)
+    prev = keys.requests("m", 60, int(now // 60) * 60 - 60)
+    assert int(gw.reg.client.get(minute) or 0) + int(gw.reg.client.get(prev) or 0) == 3
+    assert 0 < gw.reg.client.ttl(minute) <= keys.REQUEST_RESOLUTIONS_S[60] or gw.reg.client.ttl(prev) > 0
+    text = request(gw.url, path="/metrics")[2].decode()
+    assert 'gateway_requests_total{code="200",kind="user",model="m"} 3.0' in text
+    assert 'prewarm_replicas{model="m",pool="serving",state="ready"} 1.0' in text
+    assert 'gateway_routing_decisions_total{model="m",outcome="serving"} 3.0' in text
+
+
+def test_redis_outage_gives_503_never_500() -> None:
+    with EmbeddedRedis() as server:
+        h = Harness(server.url)
+        try:
+            h.add(0, Upstream("s"))
+            assert served_by(h.complete()) == "s"
+            server.stop()
+            time.sleep(0.05)
+            for _ in range(3):
+                status, headers, body = h.complete()
+                assert status == 503, body
+                assert "retry-after" in headers
+            assert request(h.url, path="/v1/models")[0] == 503
+            assert request(h.url, path="/healthz")[0] == 200
+            assert request(h.url, path="/metrics")[0] == 200
+            server.start()
+            h.reg.heartbeat(Replica("m", "r1", "n1", 0, endpoint=h.upstreams[0].url, state=ReplicaState.READY), now=time.time())
+            time.sleep(0.05)
+            assert served_by(h.complete()) == "s"
+        finally:
+            h.close()

@@ -1,0 +1,187 @@
+"""The replica registry against a real Redis server: idempotence, the state machine, heartbeats."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.embedded import EmbeddedRedis
+from prewarm.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import RegistrySettings
+
+SETTINGS = RegistrySettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=3.0)
+
+
+def _replica(slot: int = 0, pool: Pool = Pool.SERVING, node: str = "n1") -> Replica:
+    return Replica("llama", "r1", node, slot, endpoint=f"http://127.0.0.1:{9000 + slot}", pool=pool)
+
+
+def _to_ready(reg: ReplicaRegistry, rid: str, now: float) -> None:
+    for state in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
+        reg.transition(rid, state, now=now)
+
+
+def test_twenty_concurrent_registrations_produce_exactly_one(redis_url: str) -> None:
+    barrier = threading.Barrier(20)
+    results: list[bool] = []
+    lock = threading.Lock()
+
+    def register() -> None:
+        reg = ReplicaRegistry(redis.Redis.from_url(redis_url, decode_responses=True), SETTINGS)
+        barrier.wait()
+        created = reg.register(_replica(), now=time.time())
+        with lock:
+            results.append(created)
+
+    threads = [threading.Thread(target=register) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 19 + [True]
+    reg = ReplicaRegistry(redis.Redis.from_url(redis_url, decode_responses=True), SETTINGS)
+    assert reg.counts() == {("llama", "pending", "serving"): 1}
+    registered = [e for _, e in reg.events() if e["reason"] == "registered"]
+    assert len(registered) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "illegal"),
+    [
+        ([], ReplicaState.READY),  # pending -> ready skips loading and validation
+        ([ReplicaState.LOADING], ReplicaState.READY),  # loading -> ready skips warmup/validation
+        ([ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY], ReplicaState.LOADING),
+        ([ReplicaState.LOADING, ReplicaState.FAILED], ReplicaState.READY),  # failed is terminal
+        ([ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY, ReplicaState.DRAINING], ReplicaState.READY),
+    ],
+)
+def test_illegal_transitions_are_refused(redis_client: "redis.Redis[str]", path: list[ReplicaState], illegal: ReplicaState) -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    r = _replica()
+    now = time.time()
+    reg.register(r, now=now)
+    for state in path:
+        reg.transition(r.id, state, now=now)
+    before = reg.get(r.id)
+    with pytest.raises(IllegalTransition, match=f"-> {illegal.value} is not a legal transition"):
+        reg.transition(r.id, illegal, now=now)
+    assert reg.get(r.id) == before
+
+
+def test_full_lifecycle_and_event_stream(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    r = _replica()
+    now = time.time()
+    assert reg.register(r, now=now)
+    reg.transition(r.id, ReplicaState.LOADING, now=now)
+    assert reg.set_progress(r.id, 0.4, LoadPhase.FIRST_LAYERS, now=now)
+    loading = reg.loading("llama", now=now)
+    assert [(x.id, x.progress, x.phase) for x in loading] == [(r.id, 0.4, LoadPhase.FIRST_LAYERS)]
+    reg.transition(r.id, ReplicaState.WARMING, now=now)
+    ready = reg.transition(r.id, ReplicaState.READY, now=now)
+    assert ready.progress == 1.0 and ready.phase is LoadPhase.DONE
+    assert [x.id for x in reg.ready("llama", Pool.SERVING, now=now)] == [r.id]
+    assert reg.loading("llama", now=now) == []
+    assert not reg.set_progress(r.id, 0.9, LoadPhase.REST, now=now)  # not loading any more
+    reg.transition(r.id, ReplicaState.DRAINING, now=now)
+    assert reg.ready("llama", Pool.SERVING, now=now) == []
+    reg.transition(r.id, ReplicaState.RETIRED, now=now, reason="scale down")
+    transitions = [(e["from"], e["to"]) for _, e in reg.events()]
+    assert transitions == [
+        ("", "pending"), ("pending", "loading"), ("loading", "warming"), ("warming", "ready"),
+        ("ready", "draining"), ("draining", "retired"),
+    ]
+    # a retired id may be registered again (a new replica in the same slot)
+    assert reg.register(r, now=now + 1)
+
+
+def test_unknown_replica_and_expected_state(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    with pytest.raises(ReplicaNotFound):
+        reg.transition("llama@r1/n1/7", ReplicaState.LOADING, now=time.time())
+    r = _replica()
+    reg.register(r, now=time.time())
+    with pytest.raises(IllegalTransition, match="expected loading"):
+        reg.transition(r.id, ReplicaState.FAILED, now=time.time(), expected=ReplicaState.LOADING)
+
+
+def test_expired_heartbeat_drops_from_ready_view_and_reaper_fails_it(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    fresh, stale = _replica(0), _replica(1, pool=Pool.WARM)
+    t0 = 1_000_000.0
+    for r in (fresh, stale):
+        reg.register(r, now=t0)
+        _to_ready(reg, r.id, t0)
+    assert len(reg.ready("llama", Pool.WARM, now=t0 + 1)) == 1
+    reg.heartbeat(fresh.with_(state=ReplicaState.READY), now=t0 + 2)
+    # within the TTL of its last heartbeat the stale one is still routable; after it, never
+    later = t0 + SETTINGS.heartbeat_ttl_s + 0.5
+    assert reg.ready("llama", Pool.WARM, now=later) == []
+    assert [x.id for x in reg.ready("llama", Pool.SERVING, now=later)] == [fresh.id]
+    assert reg.reap(now=later) == [stale.id]
+    got = reg.get(stale.id)
+    assert got is not None and got.state is ReplicaState.FAILED and got.reason == "heartbeat expired"
+    assert reg.reap(now=later) == []
+
+
+def test_heartbeat_of_failed_replica_reports_it(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    r = _replica()
+    reg.register(r, now=time.time())
+    reg.transition(r.id, ReplicaState.FAILED, now=time.time(), reason="bad weights")
+    stored = reg.heartbeat(r.with_(state=ReplicaState.LOADING), now=time.time())
+    assert stored.state is ReplicaState.FAILED  # the agent must stop hosting it
+    assert reg.loading("llama", now=time.time()) == []
+
+
+def test_counts_per_model_and_node(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    now = time.time()
+    for slot, node in ((0, "n1"), (1, "n1"), (0, "n2")):
+        reg.register(_replica(slot, node=node), now=now)
+    _to_ready(reg, _replica(0).id, now)
+    assert reg.counts() == {("llama", "ready", "serving"): 1, ("llama", "pending", "serving"): 2}
+    assert reg.counts_by_node() == {("llama", "n1"): 2, ("llama", "n2"): 1}
+    assert {r.id for r in reg.live_on_node("n1")} == {_replica(0).id, _replica(1).id}
+
+
+def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    assert reg.load_time_p95("llama") is None
+    for s in range(1, 21):
+        reg.record_load_time("llama", float(s))
+    assert reg.load_time_p95("llama") == 19.0
+    assert reg.set_baseline_if_absent("llama", "h200", 0.05) == 0.05
+    assert reg.set_baseline_if_absent("llama", "h200", 0.09) == 0.05
+    assert reg.baseline("llama", "cpu") is None
+
+
+def test_redis_restart_is_repopulated_by_heartbeats() -> None:
+    """A Redis restarted without persistence: errors are RegistryUnavailable, then heartbeats rebuild it."""
+    with EmbeddedRedis() as server:
+        reg = ReplicaRegistry(
+            redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=1, socket_connect_timeout=1), SETTINGS
+        )
+        hosted = []
+        now = time.time()
+        for slot in range(3):
+            r = _replica(slot)
+            reg.register(r, now=now)
+            _to_ready(reg, r.id, now)
+            hosted.append(reg.get(r.id))
+        server.stop()
+        with pytest.raises(RegistryUnavailable):
+            reg.view("llama", now=now)
+        with pytest.raises(RegistryUnavailable):
+            reg.heartbeat(hosted[0], now=now)  # type: ignore[arg-type]
+        server.start()
+        assert reg.ready("llama", Pool.SERVING, now=time.time()) == []
+        for r in hosted:
+            assert r is not None
+            reg.heartbeat(r, now=time.time())
+        assert {r.id for r in reg.ready("llama", Pool.SERVING, now=time.time())} == {r.id for r in hosted if r}
