@@ -178,15 +178,19 @@ class LogitStats:
     min: float
     max: float
 
-    def to_dict(self) -> dict[str, float | int]:
-        return {"count": self.count, "nonfinite": self.nonfinite, "mean": self.mean,
-                "std": self.std, "min": self.min, "max": self.max}
+    def to_dict(self) -> dict[str, float | int | None]:
+        """JSON-safe: a non-finite summary value (no finite logit at all) travels as null."""
+        def num(v: float) -> float | None:
+            return v if math.isfinite(v) else None
+
+        return {"count": self.count, "nonfinite": self.nonfinite, "mean": num(self.mean),
+                "std": num(self.std), "min": num(self.min), "max": num(self.max)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LogitStats":
         try:
-            return cls(int(data["count"]), int(data["nonfinite"]), float(data["mean"]), float(data["std"]),
-                       float(data["min"]), float(data["max"]))
+            num = {k: math.nan if data[k] is None else float(data[k]) for k in ("mean", "std", "min", "max")}
+            return cls(int(data["count"]), int(data["nonfinite"]), num["mean"], num["std"], num["min"], num["max"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidPayload(f"logit statistics are malformed: {exc!r}") from exc
 
