@@ -4,10 +4,15 @@ does and does not stand for)."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+import yaml
+
+from prewarm import cli
 
 from prewarm.errors import PermanentError
 from prewarm.k8s import (
@@ -266,3 +271,46 @@ def _rbac_of(r: Request) -> tuple[str, str, str]:
     else:
         verb = "list"
     return group, resource, verb
+
+
+def _kubeconfig(tmp_path: Path, double: KubeDouble) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "double", "cluster": {"server": double.url}}],
+                "users": [{"name": "u", "user": {"token": "test"}}],
+                "contexts": [{"name": "double", "context": {"cluster": "double", "user": "u", "namespace": NS}}],
+                "current-context": "double",
+            }
+        )
+    )
+    return str(path)
+
+
+def test_cli_scale_dry_run_and_apply(
+    double: KubeDouble, tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = _kubeconfig(tmp_path, double)
+    base = ["k8s", "--kubeconfig", kubeconfig, "--namespace", NS]
+    assert cli.main([*base, "scale", "--deployment", "llm", "--replicas", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("dry-run: would PATCH deployments/llm/scale")
+    assert json.loads(out[-1])["patch"]["spec"] == {"replicas": 4}
+    assert double.replicas(NS, "llm") == 2 and double.requests("PATCH") == []
+    assert cli.main([*base, "scale", "--deployment", "llm", "--replicas", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["applied"] is True
+    assert double.replicas(NS, "llm") == 4
+    assert cli.main([*base, "min-replicas", "--hpa", "llm", "--min", "5"]) == 0
+    assert double.hpa(NS, "llm")["spec"]["minReplicas"] == 5
+    assert cli.main([*base, "restore", "--hpa", "llm"]) == 0
+    assert double.hpa(NS, "llm")["spec"]["minReplicas"] == 2
+    capsys.readouterr()
+    double.add_node("gpu-a", {"gpu.feature/preload": "true", "model.type": "llama"}, gpus=2)
+    assert cli.main([*base, "nodes"]) == 0
+    node = json.loads(capsys.readouterr().out)
+    assert (node["name"], node["gpus"], node["model_type"]) == ("gpu-a", 2, "llama")
+    assert cli.main([*base, "scale", "--deployment", "absent", "--replicas", "1"]) == 1
+    assert "deployments/absent/scale" in capsys.readouterr().err
