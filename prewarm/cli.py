@@ -33,6 +33,27 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="listen port (default: gateway.port)")
     p.set_defaults(handler=_cmd_gateway)
 
+    p = sub.add_parser("k8s", help="act on Kubernetes: scale a Deployment, raise/restore an HPA floor, list GPU nodes")
+    p.add_argument("--namespace", help="namespace (default: kubernetes.namespace)")
+    p.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster, then ~/.kube/config)")
+    k8s_sub = p.add_subparsers(dest="k8s_command", required=True, metavar="ACTION")
+    q = k8s_sub.add_parser("scale", help="set a Deployment's replicas through its scale subresource")
+    q.add_argument("--deployment", required=True)
+    q.add_argument("--replicas", type=int, required=True)
+    q.add_argument("--dry-run", action="store_true", help="print the patch and change nothing")
+    q = k8s_sub.add_parser("min-replicas", help="raise an HPA's minReplicas, remembering the original")
+    q.add_argument("--hpa", required=True)
+    q.add_argument("--min", type=int, required=True, dest="min_replicas")
+    q.add_argument("--dry-run", action="store_true", help="print the patch and change nothing")
+    q = k8s_sub.add_parser("restore", help="restore an HPA's original minReplicas")
+    q.add_argument("--hpa", required=True)
+    q.add_argument("--dry-run", action="store_true", help="print the patch and change nothing")
+    q = k8s_sub.add_parser("nodes", help="list the GPU nodes (label gpu.feature/preload=true) as node views")
+    q = k8s_sub.add_parser("watch", help="print each pod of a Deployment as it becomes Ready (JSON lines)")
+    q.add_argument("--deployment", required=True)
+    q.add_argument("--count", type=int, help="stop after this many Ready pods")
+    p.set_defaults(handler=_cmd_k8s)
+
     return parser
 
 
@@ -73,6 +94,46 @@ def _cmd_settings(args: argparse.Namespace, settings: Settings) -> int:
 
     out = {name: getattr(settings, name).model_dump(mode="json") for name in _GROUPS}
     print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def _cmd_k8s(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+    from dataclasses import asdict
+
+    from prewarm.errors import PrewarmError
+    from prewarm.k8s import KubeActuator, PatchResult, api_client_from_settings
+
+    kube = settings.kubernetes
+    namespace = args.namespace or kube.namespace
+    dry_run = bool(getattr(args, "dry_run", False) or kube.dry_run)
+    try:
+        api = api_client_from_settings(args.kubeconfig or kube.kubeconfig)
+        actuator = KubeActuator(api, namespace)
+        result: PatchResult | None = None
+        if args.k8s_command == "scale":
+            result = actuator.scale(args.deployment, args.replicas, dry_run=dry_run)
+        elif args.k8s_command == "min-replicas":
+            result = actuator.raise_min_replicas(args.hpa, args.min_replicas, dry_run=dry_run)
+        elif args.k8s_command == "restore":
+            result = actuator.restore_min_replicas(args.hpa, dry_run=dry_run)
+        elif args.k8s_command == "nodes":
+            for view in actuator.list_gpu_nodes(kube.node_selector):
+                out = asdict(view)
+                out["snapshots"] = sorted(view.snapshots)
+                print(json.dumps(out, sort_keys=True))
+        elif args.k8s_command == "watch":
+            from prewarm.k8s_watch import PodWatcher
+
+            watcher = PodWatcher(api, namespace, args.deployment, pod_port=kube.pod_port)
+            watcher.run(lambda pod: print(json.dumps(asdict(pod), sort_keys=True), flush=True), max_ready=args.count)
+        if result is not None:
+            print(json.dumps(result.to_json(), sort_keys=True))
+    except SettingsError:
+        raise
+    except PrewarmError as exc:
+        print(f"prewarm k8s: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
