@@ -54,6 +54,17 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--count", type=int, help="stop after this many Ready pods")
     p.set_defaults(handler=_cmd_k8s)
 
+    p = sub.add_parser("serve-model", help="run the model host: OpenAI-compatible completions, load/sleep/wake control")
+    p.add_argument("--model-dir", required=True, help="directory with config.json, model.safetensors, manifest.json")
+    p.add_argument("--host", help="listen address (default: runtime.host)")
+    p.add_argument("--port", type=int, help="listen port, 0 for any free one (default: runtime.port)")
+    p.add_argument("--model-name", help="served model name (default: the manifest's)")
+    p.add_argument("--revision", help="served revision (default: the manifest's)")
+    p.add_argument("--node", default="", help="node label of the loading metrics (default: none)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: runtime.device")
+    p.add_argument("--no-autoload", action="store_true", help="wait for POST /load instead of loading at start")
+    p.set_defaults(handler=_cmd_serve_model)
+
     return parser
 
 
@@ -84,6 +95,27 @@ def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
     with _redis_for(settings):
         gateway.run(settings, host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+    import logging
+
+    from prewarm import runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.device:
+        settings.runtime.device = args.device
+    host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
+                              node=args.node)
+    bind = args.host or settings.runtime.host
+    port = settings.runtime.port if args.port is None else args.port
+
+    def announce(bound: int) -> None:
+        print(f"prewarm: serving {host.model_name} on http://{bind}:{bound}", flush=True)
+
+    asyncio.run(runtime.serve(host, bind, port, autoload=not args.no_autoload, on_ready=announce))
     return 0
 
 

@@ -35,6 +35,7 @@ EXPORTED = (
     "prewarm_planned_events_total",
     "prewarm_dropped_events_total",
     "prewarm_validation_results_total",
+    "runtime_requests_total",
 )
 
 _LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -149,6 +150,12 @@ class Metrics:
             "prewarm_dropped_events_total",
             "Scale events the planner dropped (budget) or could not enqueue, by reason",
             ["model", "reason"],
+            registry=registry,
+        )
+        self.runtime_requests = Counter(
+            "runtime_requests_total",
+            "Completions answered by a model host, by kind (user|warmup; a forged warmup counts as user) and code",
+            ["model", "kind", "code"],
             registry=registry,
         )
         self.validation_results = Counter(
