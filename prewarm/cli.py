@@ -65,6 +65,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-autoload", action="store_true", help="wait for POST /load instead of loading at start")
     p.set_defaults(handler=_cmd_serve_model)
 
+    p = sub.add_parser("make-model", help="write a random-weight model (config, safetensors, manifest); nothing is downloaded")
+    p.add_argument("--size", required=True, help="tiny (~4 MB), small (~54 MB), or a size such as 512MB, 1GB, 2GB")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--name", help="model name in the manifest (default: derived from the dimensions)")
+    p.add_argument("--revision", help="revision in the manifest (default: the first 12 hex digits of its checksum)")
+    p.set_defaults(handler=_cmd_make_model)
+
     return parser
 
 
@@ -116,6 +125,25 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
         print(f"prewarm: serving {host.model_name} on http://{bind}:{bound}", flush=True)
 
     asyncio.run(runtime.serve(host, bind, port, autoload=not args.no_autoload, on_ready=announce))
+    return 0
+
+
+def _cmd_make_model(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+    import time
+
+    from prewarm.model import ModelError, load_manifest, make_model
+
+    t = time.perf_counter()
+    try:
+        out = make_model(args.out, args.size, seed=args.seed, dtype=args.dtype, name=args.name, revision=args.revision)
+    except ModelError as exc:
+        print(f"prewarm make-model: {exc}", file=sys.stderr)
+        return 2
+    m = load_manifest(out)
+    print(json.dumps({"dir": str(out), "name": m.name, "revision": m.revision, "dtype": m.dtype,
+                      "tensors": len(m.tensors), "bytes": m.total_bytes, "checksum": m.checksum,
+                      "seconds": round(time.perf_counter() - t, 3)}))
     return 0
 
 
