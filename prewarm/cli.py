@@ -74,6 +74,27 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="revision in the manifest (default: the first 12 hex digits of its checksum)")
     p.set_defaults(handler=_cmd_make_model)
 
+    p = sub.add_parser("agent", help="run a node agent: the Celery worker of prewarm.node.<node> that prewarms replicas")
+    p.add_argument("--node", help="node name (default: agent.node; in Kubernetes spec.nodeName via the downward API)")
+    p.add_argument("--metrics-port", type=int, help="port of /metrics, 0 for none (default: metrics.port)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(handler=_cmd_agent)
+
+    p = sub.add_parser("planner", help="run the planner worker (queue prewarm.planner): reaping, scale from zero")
+    p.add_argument("--metrics-port", type=int, help="port of /metrics, 0 for none (default: metrics.port)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(handler=_cmd_planner)
+
+    p = sub.add_parser("beat", help="run the one Celery beat (a second one waits as a standby)")
+    p.add_argument("--schedule-file", help="beat state file (default: <agent.state_dir>/beat-schedule)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(handler=_cmd_beat)
+
+    p = sub.add_parser("flower", help="run Celery Flower for the prewarm app (task and worker monitoring)")
+    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("--address", default="127.0.0.1")
+    p.set_defaults(handler=_cmd_flower)
+
     return parser
 
 
@@ -104,6 +125,45 @@ def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
     with _redis_for(settings):
         gateway.run(settings, host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
+    from prewarm.domain import check_name
+    from workers.agent import run_agent
+
+    if args.node:
+        settings.agent.node = check_name(args.node, "--node")
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: an agent needs the shared Redis of its planner and gateway")
+    return run_agent(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
+
+
+def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.agent import run_planner
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: the planner needs the shared Redis")
+    return run_planner(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
+
+
+def _cmd_beat(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.agent import setup_logging
+    from workers.beat import run_beat
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: the beat needs the shared Redis")
+    setup_logging(args.loglevel)
+    return run_beat(settings, schedule_file=args.schedule_file, loglevel=args.loglevel)
+
+
+def _cmd_flower(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.app import make_app
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: Flower watches the shared broker")
+    app = make_app(settings)
+    app.start(["flower", f"--port={args.port}", f"--address={args.address}"])
     return 0
 
 

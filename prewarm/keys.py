@@ -110,3 +110,29 @@ def node_info(node: str) -> str:
 
 
 NODE_INFO_TTL_S = 60
+
+# --- the Celery pipeline (workers/) ---------------------------------------------------------
+#: Counter of deliveries of one task message (task id and retry number): the redelivery cap.
+def task_deliveries(task_id: str, retries: int) -> str:
+    return f"{PREFIX}:deliveries:{task_id}:{retries}"
+
+
+#: Delivery counters outlive any visibility timeout by far, then vanish.
+TASK_DELIVERIES_TTL_S = 7 * 86400
+
+#: List of recently refused task payloads (JSON: task, id, error), newest first, capped at REJECTED_KEEP.
+REJECTED_TASKS = f"{PREFIX}:rejected"
+REJECTED_KEEP = 500
+
+#: Epoch second until which a replica is kept warm with synthetic requests (dynamic warmup trigger).
+def keep_warm(rid: str) -> str:
+    return f"{PREFIX}:keepwarm:{rid}"
+
+
+#: Lock held by the one active beat; a second beat waits as a standby until it expires.
+BEAT_LOCK = f"{PREFIX}:beat:lock"
+BEAT_LOCK_TTL_S = 30
+
+#: Marker that unmet demand for a model was turned into a prewarm (scale from zero), kept briefly.
+def demand_claim(model: str) -> str:
+    return f"{PREFIX}:demandclaim:{model}"

@@ -1,0 +1,123 @@
+"""The Celery application: broker, queues, routing and the delivery guarantees of DESIGN.md.
+
+- JSON only (never pickle): tasks carry replica ids and small scalars, nothing else.
+- `task_acks_late` + `task_reject_on_worker_lost`: a task whose worker dies is delivered
+  again, and an attempt cap (a delivery counter in Redis, see `workers.tasks`) gives up
+  on a task that kills its worker every time.
+- The broker's `visibility_timeout` is longer than the longest task time limit, so a task
+  that still runs is never handed to a second worker; after a crash the message comes back
+  once that timeout has passed (workers sweep every `agent.restore_interval_s`).
+- `worker_prefetch_multiplier = 1`: a node agent reserves no more messages than it has
+  threads, so a queued prewarm can still be taken by the agent's next start.
+- Results are ignored: nothing reads them (state lives in the replica registry).
+
+Routing: replica tasks go to `prewarm.node.<node>`, the node read from the replica id
+(`model@revision/node/slot`) so a producer cannot send a replica to the wrong node;
+cluster-wide tasks go to `prewarm.planner`. `workers.app:app` is built lazily from the
+environment, for `celery -A workers.app ...` and Flower.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from celery import Celery
+
+from prewarm.domain import parse_replica_id
+from prewarm.errors import InvalidPayload
+from prewarm.redisconn import broker_url
+from prewarm.settings import Settings
+
+PLANNER_QUEUE = "prewarm.planner"
+NODE_QUEUE_PREFIX = "prewarm.node."
+
+# Task names (producers use these with `send_task`; they are part of the wire format).
+PREWARM = "prewarm.prewarm_replica"
+RETIRE = "prewarm.retire_replica"
+KEEP_WARM = "prewarm.keep_warm"
+RECYCLE = "prewarm.recycle_if_fragmented"
+REAP = "prewarm.reap"
+HANDLE_DEMAND = "prewarm.handle_demand"
+SCAN_DEMAND = "prewarm.scan_demand"
+SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
+
+#: Tasks that act on one replica and run on the replica's node.
+NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})
+
+
+def node_queue(node: str) -> str:
+    return f"{NODE_QUEUE_PREFIX}{node}"
+
+
+def route_task(
+    name: str, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], task: Any = None,
+    **_: Any,
+) -> dict[str, str]:
+    """Node tasks to the queue of the node named in their replica id; everything else to the planner.
+
+    A node task whose replica id cannot be read goes to the planner queue, where the task
+    refuses it with a clear error (rather than to a queue nobody consumes).
+    """
+    if name in NODE_TASKS:
+        rid = args[0] if args else kwargs.get("replica_id")
+        try:
+            _, _, node, _ = parse_replica_id(rid)
+        except InvalidPayload:
+            return {"queue": PLANNER_QUEUE}
+        return {"queue": node_queue(node)}
+    return {"queue": PLANNER_QUEUE}
+
+
+def make_app(settings: Settings) -> Celery:
+    """The Celery app for these settings, with every prewarm task registered."""
+    agent = settings.agent
+    visibility = agent.effective_visibility_timeout_s
+    app = Celery("prewarm", broker=broker_url(settings.redis), set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        event_serializer="json",
+        result_accept_content=["json"],
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_time_limit=agent.task_time_limit_s,
+        broker_transport_options={
+            "visibility_timeout": visibility,
+            "unacked_restore_interval": agent.restore_interval_s,
+            "unacked_restore_throttle": 1,
+            "socket_timeout": max(settings.redis.socket_timeout_s, 5.0),
+        },
+        broker_connection_retry_on_startup=True,
+        task_default_queue=PLANNER_QUEUE,
+        task_routes=(route_task,),
+        task_create_missing_queues=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        enable_utc=True,
+        timezone="UTC",
+    )
+    app.conf.prewarm_settings = settings  # the tasks read their settings from the app they run in
+
+    from workers import beat, tasks
+
+    tasks.register(app)
+    app.conf.beat_schedule = beat.schedule(settings)
+    return app
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """`workers.app.app`: the app built from the environment on first use (Celery's -A, Flower)."""
+    global _app
+    if name in ("app", "celery"):
+        if _app is None:
+            _app = make_app(Settings.load())
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
