@@ -10,6 +10,7 @@ take `now` so that callers (and tests) control time.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
@@ -28,7 +29,7 @@ from prewarm.domain import (
     parse_replica_id,
 )
 from prewarm.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
-from prewarm.registry_lua import COUNTS, HEARTBEAT, PROGRESS, REGISTER, TRANSITION, VIEW
+from prewarm.registry_lua import COUNTS, HEARTBEAT, PROGRESS, REGISTER, TRANSITION, view_script
 from prewarm.settings import RegistrySettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,6 +52,24 @@ def _wrap_redis_errors(fn: F) -> F:
 
 def _pairs(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[0::2], flat[1::2]))
+
+
+#: Fields the routing view reads, in the order VIEW returns them (the rest derive from the id).
+_VIEW_FIELDS = ("id", "endpoint", "pool", "state", "progress", "phase", "heartbeat_at")
+VIEW = view_script(_VIEW_FIELDS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_row(row: str) -> Replica:
+    """Rows change only on a heartbeat or a transition, so parsing is cached by the row's text."""
+    fields = dict(zip(_VIEW_FIELDS, row.split("\t")))
+    model, revision, node, slot = parse_replica_id(fields["id"])
+    return Replica.from_fields({**fields, "model": model, "revision": revision, "node": node, "slot": str(slot)})
+
+
+def _view_rows(raw: list[list[str]]) -> RoutingView:
+    groups = [tuple(_parse_row(row) for row in rows) for rows in raw]
+    return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
 
 
 def _split_template(template: Callable[[str], str]) -> tuple[str, str]:
@@ -216,8 +235,7 @@ class ReplicaRegistry:
             keys=[keys.ready(model, Pool.SERVING.value), keys.ready(model, Pool.WARM.value), keys.loading(model)],
             args=[now, keys.replica("")],
         )
-        groups = [tuple(Replica.from_fields(_pairs(row)) for row in rows) for rows in raw]
-        return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
+        return _view_rows(raw)
 
     def ready(self, model: str, pool: Pool, *, now: float) -> list[Replica]:
         v = self.view(model, now=now)
@@ -310,18 +328,21 @@ class AsyncRegistryReader:
 
     def __init__(self, client: "aioredis.Redis[str]") -> None:
         self.client = client
-        self._view = client.register_script(VIEW)
+        self._sha = hashlib.sha1(VIEW.encode()).hexdigest()
 
     async def view(self, model: str, *, now: float) -> RoutingView:
+        """One EVALSHA (the script is loaded again when Redis lost it, e.g. after a restart)."""
+        args = (keys.ready(model, Pool.SERVING.value), keys.ready(model, Pool.WARM.value), keys.loading(model),
+                now, keys.replica(""))
         try:
-            raw = await self._view(
-                keys=[keys.ready(model, Pool.SERVING.value), keys.ready(model, Pool.WARM.value), keys.loading(model)],
-                args=[now, keys.replica("")],
-            )
+            try:
+                raw = await self.client.evalsha(self._sha, 3, *args)
+            except redis.exceptions.NoScriptError:
+                await self.client.script_load(VIEW)
+                raw = await self.client.evalsha(self._sha, 3, *args)
         except _REDIS_DOWN as exc:
             raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
-        groups = [tuple(Replica.from_fields(_pairs(row)) for row in rows) for rows in raw]
-        return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
+        return _view_rows(raw)
 
     async def models(self) -> set[str]:
         try:

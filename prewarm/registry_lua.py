@@ -128,21 +128,31 @@ redis.call('HSET', KEYS[1], 'progress', ARGV[3], 'phase', ARGV[4], 'updated_at',
 return 1
 """
 
-#: KEYS: ready:serving, ready:warm, loading. ARGV: now, replica hash prefix.
-#: Returns three lists of flat field arrays: one round trip for a routing decision.
-VIEW = """
+def view_script(fields: tuple[str, ...]) -> str:
+    """KEYS: ready:serving, ready:warm, loading. ARGV: now, replica hash prefix.
+
+    Returns three lists with one tab-joined string of `fields` per replica whose heartbeat is
+    fresh: one round trip and a compact reply for a routing decision. The field list is
+    baked into the script so each call sends only two arguments.
+    """
+    names = ", ".join(f"'{f}'" for f in fields)
+    return """
 local out = {}
 for k = 1, 3 do
   local ids = redis.call('ZRANGEBYSCORE', KEYS[k], '(' .. ARGV[1], '+inf')
   local rows = {}
   for _, rid in ipairs(ids) do
-    local f = redis.call('HGETALL', ARGV[2] .. rid)
-    if #f > 0 then table.insert(rows, f) end
+    local f = redis.call('HMGET', ARGV[2] .. rid, %s)
+    if f[1] then
+      for j = 1, #f do if not f[j] then f[j] = '' end end
+      rows[#rows + 1] = table.concat(f, '\t')
+    end
   end
-  table.insert(out, rows)
+  out[#out + 1] = rows
 end
 return out
-"""
+""" % names
+
 
 #: KEYS: the models set. ARGV: model-set prefix, model-set suffix, replica hash prefix.
 #: Returns flat (model, state, pool, node) quadruples of every recorded replica, pruning ids whose record expired.

@@ -1,0 +1,85 @@
+"""Shared pieces of the benchmark scripts: argument handling, percentiles, the report.
+
+Every script prints a readable table and, with `--json`, one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    return p
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
+    return ordered[idx]
+
+
+def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any], as_json: bool) -> None:
+    """Print `rows` (key, value, note) as a table, then the JSON object when asked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    for key, value, note in rows:
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        table.add_row(key, shown, note)
+    Console(file=sys.stdout, width=120).print(table)
+    if as_json:
+        print(json.dumps(result), flush=True)
+
+
+def prewarm_process(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start `prewarm ARGS` from this checkout's environment."""
+    exe = Path(sys.executable).with_name("prewarm")
+    return subprocess.Popen(
+        [str(exe), *args], env={**os.environ, **env}, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
