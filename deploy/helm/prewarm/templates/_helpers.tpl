@@ -1,0 +1,100 @@
+{{/* Names: the release name, prefixed with the chart name unless it already holds it. */}}
+{{- define "prewarm.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "prewarm.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "agent") */}}
+{{- define "prewarm.selector" -}}
+app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "prewarm.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "prewarm.warmupSecretName" -}}
+{{- if .Values.warmup.existingSecret -}}{{ .Values.warmup.existingSecret }}{{- else -}}{{ include "prewarm.fullname" . }}-warmup{{- end -}}
+{{- end -}}
+
+{{/* Pod annotations for Prometheus' kubernetes_sd pod role. */}}
+{{- define "prewarm.scrapeAnnotations" -}}
+{{- if .ctx.Values.metrics.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/* Environment every prewarm process shares: Redis, the warmup secret, the metrics port. */}}
+{{- define "prewarm.env" -}}
+- name: PREWARM_REDIS_URL
+{{- if .Values.redis.enabled }}
+  value: {{ printf "redis://%s-redis:6379/0" (include "prewarm.fullname" .) | quote }}
+{{- else if .Values.redis.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret }}
+      key: {{ .Values.redis.existingSecretKey }}
+{{- else }}
+  value: {{ required "redis.url (or redis.existingSecret) is required when redis.enabled=false" .Values.redis.url | quote }}
+{{- end }}
+- name: PREWARM_WARMUP_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "prewarm.warmupSecretName" . }}
+      key: {{ .Values.warmup.existingSecretKey }}
+- name: PREWARM_METRICS_PORT
+  value: {{ .Values.metrics.port | quote }}
+{{- end -}}
+
+{{/* Environment of the planner (worker and beat): the plan's knobs and the actuator's targets. */}}
+{{- define "prewarm.plannerEnv" -}}
+- name: PREWARM_PLANNER_INTERVAL_S
+  value: {{ .Values.planner.intervalSeconds | quote }}
+{{- if ne .Values.autoscaling.warmupPoolSize nil }}
+- name: PREWARM_PLANNER_WARM_POOL_SIZE
+  value: {{ .Values.autoscaling.warmupPoolSize | quote }}
+{{- end }}
+- name: PREWARM_PLANNER_WARM_POOL_PERCENT
+  value: {{ .Values.autoscaling.warmupPoolPercent | quote }}
+- name: PREWARM_PLANNER_BUDGET_SHARE
+  value: {{ .Values.autoscaling.budgetShare | quote }}
+- name: PREWARM_PLANNER_STABILIZATION_S
+  value: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds | quote }}
+- name: PREWARM_PLANNER_DRY_RUN
+  value: {{ .Values.planner.dryRun | quote }}
+{{- with .Values.planner.models }}
+- name: PREWARM_PLANNER_MODELS
+  value: {{ toJson . | quote }}
+{{- end }}
+- name: PREWARM_KUBERNETES_ENABLED
+  value: {{ .Values.kubernetes.enabled | quote }}
+- name: PREWARM_KUBERNETES_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- if .Values.inference.enabled }}
+- name: PREWARM_KUBERNETES_DEPLOYMENT
+  value: {{ printf "%s-inference" (include "prewarm.fullname" .) | quote }}
+- name: PREWARM_KUBERNETES_POD_PORT
+  value: {{ .Values.inference.port | quote }}
+{{- end }}
+{{- if .Values.hpa.enabled }}
+- name: PREWARM_KUBERNETES_HPA
+  value: {{ printf "%s-inference" (include "prewarm.fullname" .) | quote }}
+{{- end }}
+{{- end -}}

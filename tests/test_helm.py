@@ -1,0 +1,253 @@
+"""The Helm chart, rendered and linted offline with Helm's own Go SDK (`helm_python`, the
+helm-python-sdk wheel; there is no `helm` binary here), every object validated against
+the Kubernetes OpenAPI schemas (`kubernetes_validate`, strict: unknown fields fail), and
+the values the seed names checked to change what they should."""
+
+from __future__ import annotations
+
+import argparse
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+
+from prewarm.cli import _build_parser
+from prewarm.k8s import API_CALLS
+from prewarm.settings import _GROUPS
+
+CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
+SEED_SET = "autoscaling.warmupPoolSize=2,hpa.behavior.scaleDown.stabilizationWindowSeconds=300"
+KUBE_VERSIONS = ("1.28.0", "1.33.0")
+NS = "inference"
+
+
+@lru_cache(maxsize=None)
+def _chart() -> helm_python.Chart:
+    return helm_python.Chart.load(str(CHART))
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    chart = _chart()
+    merged = chart.merge_values(values or {})
+    chart.validate_schema(merged)
+    out = chart.render(merged, name="pw", namespace=NS, is_install=True)
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(out.items()):
+        if not path.endswith(".yaml"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def seed_values() -> dict[str, Any]:
+    return helm_python.parse_set_string(SEED_SET)
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"expected one {kind} *{suffix}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"]
+
+
+def env_of(doc: dict[str, Any], container: int = 0) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod_spec(doc)["containers"][container]["env"]}
+
+
+def known_env_vars() -> set[str]:
+    names = set()
+    for cls in _GROUPS.values():
+        prefix = str(cls.model_config["env_prefix"])
+        names.update(f"{prefix}{field}".upper() for field in cls.model_fields)
+    return names
+
+
+def cli_subcommands() -> set[str]:
+    parser = _build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices)
+
+
+def cli_refuses(args: list[str]) -> str | None:
+    """None when `prewarm <args>` parses with the CLI as it is, else why not."""
+    if args[0] not in cli_subcommands():
+        return f"no subcommand {args[0]!r}"
+    try:
+        _build_parser().parse_args(args)
+    except SystemExit:
+        return f"the CLI refuses the arguments {args}"
+    return None
+
+
+@pytest.mark.parametrize("values", [None, "seed"], ids=["defaults", "seed-overrides"])
+def test_chart_lints_clean(values: str | None) -> None:
+    report = helm_python.lint(str(CHART), seed_values() if values else None, strict=True, namespace=NS)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("values", [None, "seed", "external-redis"])
+def test_every_rendered_object_is_valid_kubernetes(values: str | None) -> None:
+    chosen: dict[str, Any] | None = None
+    if values == "seed":
+        chosen = seed_values()
+    elif values == "external-redis":
+        chosen = {"redis": {"enabled": False, "existingSecret": "redis-conn"}, "agent": {"modelTypes": ["llama"]},
+                  "warmup": {"existingSecret": "warm"}, "planner": {"models": ["tiny@v1"]}}
+    docs = render(chosen)
+    assert len(docs) >= 12
+    for doc in docs:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_refuses_bad_values() -> None:
+    chart = _chart()
+    for bad in (
+        {"autoscaling": {"warmupPoolSize": -1}},
+        {"autoscaling": {"warmupPoolSize": "two"}},
+        {"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": -5}}}},
+        {"gateway": {"port": 70000}},
+        {"redis": {"url": "http://not-redis"}},
+        {"warmupPoolSize": 2},  # a misspelt path (not under autoscaling) is refused, not ignored
+    ):
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.validate_schema(chart.merge_values(bad))
+
+
+def test_seed_values_reach_the_planner_and_the_hpa() -> None:
+    default = render()
+    seeded = render(seed_values())
+    assert "PREWARM_PLANNER_WARM_POOL_SIZE" not in env_of(find(default, "Deployment", "-planner"))
+    assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
+    assert env_of(find(seeded, "Deployment", "-beat"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
+    hpa = find(default, "HorizontalPodAutoscaler", "-inference")
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    other = render({"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}}}, "autoscaling": {"warmupPoolSize": 0}})
+    assert find(other, "HorizontalPodAutoscaler", "-inference")["spec"]["behavior"]["scaleDown"][
+        "stabilizationWindowSeconds"
+    ] == 120
+    planner_env = env_of(find(other, "Deployment", "-planner"))
+    assert planner_env["PREWARM_PLANNER_STABILIZATION_S"] == "120"
+    assert planner_env["PREWARM_PLANNER_WARM_POOL_SIZE"] == "0"  # zero is a value, not "unset"
+    assert planner_env["PREWARM_KUBERNETES_HPA"] == hpa["metadata"]["name"]
+    assert planner_env["PREWARM_KUBERNETES_DEPLOYMENT"] == hpa["spec"]["scaleTargetRef"]["name"]
+
+
+def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
+    docs = render({"agent": {"modelTypes": ["llama", "mistral"], "replicaSlots": 2}})
+    ds = find(docs, "DaemonSet", "-agent")
+    spec = pod_spec(ds)
+    assert spec["nodeSelector"] == {"gpu.feature/preload": "true"}
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"] == [{"key": "model.type", "operator": "In", "values": ["llama", "mistral"]}]
+    container = spec["containers"][0]
+    assert container["args"] == ["agent"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["memory"]
+    env = env_of(ds)
+    assert env["PREWARM_AGENT_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["PREWARM_AGENT_REPLICA_SLOTS"] == "2"
+    assert [p["containerPort"] for p in container["ports"] if p["name"].startswith("runtime-")] == [18000, 18001]
+    assert "affinity" not in pod_spec(find(render(), "DaemonSet", "-agent"))
+
+
+def test_exactly_one_beat_and_the_planner_workers() -> None:
+    docs = render({"planner": {"replicas": 3}})
+    runners = {d["metadata"]["name"]: pod_spec(d)["containers"][0]["args"][0] for d in docs
+               if d["kind"] in ("Deployment", "DaemonSet")}
+    beats = [name for name, cmd in runners.items() if cmd == "beat"]
+    assert beats == ["pw-prewarm-beat"]
+    beat = find(docs, "Deployment", "-beat")
+    assert beat["spec"]["replicas"] == 1 and beat["spec"]["strategy"] == {"type": "Recreate"}
+    assert find(docs, "Deployment", "-planner")["spec"]["replicas"] == 3
+    assert set(runners.values()) >= {"agent", "planner", "beat", "gateway", "flower", "serve-model"}
+    service = find(docs, "Service", "-gateway")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_runtime_readiness_is_the_runtimes_readyz() -> None:
+    inference = find(render(), "Deployment", "-inference")
+    runtime = pod_spec(inference)["containers"][0]
+    assert runtime["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert runtime["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_redis_is_optional_with_an_external_url_or_secret() -> None:
+    bundled = render()
+    assert env_of(find(bundled, "Deployment", "-gateway"))["PREWARM_REDIS_URL"] == "redis://pw-prewarm-redis:6379/0"
+    external = render({"redis": {"enabled": False, "existingSecret": "redis-conn"}})
+    assert not [d for d in external if d["metadata"]["name"].endswith("-redis")]
+    assert env_of(find(external, "Deployment", "-gateway"))["PREWARM_REDIS_URL"] == {
+        "secretKeyRef": {"name": "redis-conn", "key": "redis-url"}
+    }
+    by_url = render({"redis": {"enabled": False, "url": "rediss://cache:6380/0"}})
+    assert env_of(find(by_url, "DaemonSet", "-agent"))["PREWARM_REDIS_URL"] == "rediss://cache:6380/0"
+    with pytest.raises(helm_python.HelmRenderError, match="redis.url"):
+        render({"redis": {"enabled": False}})
+
+
+def _rbac_rules(docs: list[dict[str, Any]], sa: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+    """(namespaced, cluster-wide) (group, resource, verb) triples granted to service account `sa`."""
+    roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    namespaced: set[tuple[str, str, str]] = set()
+    cluster: set[tuple[str, str, str]] = set()
+    for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in binding["subjects"]):
+            continue
+        role = roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
+        target = cluster if binding["kind"] == "ClusterRoleBinding" else namespaced
+        for rule in role["rules"]:
+            assert "resourceNames" not in rule or rule["resourceNames"]
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert "*" not in (group, resource, verb), f"wildcard in {role['metadata']['name']}"
+                        target.add((group, resource, verb))
+    return namespaced, cluster
+
+
+def test_rbac_grants_exactly_the_actuators_calls() -> None:
+    docs = render()
+    sa = "pw-prewarm-actuator"
+    namespaced, cluster = _rbac_rules(docs, sa)
+    want_ns = {(c.group, c.resource, v) for c in API_CALLS if not c.cluster_scoped for v in c.verbs}
+    want_cluster = {(c.group, c.resource, v) for c in API_CALLS if c.cluster_scoped for v in c.verbs}
+    assert namespaced == want_ns
+    assert cluster == want_cluster
+    # only the planner runs as the actuator; every other pod has no API token at all
+    for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
+        spec = pod_spec(doc)
+        if doc["metadata"]["name"].endswith("-planner"):
+            assert spec["serviceAccountName"] == sa
+        else:
+            assert spec.get("serviceAccountName") != sa and spec.get("automountServiceAccountToken") is False
+    # the bundle of other accounts has no bindings at all
+    assert _rbac_rules(docs, "pw-prewarm") == (set(), set())
+    no_k8s = render({"kubernetes": {"enabled": False}})
+    assert not [d for d in no_k8s if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")]
+
+
+def test_every_variable_and_command_exists() -> None:
+    docs = render({"planner": {"models": ["tiny@v1"]}, "redis": {"enabled": False, "url": "redis://r:6379/0"}})
+    known = known_env_vars()
+    commands = cli_subcommands()
+    used_vars: set[str] = set()
+    used_cmds: set[str] = set()
+    for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
+        spec = pod_spec(doc)
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            if container["image"].startswith("redis:"):
+                continue
+            used_cmds.add(container["args"][0])
+            assert cli_refuses(container["args"]) is None, (doc["metadata"]["name"], cli_refuses(container["args"]))
+            used_vars.update(e["name"] for e in container.get("env", []) if e["name"].startswith("PREWARM_"))
+    assert used_vars - known == set(), f"variables not in prewarm.settings: {sorted(used_vars - known)}"
+    assert used_cmds - commands == set(), f"`prewarm` subcommands missing from the CLI: {sorted(used_cmds - commands)}"
