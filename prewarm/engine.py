@@ -97,6 +97,10 @@ class Engine:
         return self._loader.join(timeout) if self._loader.started else True
 
     @property
+    def load_started(self) -> bool:
+        return self._loader.started
+
+    @property
     def progress(self) -> float:
         return self._loader.progress
 
