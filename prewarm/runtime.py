@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from prewarm import runtime_api as api
 from prewarm.domain import LoadPhase
+from prewarm.errors import TemporaryError
 from prewarm.metrics import Metrics
 from prewarm.settings import Settings
 from prewarm.signing import HEADER, is_valid_warmup
@@ -173,6 +175,9 @@ class ModelHost:
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         except web.HTTPException:
             raise
+        except TemporaryError as exc:  # the engine fell asleep or unloaded between admission and compute
+            err = api.unavailable(str(exc), exc.retry_after, "unavailable")
+            return web.json_response(err.body(), status=503, headers={"Retry-After": str(max(1, round(exc.retry_after)))})
         except Exception as exc:  # noqa: BLE001 - an engine fault is a 500 with a body, never a traceback page
             log.exception("internal error on %s %s", request.method, request.path)
             err = api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
@@ -333,36 +338,60 @@ class ModelHost:
         return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
 
     async def _stream(self, request: web.Request, req: api.CompletionRequest, ids: list[int]) -> web.StreamResponse:
+        """SSE chunks as tokens come. One executor job runs the whole generation (the engine
+        holds its generation lock for the iterator's life, so stepping it from several jobs
+        could starve the holder) and hands each token to the event loop through a queue."""
         cid, created = api.completion_id(), int(time.time())
-        it: Iterator[int] = iter(self.engine.generate(ids, req.max_tokens))
-        sentinel = object()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
 
-        def step() -> object:
-            return next(it, sentinel)
+        def produce() -> None:
+            it = iter(self.engine.generate(ids, req.max_tokens))
+            try:
+                for tok in it:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("token", tok))
+                    if cancel.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
 
-        first = await self._run(step)  # errors before the first token still become a JSON error
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        out: list[int] = []
-        sent = ""
-        if req.echo:
-            sent_echo = self.engine.decode(ids)
-            await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, sent_echo, None)))
-        tok = first
-        while tok is not sentinel:
-            out.append(int(tok))  # type: ignore[call-overload]
-            text = self.engine.decode(out)
-            if not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a partial UTF-8 sequence
-                await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, text[len(sent):], None)))
-                sent = text
-            tok = await self._run(step)
-        tail = self.engine.decode(out)[len(sent):]
-        finish = "length" if len(out) >= req.max_tokens else "stop"
-        usage = api.usage(len(ids), len(out)) if req.include_usage else None
-        await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, tail, finish, usage)))
-        await resp.write(api.sse("[DONE]"))
-        await resp.write_eof()
-        return resp
+        job = self._run(produce)
+        try:
+            kind, item = await queue.get()
+            if kind == "error":  # before the first token: still a JSON error (503 when sleeping, ...)
+                raise item
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            if req.echo:
+                await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, self.engine.decode(ids), None)))
+            out: list[int] = []
+            sent = ""
+            while kind != "end":
+                if kind == "error":
+                    log.error("generation failed mid-stream: %r", item)
+                    break
+                out.append(int(item))
+                text = self.engine.decode(out)
+                if not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a partial UTF-8 sequence
+                    await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, text[len(sent):], None)))
+                    sent = text
+                kind, item = await queue.get()
+            tail = self.engine.decode(out)[len(sent):]
+            finish = "length" if len(out) >= req.max_tokens else "stop"
+            usage = api.usage(len(ids), len(out)) if req.include_usage else None
+            await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, tail, finish, usage)))
+            await resp.write(api.sse("[DONE]"))
+            await resp.write_eof()
+            return resp
+        finally:
+            cancel.set()  # a client that went away stops the generation at the next token
+            await job
 
     # -- control -------------------------------------------------------------------------
     def _load_body(self) -> dict[str, Any]:

@@ -1,0 +1,270 @@
+"""The model host as a real process: completions, streaming, control token, sleep/wake, readiness.
+
+One `prewarm serve-model` process (autoload) serves most tests; a second one started with
+`--no-autoload` covers explicit loading and the SIGTERM shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from prewarm.model import make_model
+from prewarm.signing import warmup_headers
+from prewarm.validation import LogitStats, tensor_specs, validate
+from prewarm.warmup import COMPLETIONS_PATH
+from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, start_runtime, wait_loaded
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = "Hello, prewarm!"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0, name="tiny", revision="r1")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeProcess]:
+    rp = start_runtime(model_dir, tmp_path_factory.mktemp("rt"), "--model-name", "tiny")
+    try:
+        wait_loaded(rp.url)
+        yield rp
+    finally:
+        rp.stop()
+
+
+def _complete(url: str, **body: Any) -> tuple[int, Any, Any]:
+    return call(url + "/v1/completions", "POST", {"prompt": PROMPT, "max_tokens": 8, **body})
+
+
+def _sse(url: str, body: dict[str, Any]) -> list[Any]:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    events: list[Any] = []
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for line in resp.read().decode().split("\n\n"):
+            if not line.strip():
+                continue
+            assert line.startswith("data: "), line
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _validate_via_inputs(url: str) -> dict[str, Any]:
+    """What the agent does: fetch inputs, run the pure checks, post the verdict."""
+    status, inputs, _ = call(url + "/validate/inputs", "POST", {}, token=TOKEN)
+    assert status == 200, inputs
+    report = validate(expected=tensor_specs(inputs["manifest"]), live=tensor_specs(inputs["tensors"]),
+                      logits=LogitStats.from_dict(inputs["logits"]), latencies_s=[0.01, 0.01, 0.01],
+                      baseline_s=None, mean_bound=50.0, latency_factor=1.2)
+    assert report.passed, report.reason
+    status, body, _ = call(url + "/ready", "POST", {"passed": True, "report": report.to_dict()}, token=TOKEN)
+    assert status == 200 and body["ready"], body
+    return inputs
+
+
+def test_probes_and_models(server: RuntimeProcess) -> None:
+    assert call(server.url + "/healthz")[0] == 200
+    assert call(server.url + "/health")[0] == 200
+    status, body, _ = call(server.url + "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert body["data"][0]["id"] == "tiny" and body["data"][0]["revision"] == "r1"
+
+
+def test_completion_is_greedy_and_counts_usage(server: RuntimeProcess, model_dir: Path) -> None:
+    status, a, _ = _complete(server.url)
+    assert status == 200, a
+    assert a["object"] == "text_completion" and a["model"] == "tiny"
+    choice = a["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert a["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": 8,
+                          "total_tokens": len(PROMPT.encode()) + 8}
+    _, b, _ = _complete(server.url)
+    assert b["choices"][0]["text"] == choice["text"]  # greedy: deterministic
+    # token-id prompts give the same answer as the text they encode
+    _, c, _ = call(server.url + "/v1/completions", "POST", {"prompt": list(PROMPT.encode()), "max_tokens": 8})
+    assert c["choices"][0]["text"] == choice["text"]
+    # and the answer is the model's own greedy continuation, computed here in-process
+    from prewarm.engine import Engine
+
+    ref = Engine(model_dir, device="cpu")
+    ref.start_load()
+    assert ref.wait_loaded(30)
+    assert choice["text"] == ref.decode(list(ref.generate(PROMPT, 8)))
+
+
+def test_streaming_matches_the_plain_answer(server: RuntimeProcess) -> None:
+    _, plain, _ = _complete(server.url, max_tokens=12)
+    events = _sse(server.url, {"prompt": PROMPT, "max_tokens": 12, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_logprobs_agree_with_the_greedy_token(server: RuntimeProcess) -> None:
+    status, body, _ = _complete(server.url, max_tokens=2, logprobs=5)
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 2 and len(lp["top_logprobs"]) == 2
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) <= 5 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "fragment"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "must be a JSON object"),
+        (b"", None, "empty"),
+        (json.dumps({"max_tokens": 1}).encode(), "prompt", "'prompt' is required"),
+        (json.dumps({"prompt": ""}).encode(), "prompt", "must not be empty"),
+        (json.dumps({"prompt": 5}).encode(), "prompt", "non-empty string"),
+        (json.dumps({"prompt": ["a", "b"]}).encode(), "prompt", "batched prompts"),
+        (json.dumps({"prompt": [1, 99999]}).encode(), "prompt", "outside the vocabulary"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "max_tokens", ">= 1"),
+        (json.dumps({"prompt": "x", "max_tokens": "3"}).encode(), "max_tokens", "integer"),
+        (json.dumps({"prompt": "x", "max_tokens": 100000}).encode(), "max_tokens", "context length"),
+        (json.dumps({"prompt": "x" * 510, "max_tokens": 10}).encode(), "prompt", "exceeds the context length"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream", "boolean"),
+        (json.dumps({"prompt": "x", "n": 2}).encode(), "n", "n=1"),
+        (json.dumps({"prompt": "x", "stop": ["\n"]}).encode(), "stop", "not supported"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature", "number"),
+        (json.dumps({"prompt": "x", "logprobs": 5, "stream": True}).encode(), "logprobs", "stream"),
+    ],
+)
+def test_bad_input_is_a_400_in_the_openai_shape(server: RuntimeProcess, raw: bytes, param: str | None, fragment: str) -> None:
+    status, body, _ = call(server.url + "/v1/completions", "POST", raw=raw)
+    assert status == 400, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert fragment in err["message"]
+
+
+def test_unknown_model_is_a_404(server: RuntimeProcess) -> None:
+    status, body, _ = _complete(server.url, model="other")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/load"), ("GET", "/load"), ("POST", "/sleep?level=1"),
+                                              ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                                              ("POST", "/validate/inputs"), ("POST", "/validate"), ("POST", "/ready")])
+def test_control_endpoints_need_the_token(server: RuntimeProcess, method: str, path: str) -> None:
+    body = {} if method == "POST" else None
+    status, resp, hdrs = call(server.url + path, method, body)
+    assert status == 401 and resp["error"]["code"] == "missing_token"
+    status, resp, _ = call(server.url + path, method, body, token="wrong")
+    assert status == 403 and resp["error"]["code"] == "bad_token"
+    status, resp, _ = call(server.url + path, method, body, headers={"Authorization": f"Basic {TOKEN}"})
+    assert status == 403
+    assert call(server.url + "/is_sleeping", token=TOKEN)[1] == {"is_sleeping": False}
+
+
+def test_readyz_only_after_validation(server: RuntimeProcess) -> None:
+    call(server.url + "/ready", "POST", {"passed": False}, token=TOKEN)
+    status, body, _ = call(server.url + "/readyz")
+    assert status == 503 and body["reason"] == "loaded but not validated"
+    inputs = _validate_via_inputs(server.url)
+    assert set(inputs["manifest"]) == set(inputs["tensors"])
+    assert call(server.url + "/readyz")[0] == 200
+    status, body, _ = call(server.url + "/ready", "POST", {"passed": "yes"}, token=TOKEN)
+    assert status == 400 and body["error"]["param"] == "passed"
+    call(server.url + "/ready", "POST", {"passed": False}, token=TOKEN)
+    assert call(server.url + "/readyz")[0] == 503
+    # the in-process validation: all three checks, no baseline yet -> records one
+    status, report, _ = call(server.url + "/validate", "POST", {"requests": 3}, token=TOKEN)
+    assert status == 200 and report["passed"], report
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["structural", "numeric", "performance"]
+    assert "records" in report["checks"][2]["detail"]
+    assert call(server.url + "/readyz")[0] == 200
+    # an impossible baseline fails the performance check and withdraws readiness
+    status, report, _ = call(server.url + "/validate", "POST", {"requests": 3, "baseline_s": 1e-9}, token=TOKEN)
+    assert status == 200 and not report["passed"] and report["checks"][2]["outcome"] == "failed"
+    assert call(server.url + "/readyz")[0] == 503
+    _validate_via_inputs(server.url)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake(server: RuntimeProcess, level: int) -> None:
+    _validate_via_inputs(server.url)
+    _, before, _ = _complete(server.url)
+    status, body, _ = call(server.url + f"/sleep?level={level}", "POST", {}, token=TOKEN)
+    assert status == 200 and body == {"is_sleeping": True, "level": level}
+    assert call(server.url + "/is_sleeping", token=TOKEN)[1] == {"is_sleeping": True}
+    status, body, hdrs = _complete(server.url)
+    assert status == 503 and body["error"]["code"] == "sleeping" and int(hdrs["Retry-After"]) >= 1
+    assert call(server.url + "/readyz")[0] == 503
+    status, body, _ = call(server.url + "/wake_up", "POST", {}, token=TOKEN)
+    assert status == 200 and body["is_sleeping"] is False and body["loaded"] is True
+    _, after, _ = _complete(server.url)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    # level 1 kept the same bytes: still validated; level 2 dropped them: validate again
+    assert call(server.url + "/readyz")[0] == (200 if level == 1 else 503)
+    _validate_via_inputs(server.url)
+
+
+def test_bad_sleep_level(server: RuntimeProcess) -> None:
+    status, body, _ = call(server.url + "/sleep?level=3", "POST", {}, token=TOKEN)
+    assert status == 400 and body["error"]["param"] == "level"
+
+
+def test_warmup_requests_are_counted_apart(server: RuntimeProcess) -> None:
+    _, before, _ = call(server.url + "/stats")
+    body = json.dumps({"prompt": "warm", "max_tokens": 1}).encode()
+    signed = warmup_headers(SECRET, "POST", COMPLETIONS_PATH, body, time.time())
+    assert call(server.url + "/v1/completions", "POST", raw=body, headers=signed)[0] == 200
+    forged = {**signed, "X-Warmup-Signature": "0" * 64}
+    assert call(server.url + "/v1/completions", "POST", raw=body, headers=forged)[0] == 200
+    assert call(server.url + "/v1/completions", "POST", raw=body)[0] == 200
+    _, after, _ = call(server.url + "/stats")
+    assert after["warmup"] - before["warmup"] == 1
+    assert after["user"] - before["user"] == 2
+    assert after["forged_warmup"] - before["forged_warmup"] == 1
+    _, metrics, _ = call(server.url + "/metrics")
+    assert 'runtime_requests_total{code="200",kind="warmup",model="tiny"}' in metrics
+
+
+@pytest.fixture(scope="module")
+def lazy_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeProcess]:
+    rp = start_runtime(model_dir, tmp_path_factory.mktemp("lazy"), "--no-autoload", "--model-name", "tiny")
+    try:
+        yield rp
+    finally:
+        rp.stop()
+
+
+def test_explicit_load_then_serve_then_sigterm(lazy_server: RuntimeProcess, server: RuntimeProcess) -> None:
+    url = lazy_server.url
+    status, body, _ = call(url + "/load", token=TOKEN)
+    assert status == 200 and body["loaded"] is False and body["phase"] == "none" and body["progress"] == 0
+    status, body, hdrs = _complete(url)
+    assert status == 503 and body["error"]["code"] == "not_loaded" and "Retry-After" in hdrs
+    assert call(url + "/readyz")[0] == 503 and call(url + "/healthz")[0] == 200
+    status, body, _ = call(url + "/sleep?level=1", "POST", {}, token=TOKEN)
+    assert status == 409
+    first = call(url + "/load", "POST", {}, token=TOKEN)
+    second = call(url + "/load", "POST", {}, token=TOKEN)  # idempotent
+    assert first[0] in (200, 202) and second[0] in (200, 202)
+    wait_loaded(url)
+    _, a, _ = _complete(url)
+    _, b, _ = _complete(server.url)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert call(url + "/load", "POST", {}, token=TOKEN)[0] == 200
+    rc = lazy_server.stop(timeout=15)
+    assert rc == 0, lazy_server.output()
+    assert "shutting down tiny" in lazy_server.output()
