@@ -286,12 +286,16 @@ class OpenAICompatibleAdapter(_HttpAdapter):
         model: str | None = None,
         logprobs: int = 5,
         has_sleep_mode: bool = True,
+        health_paths: Sequence[str] = ("/health", "/v1/models"),
     ) -> None:
         super().__init__(base_url, token, timeout_s)
+        if not health_paths:
+            raise PermanentError("health_paths must name at least one readiness path")
         self.model = model
         self.logprobs = logprobs
         self.has_sleep_mode = has_sleep_mode
-        self._health_path: str | None = None
+        self.health_paths = tuple(health_paths)
+        self._health_path: str | None = None  # the first of health_paths the server answered (not 404)
 
     def _request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
                  *, control: bool = False, accept: Sequence[int] = ()) -> _Response:
@@ -299,13 +303,14 @@ class OpenAICompatibleAdapter(_HttpAdapter):
         return super()._request(method, path, body, headers, control=True, accept=accept)
 
     def _healthy(self) -> bool:
-        paths = [self._health_path] if self._health_path else ["/health", "/v1/models"]
+        """200 on the first readiness path the server knows; a 404 moves on to the next path."""
+        paths = [self._health_path] if self._health_path else list(self.health_paths)
         for path in paths:
             try:
                 resp = self._request("GET", path, accept=(404, 503))
             except RuntimeUnavailable:
                 return False
-            if resp.status == 404 and self._health_path is None:
+            if resp.status == 404:
                 continue
             self._health_path = path
             return resp.status == 200
