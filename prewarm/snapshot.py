@@ -177,7 +177,15 @@ class MappedSnapshot:
         if got != expected:
             raise CorruptSnapshot(f"{self.path.name}: tensor index does not match the model's layout")
         self.tensors = {t.name: t for t in got}
-        self._mm = mmap.mmap(self._fd, size, access=mmap.ACCESS_COPY)
+        # Map through a separate open file: mmap keeps a dup of the descriptor it is given,
+        # and a dup of the locked one would hold the flock for as long as the mapping lives.
+        map_fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if os.fstat(map_fd).st_ino != os.fstat(self._fd).st_ino:
+                raise CorruptSnapshot(f"{self.path.name}: replaced while being opened")
+            self._mm = mmap.mmap(map_fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(map_fd)
 
     def tensor(self, name: str, verify: bool = True) -> torch.Tensor:
         """The tensor over the mapping (zero-copy); crc32-checked unless `verify` is False."""
