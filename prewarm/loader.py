@@ -342,12 +342,12 @@ class ProgressiveLoader:
                              "original" if used_original else "snapshot")
         self.mapped = snap
         self.stats.load_seconds = time.perf_counter() - self._t0
-        self._progress = 1.0
-        self._phase = LoadPhase.DONE
-        self._done.set()
         gbps = self.manifest.total_bytes / max(self.stats.load_seconds, 1e-9) / 1e9
         coldstart_log(event="loaded", model=self.model_name, node=self.node, seconds=self.stats.load_seconds,
                       source=self.stats.source, bytes=self.manifest.total_bytes, gbps=gbps)
+        self._progress = 1.0
+        self._phase = LoadPhase.DONE
+        self._done.set()
         if used_original and self.snapshots is not None:
             self._write_snapshot()
 

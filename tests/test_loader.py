@@ -1,0 +1,234 @@
+"""Progressive loading: phases and progress, pipelined first request, snapshots, corruption."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from prewarm.domain import LoadPhase
+from prewarm.errors import PermanentError
+from prewarm.loader import ProgressiveLoader, default_first_layers, load_full
+from prewarm.model import CorruptWeights, ModelConfig, greedy, last_logits, load_manifest, make_model
+from prewarm.snapshot import SnapshotStore
+
+CPU = torch.device("cpu")
+PROMPT = list(b"Progressive loading overlaps the first request with the weights' arrival.")
+# The tiny model is ~4 MB: at 12 MB/s its load takes ~0.3 s, long against a tiny forward.
+SLOW = 12e6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> object:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = ModelConfig(vocab_size=512, d_model=128, n_layers=8, n_heads=4, d_ff=256, max_seq_len=256)
+    return make_model(tmp_path_factory.mktemp("loader") / "m", cfg, seed=11, name="m8")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> tuple[torch.Tensor, list[int]]:
+    full = load_full(model_dir, "cpu")
+    return last_logits(full, PROMPT, CPU), list(greedy(full, PROMPT, 6, CPU))
+
+
+def test_phases_progress_and_coldstart_log(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[float, LoadPhase]] = []
+    phases: list[tuple[LoadPhase, float]] = []
+    caplog.set_level(logging.INFO, logger="prewarm.coldstart")
+    loader = ProgressiveLoader(model_dir, device="cpu", model_name="m8", node="n1", read_chunk_bytes=64 * 1024,
+                               on_progress=lambda p, ph: seen.append((p, ph)),
+                               on_phase=lambda ph, s: phases.append((ph, s)))
+    assert loader.first_layers == default_first_layers(8) == 2
+    assert loader.phase is LoadPhase.NONE and loader.progress == 0.0
+    loader.start()
+    loader.start()  # idempotent
+    assert loader.wait(30)
+    assert loader.phase is LoadPhase.DONE and loader.progress == 1.0 and loader.loaded
+    values = [p for p, _ in seen]
+    assert values == sorted(values) and values[-1] == pytest.approx(1.0) and len(values) > 20
+    rank = {LoadPhase.EMBEDDINGS: 0, LoadPhase.FIRST_LAYERS: 1, LoadPhase.REST: 2}
+    ranks = [rank[ph] for _, ph in seen]
+    assert ranks == sorted(ranks) and set(ranks) == {0, 1, 2}  # phases in order, none skipped
+    assert [p for p, _ in phases] == [LoadPhase.EMBEDDINGS, LoadPhase.FIRST_LAYERS, LoadPhase.REST]
+    assert all(s >= 0 for _, s in phases)
+    # Phase 1 is exactly the embeddings, positions, final norm and head; phase 2 two blocks.
+    m = load_manifest(model_dir)
+    emb_bytes = sum(t.length for t in m.tensors if not t.name.startswith("layers."))
+    first_emb = [p for p, ph in seen if ph is LoadPhase.EMBEDDINGS][-1]
+    assert first_emb == pytest.approx(emb_bytes / m.total_bytes)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[COLDSTART]")]
+    assert any("event=phase" in ln and "phase=embeddings" in ln and "node=n1" in ln and "model=m8" in ln for ln in lines)
+    assert any("event=loaded" in ln for ln in lines)
+
+
+def test_first_layers_is_configurable(model_dir: Path) -> None:
+    seen: list[tuple[float, LoadPhase]] = []
+    loader = ProgressiveLoader(model_dir, device="cpu", first_layers=5, on_progress=lambda p, ph: seen.append((p, ph)))
+    loader.start().wait(30)
+    m = load_manifest(model_dir)
+    upto = sum(t.length for t in m.tensors if not t.name.startswith("layers.") or int(t.name.split(".")[1]) < 5)
+    assert [p for p, ph in seen if ph is LoadPhase.FIRST_LAYERS][-1] == pytest.approx(upto / m.total_bytes)
+    with pytest.raises(ValueError):
+        ProgressiveLoader(model_dir, device="cpu", first_layers=0)
+
+
+def test_pipelined_first_request_equals_the_fully_loaded_model(
+    model_dir: Path, reference: tuple[torch.Tensor, list[int]]
+) -> None:
+    ref_logits, ref_tokens = reference
+    loader = ProgressiveLoader(model_dir, device="cpu", read_limit_bps=SLOW, read_chunk_bytes=64 * 1024).start()
+    loader.wait_embeddings(30)
+    assert not loader.loaded  # the request really starts mid-load
+    got = last_logits(loader.model, PROMPT, CPU, loader.before_layer)
+    assert loader.stats.layer_waits >= 3  # it computed while later blocks were still arriving
+    assert torch.equal(got, ref_logits)
+    assert loader.wait(30)
+    assert list(greedy(loader.model, PROMPT, 6, CPU)) == ref_tokens
+
+
+def test_pipelined_greedy_mid_load(model_dir: Path, reference: tuple[torch.Tensor, list[int]]) -> None:
+    loader = ProgressiveLoader(model_dir, device="cpu", read_limit_bps=SLOW, read_chunk_bytes=64 * 1024).start()
+    loader.wait_embeddings(30)
+    tokens = list(greedy(loader.model, PROMPT, 6, CPU, loader.before_layer))
+    assert loader.stats.layer_waits >= 1
+    assert tokens == reference[1]
+
+
+def test_second_load_maps_the_snapshot_and_never_opens_the_original(
+    model_dir: Path, reference: tuple[torch.Tensor, list[int]], tmp_path: Path
+) -> None:
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30)
+    first = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    assert first.wait(30) and first.join(30)
+    assert first.stats.source == "original"
+    assert first.stats.opened == [str(model_dir / "model.safetensors")]
+    assert first.stats.snapshot_written and Path(first.stats.snapshot_written).exists()
+    second = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    assert second.wait(30) and second.join(30)
+    assert second.stats.source == "snapshot"
+    assert second.stats.opened == [first.stats.snapshot_written]
+    assert second.stats.bytes_from_original == 0 and second.stats.snapshot_written == ""
+    # The weights are views of the mapping, not copies.
+    assert second.mapped is not None
+    assert torch.equal(last_logits(second.model, PROMPT, CPU), reference[0])
+    second.release()
+    first.release()
+
+
+def test_snapshot_in_another_dtype(model_dir: Path, tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30)
+    first = ProgressiveLoader(model_dir, device="cpu", dtype="bfloat16", snapshots=store).start()
+    first.wait(30)
+    first.join(30)
+    assert first.model.tok_emb.weight.dtype == torch.bfloat16
+    second = ProgressiveLoader(model_dir, device="cpu", dtype="bfloat16", snapshots=store).start()
+    second.wait(30)
+    assert second.stats.source == "snapshot"
+    assert torch.equal(last_logits(first.model, PROMPT, CPU), last_logits(second.model, PROMPT, CPU))
+    # A float32 replica does not take the bfloat16 snapshot.
+    third = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    third.wait(30)
+    assert third.stats.source == "original"
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_corrupt_snapshot_is_detected_served_from_the_original_and_rebuilt(
+    model_dir: Path, reference: tuple[torch.Tensor, list[int]], tmp_path: Path
+) -> None:
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30)
+    first = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    first.wait(30)
+    first.join(30)
+    first.release()
+    snap_path = Path(first.stats.snapshot_written)
+    # Flip one bit inside block 5's fc1 weight (mid-load: earlier tensors pass their checks).
+    probe = store.open(first.snapshot_key, first.config)
+    assert probe is not None
+    spec = probe.tensors["layers.5.mlp.fc1.weight"]
+    probe.release()
+    _flip(snap_path, spec.offset + spec.length // 2)
+    second = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    assert second.wait(30) and second.join(30)
+    assert "layers.5.mlp.fc1.weight" in second.stats.snapshot_rejected
+    assert second.stats.source == "snapshot+original"
+    assert second.stats.bytes_from_original > 0 and second.stats.bytes_from_snapshot > 0
+    assert torch.equal(last_logits(second.model, PROMPT, CPU), reference[0])
+    assert second.stats.snapshot_written == str(snap_path)  # rebuilt
+    third = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    third.wait(30)
+    assert third.stats.source == "snapshot" and third.stats.snapshot_rejected == ""
+    assert torch.equal(last_logits(third.model, PROMPT, CPU), reference[0])
+
+
+def test_truncated_snapshot_is_rebuilt(model_dir: Path, reference: tuple[torch.Tensor, list[int]], tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30)
+    first = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    first.wait(30)
+    first.join(30)
+    first.release()
+    path = Path(first.stats.snapshot_written)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)  # a partial file under the final name
+    second = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    second.wait(30)
+    second.join(30)
+    assert "truncated" in second.stats.snapshot_rejected
+    assert second.stats.source == "original" and second.stats.bytes_from_snapshot == 0
+    assert torch.equal(last_logits(second.model, PROMPT, CPU), reference[0])
+    assert second.stats.snapshot_written == str(path) and path.exists()
+    third = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    third.wait(30)
+    assert third.stats.source == "snapshot"
+
+
+def test_corrupt_weights_fail_permanently_naming_the_tensor(model_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    entry = load_manifest(bad).entry("layers.6.attn.qkv.weight")
+    _flip(bad / "model.safetensors", entry.offset + 17)
+    loader = ProgressiveLoader(bad, device="cpu").start()
+    with pytest.raises(CorruptWeights, match=r"layers\.6\.attn\.qkv\.weight") as info:
+        loader.wait(30)
+    assert isinstance(info.value, PermanentError) and info.value.tensor == "layers.6.attn.qkv.weight"
+    assert loader.error is info.value and not loader.loaded
+    # A request that was waiting on a later block is released with the same error.
+    with pytest.raises(CorruptWeights):
+        loader.before_layer(7)
+
+
+def test_truncated_weights_file_is_corrupt(model_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "short"
+    shutil.copytree(model_dir, bad)
+    path = bad / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    loader = ProgressiveLoader(bad, device="cpu").start()
+    with pytest.raises(CorruptWeights, match="truncated|ends inside"):
+        loader.wait(30)
+
+
+def test_load_full_matches_progressive(model_dir: Path, reference: tuple[torch.Tensor, list[int]]) -> None:
+    loader = ProgressiveLoader(model_dir, device="cpu").start()
+    loader.wait(30)
+    assert torch.equal(last_logits(loader.model, PROMPT, CPU), reference[0])
+    if torch.cuda.is_available():  # pragma: no cover - exercised on GPU machines only
+        gpu = ProgressiveLoader(model_dir, device="cuda").start()
+        gpu.wait(60)
+        assert gpu.model.tok_emb.weight.device.type == "cuda"
