@@ -567,7 +567,7 @@ def build_host(
         metrics.loading_phase_duration.labels(name, value, node).observe(seconds)
 
     engine = Engine(model_dir, device=rt.device, first_layers=rt.first_layers, snapshots=snapshots,
-                    model_name=name, node=node, on_phase=on_phase)
+                    model_name=name, node=node, on_phase=on_phase, read_limit_bps=rt.read_limit_bps)
     token = rt.token.get_secret_value() if rt.token is not None else None
     secret = wu.secret.get_secret_value() if wu.secret is not None else None
     return ModelHost(

@@ -152,6 +152,7 @@ class RuntimeSettings(_Group):
     workers: int = Field(2, ge=1)  # threads that run generation (the event loop never computes)
     load_wait_s: float = Field(0.0, ge=0)  # a request before phase 1 is in waits this long, then 503 + Retry-After
     drain_timeout_s: float = Field(30.0, gt=0)  # sleep waits this long for in-flight requests to finish
+    read_limit_bps: float | None = Field(None, gt=0)  # cap on weight-read bandwidth (spare the node's disk); None: no cap
 
 
 class AgentSettings(_Group):

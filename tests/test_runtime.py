@@ -241,7 +241,9 @@ def test_warmup_requests_are_counted_apart(server: RuntimeProcess) -> None:
 
 @pytest.fixture(scope="module")
 def lazy_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeProcess]:
-    rp = start_runtime(model_dir, tmp_path_factory.mktemp("lazy"), "--no-autoload", "--model-name", "tiny")
+    # reads capped at 2 MB/s: the ~4 MB model takes ~2 s to load, long enough to serve during it
+    rp = start_runtime(model_dir, tmp_path_factory.mktemp("lazy"), "--no-autoload", "--model-name", "tiny",
+                       env={"PREWARM_RUNTIME_READ_LIMIT_BPS": "2000000"})
     try:
         yield rp
     finally:
@@ -259,11 +261,26 @@ def test_explicit_load_then_serve_then_sigterm(lazy_server: RuntimeProcess, serv
     assert status == 409
     first = call(url + "/load", "POST", {}, token=TOKEN)
     second = call(url + "/load", "POST", {}, token=TOKEN)  # idempotent
-    assert first[0] in (200, 202) and second[0] in (200, 202)
+    assert first[0] == 202 and second[0] == 202 and first[1]["loaded"] is False
+    # phase 1 in, the tail still loading: a request is served pipelined, not refused
+    deadline = time.monotonic() + 30
+    while True:
+        _, st, _ = call(url + "/load", token=TOKEN)
+        if st["phase"] in ("first_layers", "rest") or st["loaded"]:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.01)
+    assert not st["loaded"], "the capped load finished before a request could overlap it"
+    status, during, _ = _complete(url)
+    assert status == 200, during
+    assert call(url + "/readyz")[1]["reason"].startswith(("loading", "loaded but not validated"))
     wait_loaded(url)
-    _, a, _ = _complete(url)
+    _, after, _ = _complete(url)
     _, b, _ = _complete(server.url)
-    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert during["choices"][0]["text"] == after["choices"][0]["text"] == b["choices"][0]["text"]
+    _, metrics, _ = call(url + "/metrics")
+    for phase in ("embeddings", "first_layers", "rest"):
+        assert f'model_loading_phase_duration_seconds_count{{model="tiny",node="",phase="{phase}"}} 1.0' in metrics
     assert call(url + "/load", "POST", {}, token=TOKEN)[0] == 200
     rc = lazy_server.stop(timeout=15)
     assert rc == 0, lazy_server.output()
