@@ -83,6 +83,19 @@ def _is_our_runtime(pid: int, port: int) -> bool:
     return b"serve-model" in cmdline and str(port).encode() in cmdline
 
 
+def _runtime_pids_on(port: int) -> list[int]:
+    """Live `serve-model` processes started for `port` (Linux /proc; empty elsewhere)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    found = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and _pid_alive(int(entry.name)) \
+                and _is_our_runtime(int(entry.name), port):
+            found.append(int(entry.name))
+    return found
+
+
 def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(f"{endpoint}/healthz", timeout=timeout) as resp:
@@ -169,6 +182,9 @@ class RuntimeHost:
     def _spawn(self, replica: Replica, model_dir: str, *, now: float) -> HostedRuntime:
         port = self.port_of(replica.slot)
         endpoint = self.endpoint_of(replica.slot)
+        for pid in _runtime_pids_on(port):  # a runtime nobody recorded (its agent died before the pid file)
+            log.warning("stopping an unrecorded runtime (pid %d) on port %d of slot %d", pid, port, replica.slot)
+            _terminate(pid, None, 5.0)
         if _healthz(f"http://127.0.0.1:{port}", timeout=0.5):
             raise TemporaryError(f"port {port} of slot {replica.slot} is taken by a process this agent does not know",
                                  retry_after=5.0)
@@ -256,7 +272,7 @@ class RuntimeHost:
                 continue
             alive = _pid_alive(pid) and _is_our_runtime(pid, port)
             current = keep(replica) if alive else None
-            if alive and current is not None and _healthz(self.endpoint_of(replica.slot), timeout=2.0):
+            if alive and current is not None and self._await_healthz(pid, replica.slot):
                 hosted = HostedRuntime(replica=current, port=port, pid=pid, model_dir=str(data.get("model_dir", "")),
                                        started_at=float(data.get("started_at", 0.0)),
                                        endpoint=self.endpoint_of(replica.slot), adopted=True)
@@ -270,6 +286,17 @@ class RuntimeHost:
                 _terminate(pid, None, 5.0)
             path.unlink(missing_ok=True)
         return adopted
+
+    def _await_healthz(self, pid: int, slot: int) -> bool:
+        """An orphan may still be starting (importing torch): give it the runtime start timeout."""
+        deadline = time.monotonic() + self.settings.agent.runtime_start_timeout_s
+        while _pid_alive(pid):
+            if _healthz(self.endpoint_of(slot), timeout=1.0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return False
 
 
 def _terminate(pid: int, proc: "subprocess.Popen[bytes] | None", grace_s: float) -> None:

@@ -173,14 +173,15 @@ class PrewarmJob:
         else:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
 
+        # Loading starts with the runtime process itself (interpreter, torch, CUDA context).
+        if rec.state is ReplicaState.PENDING:
+            rec = self._transition(ReplicaState.LOADING, ReplicaState.PENDING)
         hosted = ctx.host.ensure(rec, str(model_dir), now=ctx.clock())
         if rec.endpoint != hosted.endpoint:
             ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
         ctx.host.wait_healthy(hosted, deadline=self.deadline)
         client = make_client(ctx.settings, hosted.endpoint)
 
-        if rec.state is ReplicaState.PENDING:
-            rec = self._transition(ReplicaState.LOADING, ReplicaState.PENDING)
         if rec.state is ReplicaState.LOADING:
             self._load(lock, hosted, client)
             rec = self._transition(ReplicaState.WARMING, ReplicaState.LOADING)

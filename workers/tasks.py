@@ -186,7 +186,7 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
 def register(app: Celery) -> None:
     """Register every prewarm task on `app` (node tasks here, planner tasks in workers.planner)."""
     common: dict[str, Any] = {"bind": True, "typing": False, "acks_late": True, "reject_on_worker_lost": True,
-                              "ignore_result": True}
+                              "ignore_result": True, "throws": (InvalidPayload,)}
     app.task(name=app_mod.PREWARM, **common)(prewarm_replica)
     app.task(name=app_mod.RETIRE, **common)(retire_replica)
     app.task(name=app_mod.KEEP_WARM, **common)(keep_warm)

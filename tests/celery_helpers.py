@@ -1,0 +1,160 @@
+"""Helpers that start and stop REAL prewarm worker processes for the integration tests.
+
+`WorkerProcess` runs `prewarm agent` / `prewarm planner` / `prewarm beat` as a child process
+with an environment pointing at the test Redis, waits until Celery reports the worker
+ready, and stops it with SIGTERM (or SIGKILL when a test wants a crash). Its log is a file,
+so a test can read what the worker said and a failure shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Mapping, TypeVar
+
+from prewarm.embedded import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PREWARM = [sys.executable, "-m", "prewarm.cli"]
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, poll: float = 0.1) -> T:
+    """Poll until `predicate()` is truthy and return it; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T = predicate()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+        time.sleep(poll)
+        last = predicate()
+    return last
+
+
+def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, str]:
+    """The environment of a test worker: the test Redis, short timeouts, a private state directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env.update({
+        "PREWARM_REDIS_URL": redis_url,
+        "PREWARM_WARMUP_SECRET": "test-warmup-secret",
+        "PREWARM_WARMUP_REQUESTS": "3",
+        # The machine is shared and noisy: the performance check gets a wide margin here, and the
+        # test of a failing performance check sets an impossible baseline instead.
+        "PREWARM_WARMUP_LATENCY_FACTOR": "50",
+        "PREWARM_AGENT_STATE_DIR": str(state_dir / "agent"),
+        "PREWARM_AGENT_REPLICA_SLOTS": "4",
+        "PREWARM_AGENT_PORT_BASE": str(_port_block()),
+        "PREWARM_AGENT_TASK_TIME_LIMIT_S": "40",
+        "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "41",  # > the time limit, as in production
+        "PREWARM_AGENT_RESTORE_INTERVAL_S": "1",
+        "PREWARM_AGENT_LOCK_TTL_S": "3",
+        "PREWARM_AGENT_RETRY_BACKOFF_S": "0.5",
+        "PREWARM_AGENT_RUNTIME_START_TIMEOUT_S": "60",
+        "PREWARM_AGENT_DRAIN_TIMEOUT_S": "2",
+        "PREWARM_RUNTIME_MODELS_DIR": str(state_dir / "models"),
+        "PREWARM_RUNTIME_SNAPSHOT_DIR": str(state_dir / "snapshots"),
+        "PREWARM_RUNTIME_DEVICE": "cpu",
+        "PREWARM_REGISTRY_HEARTBEAT_INTERVAL_S": "0.5",
+        "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "3",
+        "PREWARM_WARMUP_KEEPALIVE_INTERVAL_S": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(overrides)
+    return env
+
+
+def _port_block(size: int = 8) -> int:
+    """A base port with `size` free ports after it (runtime ports are port_base + slot)."""
+    for _ in range(50):
+        base = free_port()
+        if base + size < 65000 and all(_free(base + i) for i in range(size)):
+            return base
+    raise RuntimeError("no block of free ports found")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class WorkerProcess:
+    """One `prewarm <command>` child process and its log."""
+
+    def __init__(self, args: list[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.args = args
+        self.env = dict(env)
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._offset = 0
+
+    def start(self, *, ready_marker: str | None = " ready.", timeout: float = 60.0) -> "WorkerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as fh:
+            self.proc = subprocess.Popen(PREWARM + self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=fh, stderr=subprocess.STDOUT)
+        if ready_marker:
+            wait_for(lambda: ready_marker in self.log() or self.proc.poll() is not None, timeout,  # type: ignore[union-attr]
+                     f"`prewarm {' '.join(self.args)}` to become ready")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"`prewarm {' '.join(self.args)}` exited with {self.proc.returncode}:\n"
+                                     f"{self.log()[-4000:]}")
+        return self
+
+    def log(self, *, since_start: bool = True) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        return data[self._offset if since_start else 0:].decode("utf-8", "replace")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL: the worker gets no chance to ack, requeue or clean up."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (Celery's warm shutdown), then SIGKILL if it does not end in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def runtime_pids(port: int) -> list[int]:
+    """Pids of live `serve-model` processes listening on `port` (from /proc; zombies excluded)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\x00")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if b"serve-model" in cmd and str(port).encode() in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
