@@ -95,6 +95,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1")
     p.set_defaults(handler=_cmd_flower)
 
+    p = sub.add_parser("backtest", help="replay a trace through the scaling policies and score them (TTFT, cold starts, GPU-hours)")
+    p.add_argument("trace", help="a trace file (Azure CSV, Mooncake JSONL, ServeGen or NASA rates)")
+    p.add_argument("--policies", default="reactive,fixed_pool,keepalive,prewarm,oracle", help="comma-separated policies")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--plot", metavar="OUT.png", help="write traffic vs replicas and TTFT CDFs")
+    p.add_argument("--time-scale", type=float, default=1.0, help="compress time by X (rates x X)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate by Y")
+    p.add_argument("--cold-start", type=float, default=None, help="cold start seconds (default: planner default_cold_start_s)")
+    p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
+    p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_cmd_backtest)
+
     return parser
 
 
@@ -273,6 +286,39 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
+    from forecasting.report import print_table, progress_bar
+    from forecasting.scoring import run_backtest
+    from forecasting.simulate import SimParams
+    from forecasting.traces import HistoryError, load_trace
+
+    try:
+        trace = load_trace(args.trace)
+        params = SimParams(
+            slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
+            cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
+            cold_start_cv=args.cold_start_cv,
+        )
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        with progress_bar() as progress:
+            out = run_backtest(trace, params, policies, progress=progress,
+                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}})
+    except (HistoryError, ValueError) as exc:
+        print(f"prewarm backtest: {exc}", file=sys.stderr)
+        return 2
+    print_table(out["result"])
+    if args.plot:
+        from forecasting.report import plot
+
+        path = plot(out["work"], out["runs"], args.plot, title=out["result"]["trace"])
+        print(f"plot written to {path}")
+    if args.json:
+        print(json.dumps(out["result"], default=float))
+    return 0
 
 
 if __name__ == "__main__":

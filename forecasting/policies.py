@@ -1,0 +1,368 @@
+"""The scaling policies the trace replay compares; each only says how many replicas to keep.
+
+Every policy sees the same `Observation` (the past and the present, never the future) on
+its own decision period and returns the number of live replicas it wants; the engine in
+`forecasting.simulate` carries that out the same way for all. The exception is `oracle`,
+which is handed the future on purpose: it is the reference, not a contender.
+
+- `reactive`: the Kubernetes HPA algorithm on slot utilization (busy + queued requests per
+  slot), target 70%, 15 s sync, 10% tolerance, scale-up at once (paying the cold start),
+  scale-down to the highest recommendation of the last 300 s (the stabilization window).
+- `fixed_pool`: reactive plus a warm pool of 10% of its recommendation (at least one).
+- `keepalive`: the hybrid histogram policy of "Serverless in the Wild" (Shahrad et al.,
+  USENIX ATC'20), adapted from function instances to replica counts: replica level k
+  (the k-th replica) is "invoked" while the HPA recommendation is >= k; each level keeps
+  a histogram of its idle times (1-minute bins over 4 hours). When the histogram is
+  representative (enough samples, bin-count CV >= 2), a level that goes idle is unloaded
+  and loaded again one cold start before the head (5th percentile, -10%) of its idle
+  times, and kept until the tail (99th percentile, +10%); otherwise it is kept alive for
+  a fixed window (the paper's conservative fallback: the histogram range, 4 hours). The
+  paper's ARIMA branch for idle times beyond the range is replaced by that fallback.
+- `prewarm`: this project's forecaster and planner on the history before each decision
+  (refit as history doubles, then daily), acting through the HPA (it raises the floor the
+  reactive rule may not go below, like raising `minReplicas` ahead of a peak).
+- `oracle`: knows the instant-service need second by second; keeps what is needed within
+  one cold start ahead. A loose lower bound on GPU time.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+from threadpoolctl import threadpool_limits
+
+from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
+from forecasting.simulate import Observation, SimParams, Workload
+from prewarm.domain import ModelSpec
+
+POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyEnv:
+    """What a policy knows before the replay: the replica model, and the past on request."""
+
+    work: Workload
+    params: SimParams
+
+    @property
+    def slot_capacity_rps(self) -> float:
+        """Requests/s one replica serves with every slot busy."""
+        return self.params.slots / self.work.mean_service_s
+
+    def past_counts(self, now: float) -> np.ndarray:
+        """Arrivals per second strictly before `now` (read-only): all a policy may look at."""
+        view = self.work.counts[: max(0, int(math.floor(now)))]
+        view.flags.writeable = False
+        return view
+
+    def initial_load(self) -> float:
+        """Busy slots in the first minute: every policy starts as if it had been running."""
+        head = self.work.counts[:60]
+        return float(head.mean() * self.work.mean_service_s) if head.size else 0.0
+
+
+class Policy(ABC):
+    name: str = "policy"
+    period_s: float = 15.0
+
+    @abstractmethod
+    def start(self, env: PolicyEnv) -> int:
+        """Replicas ready at time 0."""
+
+    @abstractmethod
+    def decide(self, obs: Observation) -> int:
+        """Live replicas wanted now."""
+
+
+class Reactive(Policy):
+    """HPA: desired = ceil(load / (slots x target)), tolerance, scale-down stabilization."""
+
+    name = "reactive"
+
+    def __init__(self, target: float = 0.7, sync_s: float = 15.0, stabilization_s: float = 300.0,
+                 tolerance: float = 0.1, min_replicas: int = 1) -> None:
+        self.target, self.period_s, self.stabilization_s = target, sync_s, stabilization_s
+        self.tolerance, self.min_replicas = tolerance, min_replicas
+        self._recs: deque[tuple[float, int]] = deque()
+        self._slots = 8
+
+    def start(self, env: PolicyEnv) -> int:
+        self._slots = env.params.slots
+        self._recs.clear()
+        return self._raw(env.initial_load(), 0)
+
+    def _raw(self, load: float, current: int) -> int:
+        per = self._slots * self.target
+        if current > 0 and abs(load / (current * per) - 1.0) <= self.tolerance:
+            return current
+        return max(self.min_replicas, math.ceil(round(load / per, 9)))
+
+    def recommend(self, obs: Observation, current: int | None = None) -> int:
+        """The HPA's recommendation; `current` defaults to the live replicas."""
+        current = obs.ready + obs.loading if current is None else current
+        rec = self._raw(obs.load_mean, current)
+        self._recs.append((obs.now, rec))
+        while self._recs and self._recs[0][0] < obs.now - self.stabilization_s:
+            self._recs.popleft()
+        if rec >= current:
+            return rec
+        return min(current, max(r for _, r in self._recs))
+
+    def decide(self, obs: Observation) -> int:
+        return self.recommend(obs)
+
+
+class FixedPool(Reactive):
+    """Reactive plus `percent` of its recommendation kept warm (at least `minimum`)."""
+
+    name = "fixed_pool"
+
+    def __init__(self, percent: float = 10.0, minimum: int = 1, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.percent, self.minimum = percent, minimum
+
+    def _pool(self, n: int) -> int:
+        return max(self.minimum, math.ceil(round(self.percent / 100.0 * n, 9)))
+
+    def start(self, env: PolicyEnv) -> int:
+        self._serving = super().start(env)
+        return self._serving + self._pool(self._serving)
+
+    def decide(self, obs: Observation) -> int:
+        # the HPA scales the serving replicas; the pool rides on top
+        self._serving = self.recommend(obs, current=self._serving)
+        return self._serving + self._pool(self._serving)
+
+
+@dataclass
+class _Level:
+    idle_since: float | None = None
+    bins: np.ndarray = field(default_factory=lambda: np.zeros(240))
+    samples: int = 0
+    oob: int = 0
+    window: tuple[float, float] = (0.0, 0.0)  # (load at, keep until), relative to idle_since
+
+
+class KeepAlive(Policy):
+    """Hybrid histogram keep-alive per replica level (see the module docstring)."""
+
+    name = "keepalive"
+
+    def __init__(self, target: float = 0.7, sync_s: float = 15.0, bin_s: float = 60.0, bins: int = 240,
+                 head: float = 0.05, tail: float = 0.99, margin: float = 0.1, min_samples: int = 10,
+                 cv_threshold: float = 2.0, fixed_keepalive_s: float = 4 * 3600.0) -> None:
+        self.target, self.period_s = target, sync_s
+        self.bin_s, self.nbins, self.head, self.tail, self.margin = bin_s, bins, head, tail, margin
+        self.min_samples, self.cv_threshold, self.fixed_keepalive_s = min_samples, cv_threshold, fixed_keepalive_s
+        self.levels: list[_Level] = []
+        self._slots = 8
+        self._cold = 8.7
+
+    def start(self, env: PolicyEnv) -> int:
+        self._slots, self._cold = env.params.slots, env.params.cold_start_s
+        self.levels = []
+        return max(1, math.ceil(round(env.initial_load() / (self._slots * self.target), 9)))
+
+    def windows(self, lv: _Level) -> tuple[float, float]:
+        """(pre-warm load time, keep-alive end) after an idle start, from the level's histogram."""
+        counts = lv.bins
+        representative = lv.samples >= self.min_samples and lv.oob <= lv.samples - lv.oob
+        if representative:
+            mean = counts.mean()
+            representative = mean > 0 and counts.std() / mean >= self.cv_threshold
+        if not representative:
+            return 0.0, self.fixed_keepalive_s
+        cdf = np.cumsum(counts) / counts.sum()
+        head_edge = float(np.searchsorted(cdf, self.head)) * self.bin_s  # lower edge of the head bin
+        tail_edge = float(np.searchsorted(cdf, self.tail) + 1) * self.bin_s  # upper edge of the tail bin
+        prewarm = head_edge * (1 - self.margin)
+        keep_until = tail_edge * (1 + self.margin)
+        if prewarm <= self._cold:
+            return 0.0, keep_until  # too close to unload and reload: keep it
+        return prewarm - self._cold, keep_until
+
+    def decide(self, obs: Observation) -> int:
+        active = max(1, math.ceil(round(obs.load_mean / (self._slots * self.target), 9)))
+        while len(self.levels) < active:
+            self.levels.append(_Level())
+        want = 0
+        for k, lv in enumerate(self.levels, start=1):
+            if k <= active:
+                if lv.idle_since is not None:
+                    idle = obs.now - lv.idle_since
+                    b = int(idle // self.bin_s)
+                    if b < self.nbins:
+                        lv.bins[b] += 1
+                    else:
+                        lv.oob += 1
+                    lv.samples += 1
+                    lv.idle_since = None
+                want += 1
+                continue
+            if lv.idle_since is None:
+                lv.idle_since = obs.now
+                lv.window = self.windows(lv)
+            since = obs.now - lv.idle_since
+            load_at, keep_until = lv.window
+            if load_at == 0.0 and since < keep_until or load_at > 0.0 and load_at <= since < keep_until:
+                want += 1
+        return want
+
+
+class Oracle(Policy):
+    """Knows the future need; keeps the most needed within one cold start (+2 s) ahead."""
+
+    name = "oracle"
+    period_s = 1.0
+
+    def start(self, env: PolicyEnv) -> int:
+        self._need = env.work.need
+        cold = env.params.cold_start_s * (1 + 3 * env.params.cold_start_cv)
+        self._ahead = int(math.ceil(cold)) + 2
+        if not self._need.size:
+            self._want: list[int] = []
+            return 0
+        padded = np.concatenate([self._need, np.zeros(self._ahead - 1, dtype=self._need.dtype)])
+        # the most needed in [t, t + ahead): a sliding maximum, computed once
+        self._want = np.lib.stride_tricks.sliding_window_view(padded, self._ahead).max(axis=1).tolist()
+        return int(self._want[0])
+
+    def decide(self, obs: Observation) -> int:
+        t = int(obs.now)
+        return self._want[t] if t < len(self._want) else 0
+
+
+ForecasterFactory = Callable[[], Any]
+
+
+def default_forecaster() -> Any:
+    from forecasting.models import QuantileForecaster
+
+    return QuantileForecaster(quantiles=(0.5, 0.9, 0.99), bucket_s=60.0, max_horizon=30)
+
+
+class Prewarm(Policy):
+    """Forecast + planner on the past only, on top of the HPA (it raises the HPA's floor)."""
+
+    name = "prewarm"
+
+    def __init__(self, planner: PlannerParams | None = None, forecaster: ForecasterFactory = default_forecaster,
+                 sync_s: float = 5.0, plan_every_s: float = 60.0, forecast_every_s: float = 900.0,
+                 horizon_buckets: int = 30, min_history_buckets: int = 10, refit_max_s: float = 2 * 86400.0,
+                 target: float = 0.7, signal: str = "peak", history_s: float = 8 * 86400.0,
+                 planner_settings: Any = None) -> None:
+        if planner is None and planner_settings is not None:
+            planner = PlannerParams.from_settings(planner_settings)
+        if signal not in ("peak", "mean"):
+            raise ValueError(f"signal must be 'peak' or 'mean', got {signal!r}")
+        self.signal, self.history_s = signal, history_s
+        self.params = planner or PlannerParams()
+        self.factory = forecaster
+        self.period_s, self.plan_every_s, self.forecast_every_s = sync_s, plan_every_s, forecast_every_s
+        self.horizon, self.min_hist, self.refit_max_s = horizon_buckets, min_history_buckets, refit_max_s
+        self.hpa = Reactive(target=target, sync_s=sync_s)
+        self.target = target
+        self.fits = 0
+        self.predicts = 0
+
+    def start(self, env: PolicyEnv) -> int:
+        self.env = env
+        b = self.params.bucket_s
+        # "mean": plan the bucket's mean rate at the HPA's target utilization;
+        # "peak": plan the bucket's peak in-flight demand (as req/s) with every slot busy
+        util = self.target if self.signal == "mean" else 1.0
+        cap = env.params.slots * util / env.work.mean_service_s
+        self.model = ModelSpec(name="trace", revision="replay", weights_uri="", capacity_rps=cap,
+                               slots=env.params.slots)
+        self.rates: list[float] = []  # req/s per full bucket so far
+        self.fitted: Any = None
+        self.fit_at_n = 0
+        self.fit_at_t = -math.inf
+        self.frame: pd.DataFrame | None = None
+        self.forecast_t = -math.inf
+        self.plan_t = -math.inf
+        self.plan_result: Any = None
+        self.plan_live = 0
+        self.state = PlannerState()
+        self.pool = 0
+        self.bucket = b
+        self.epoch = env.work.start_epoch
+        return self.hpa.start(env)
+
+    def _update_history(self, now: float) -> None:
+        full = int(now // self.bucket)
+        if full > len(self.rates):
+            past = self.env.past_counts(now)
+            b = int(self.bucket)
+            lo, hi = len(self.rates) * b, full * b
+            if self.signal == "mean":
+                new = past[lo:hi].reshape(-1, b).sum(axis=1) / self.bucket
+            else:
+                # in-flight requests per second if served at once (mean service time), from
+                # past arrivals only; the bucket's peak, as an equivalent req/s
+                S = self.env.work.mean_service_s
+                k = int(math.floor(S))
+                kernel = np.ones(k + 1)
+                kernel[-1] = S - k
+                seg = past[max(0, lo - k) : hi].astype(np.float64)
+                conc = np.convolve(seg, kernel)[: seg.size][lo - max(0, lo - k) :]
+                new = conc.reshape(-1, b).max(axis=1) / S
+            self.rates.extend(new.tolist())
+
+    def _series(self) -> pd.Series:
+        """Full buckets before now, indexed by epoch bucket start (the forecaster's calendar)."""
+        idx = self.epoch + np.arange(len(self.rates), dtype=np.float64) * self.bucket
+        return pd.Series(self.rates, index=idx, dtype=np.float64)
+
+    def _forecast(self, now: float) -> None:
+        n = len(self.rates)
+        if n < self.min_hist:
+            self.frame = None
+            return
+        y = self._series()
+        keep = int(self.history_s // self.bucket)
+        # one thread: the boosting's OpenMP pool only contends on a shared machine
+        with threadpool_limits(1):
+            if self.fitted is None or n >= 2 * self.fit_at_n or now - self.fit_at_t >= self.refit_max_s:
+                self.fitted = self.factory().fit(y.iloc[-keep:])
+                self.fit_at_n, self.fit_at_t = n, now
+                self.fits += 1
+            self.frame = self.fitted.predict(y.iloc[-keep:], self.horizon)
+        self.predicts += 1
+        self.forecast_t = now
+
+    def decide(self, obs: Observation) -> int:
+        now = obs.now
+        floor_rec = self.hpa.recommend(obs)
+        self._update_history(now)
+        if len(self.rates) >= self.min_hist and (self.frame is None or now - self.forecast_t >= self.forecast_every_s):
+            self._forecast(now)
+        if self.frame is None:
+            return floor_rec
+        if now - self.plan_t >= self.plan_every_s:
+            live = max(0, obs.ready + obs.loading - self.pool)
+            ctx = PlanContext(self.model, self.frame, ReplicaCounts(ready=live, loading=0, warm=self.pool),
+                              self.epoch + now, self.params, cold_start_p95_s=self.env.params.cold_start_s)
+            self.plan_result, self.state = plan(ctx, self.state)
+            self.plan_live = live
+            self.pool = self.plan_result.pool_target
+            self.plan_t = now
+        planned = self.plan_result.serving_target(self.plan_live, self.epoch + now)
+        return max(floor_rec, planned) + self.pool
+
+
+def make_policy(name: str, **kw: Any) -> Policy:
+    """A fresh policy by name (one of `POLICIES`)."""
+    classes: dict[str, Callable[..., Policy]] = {
+        "reactive": Reactive, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm, "oracle": Oracle,
+    }
+    if name not in classes:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return classes[name](**kw)
