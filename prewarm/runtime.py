@@ -20,7 +20,8 @@ every control call is refused with 403):
 - control: `POST /load` (idempotent), `GET /load` (progress, phase, loaded, error),
   `POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`, `POST /validate/inputs`,
   `POST /validate`, `POST /ready`.
-- `GET /metrics` (Prometheus) and `GET /stats` (user/warmup request counts).
+- `GET /metrics` (Prometheus) and `GET /stats` (user/warmup request counts, requests in
+  flight, allocator fragmentation `1 - allocated/reserved`).
 
 A completion that arrives while the model loads is served pipelined as soon as phase 1
 (embeddings and head) is in: its computation waits per layer for that layer's weights.
@@ -100,8 +101,10 @@ class ModelHost:
         mean_bound: float = 50.0,
         latency_factor: float = 1.2,
         metrics: Metrics | None = None,
+        node: str = "",
     ) -> None:
         self.engine = engine
+        self.node = node
         self.model_name = model_name
         self.revision = revision
         self.control_token = control_token or None
@@ -221,11 +224,17 @@ class ModelHost:
         return web.json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.fragmentation.labels(self.node).set(self.engine.fragmentation())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"model": self.model_name, **self.state.counts, "inflight": self.state.inflight})
+        return web.json_response({
+            "model": self.model_name, **self.state.counts, "inflight": self.state.inflight,
+            "fragmentation": float(self.engine.fragmentation()),  # 1 - allocated/reserved; 0.0 on CPU
+            "device": str(self.engine.device), "sleeping": bool(self.engine.is_sleeping),
+            "validated": self.state.validated,
+        })
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -582,6 +591,7 @@ def build_host(
         mean_bound=wu.logits_mean_bound,
         latency_factor=wu.latency_factor,
         metrics=metrics,
+        node=node,
     )
 
 

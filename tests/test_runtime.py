@@ -237,6 +237,8 @@ def test_warmup_requests_are_counted_apart(server: RuntimeProcess) -> None:
     assert after["forged_warmup"] - before["forged_warmup"] == 1
     _, metrics, _ = call(server.url + "/metrics")
     assert 'runtime_requests_total{code="200",kind="warmup",model="tiny"}' in metrics
+    assert 'gpu_fragmentation_rate{node=""} 0.0' in metrics  # CPU: no caching allocator
+    assert after["fragmentation"] == 0.0 and after["inflight"] == 0 and after["device"] == "cpu"
 
 
 @pytest.fixture(scope="module")
