@@ -189,8 +189,14 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.device:
         settings.runtime.device = args.device
-    host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
-                              node=args.node)
+    from prewarm.errors import PermanentError
+
+    try:
+        host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
+                                  node=args.node)
+    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device
+        print(f"prewarm serve-model: {exc}", file=sys.stderr)
+        return 2
     bind = args.host or settings.runtime.host
     port = settings.runtime.port if args.port is None else args.port
 

@@ -287,3 +287,11 @@ def test_explicit_load_then_serve_then_sigterm(lazy_server: RuntimeProcess, serv
     rc = lazy_server.stop(timeout=15)
     assert rc == 0, lazy_server.output()
     assert "shutting down tiny" in lazy_server.output()
+
+
+def test_serve_model_refuses_a_directory_without_a_model(tmp_path: Path, clean_env: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from prewarm.cli import main
+
+    assert main(["serve-model", "--model-dir", str(tmp_path), "--port", "0"]) == 2
+    assert "not a model directory" in capsys.readouterr().err
