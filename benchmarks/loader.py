@@ -167,6 +167,7 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         second.release()
         del second
 
+        # Above 1.0 means the machine was noisier during one path than another (shared CPU).
         out["overlap_efficiency"] = (out["ttft_full_s"] - out["ttft_progressive_s"]) / min(out["load_s"], out["compute_s"])
         out["vs_torch_load_ratio"] = out["ttft_progressive_s"] / out["ttft_torch_load_s"]
         out["snapshot_load_ratio"] = out["snapshot_load_s"] / first_load_s
@@ -207,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", help="model size (default 512MB, 96MB with --quick)")
     ap.add_argument("--prompt-tokens", type=int, default=320, help="prefill length of the first request")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's); 1 is steadier on a busy shared CPU")
     ap.add_argument("--workdir", type=Path, help="where to write the model (default: the temp dir)")
     ap.add_argument("--snapshot-dir", type=Path, help="where the node snapshot goes (default: /dev/shm)")
     args = ap.parse_args(argv)
     size = args.size or ("96MB" if args.quick else "512MB")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     r = run(size, args.prompt_tokens, args.device, args.workdir, args.snapshot_dir)
     print(table(r))
     if args.json:
