@@ -115,6 +115,19 @@ def test_streaming_matches_the_plain_answer(server: RuntimeProcess) -> None:
     assert len({c["id"] for c in chunks}) == 1
 
 
+def test_concurrent_streams_beyond_the_worker_count_all_finish(server: RuntimeProcess) -> None:
+    """More streams than generation threads (2): the engine serialises them, none starves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"prompt": PROMPT, "max_tokens": 6, "stream": True}
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        streams = [pool.submit(_sse, server.url, body) for _ in range(5)]
+        plain = [pool.submit(_complete, server.url, max_tokens=6) for _ in range(3)]
+        texts = {"".join(c["choices"][0]["text"] for c in f.result(timeout=60)[:-1]) for f in streams}
+        texts |= {f.result(timeout=60)[1]["choices"][0]["text"] for f in plain}
+    assert len(texts) == 1
+
+
 def test_logprobs_agree_with_the_greedy_token(server: RuntimeProcess) -> None:
     status, body, _ = _complete(server.url, max_tokens=2, logprobs=5)
     assert status == 200, body
