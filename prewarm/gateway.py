@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import aiohttp
 import redis
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower()}
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, code: str, *, headers: dict[str, str] | None = None) -> web.Response:
@@ -60,6 +61,7 @@ class GatewayState:
     views: dict[str, _ModelCache] = field(default_factory=dict)
     models_at: float = 0.0
     models: set[str] = field(default_factory=set)
+    reads: dict[str, "asyncio.Future[Any]"] = field(default_factory=dict)  # registry reads in flight, by key
 
     def exclusions(self, now: float) -> frozenset[str]:
         for rid in [r for r, until in self.excluded.items() if until <= now]:
@@ -133,19 +135,47 @@ class Gateway:
         return app
 
     # --- registry reads, cached for refresh_interval_s ------------------------------------------
+    async def _single_flight(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """One registry read per key at a time: callers that find the cache stale while a read
+        is in flight wait for that read. Without this, every request in flight when the cache
+        expires reads Redis at once, and 200 connections exhaust the client's connection pool
+        ("Too many connections" -> 503). Shielded: a client that goes away cancels only its wait."""
+        task = self.state.reads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(fetch())
+            self.state.reads[key] = task
+
+            def _done(t: "asyncio.Future[Any]") -> None:
+                self.state.reads.pop(key, None)
+                if not t.cancelled():
+                    t.exception()  # retrieved here too, in case every waiter went away
+
+            task.add_done_callback(_done)
+        return await asyncio.shield(task)
+
     async def _view(self, model: str, *, fresh: bool = False) -> RoutingView:
-        mono = time.monotonic()
         cache = self.state.views.setdefault(model, _ModelCache())
-        if fresh or cache.view is None or mono - cache.at > self.cfg.refresh_interval_s:
-            cache.view = await self.reader.view(model, now=time.time())
-            cache.at = mono
+        if fresh or cache.view is None or time.monotonic() - cache.at > self.cfg.refresh_interval_s:
+
+            async def fetch() -> RoutingView:
+                mono = time.monotonic()
+                view = await self.reader.view(model, now=time.time())
+                cache.view, cache.at = view, mono
+                return view
+
+            return await self._single_flight(f"view:{model}", fetch)
         return cache.view
 
     async def _known_models(self) -> set[str]:
-        mono = time.monotonic()
-        if mono - self.state.models_at > self.cfg.refresh_interval_s:
-            self.state.models = await self.reader.models() | self.configured_models
-            self.state.models_at = mono
+        if time.monotonic() - self.state.models_at > self.cfg.refresh_interval_s:
+
+            async def fetch() -> set[str]:
+                mono = time.monotonic()
+                self.state.models = await self.reader.models() | self.configured_models
+                self.state.models_at = mono
+                return self.state.models
+
+            return await self._single_flight("models", fetch)
         return self.state.models
 
     def _route(self, view: RoutingView, warmup: bool) -> RouteDecision:
