@@ -50,13 +50,22 @@ def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any],
         print(json.dumps(result), flush=True)
 
 
-def prewarm_process(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start `prewarm ARGS` from this checkout's environment."""
+def prewarm_process(args: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start `prewarm ARGS` from this checkout's environment.
+
+    With `log`, stdout and stderr go to that file: a process that logs a lot under load
+    (a warning per failed request) must not block on a pipe nobody reads.
+    """
     exe = Path(sys.executable).with_name("prewarm")
-    return subprocess.Popen(
-        [str(exe), *args], env={**os.environ, **env}, cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    if log is None:
+        return subprocess.Popen(
+            [str(exe), *args], env={**os.environ, **env}, cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [str(exe), *args], env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:

@@ -1,0 +1,422 @@
+"""Load benchmark: the gateway under saturation and at a fixed rate, next to one replica reached directly.
+
+Why: the gateway is the one process every user request crosses, so it must neither fail
+(no 5xx, no socket errors under 200 connections) nor add latency that matters (p99
+overhead under 5 ms at a sustainable rate). On a shared machine absolute numbers mean
+little, so every figure is paired with the same measurement against one replica
+directly, taken in the same run.
+
+What runs — real processes, all started here and stopped at the end, also on an error,
+Ctrl-C or SIGTERM: an embedded Redis, two `prewarm serve-model` runtimes serving a tiny
+random-weight model (CUDA when available), and one `prewarm gateway` routing by the
+registry.
+
+How the replicas come up: NOT through the Celery node agents. This script drives each
+runtime itself, exactly the steps of the agent's pipeline (workers/pipeline.py), so the
+benchmark measures serving and nothing of the task machinery: register `pending` →
+`loading` (POST /load through `BuiltinRuntimeAdapter`, progress into the registry) →
+`warming` (signed warmup requests, validation inputs, the pure checks of
+`prewarm.validation`) → mark ready on the runtime (`/readyz` 200) → `ready` in the
+registry. A thread heartbeats them while the load runs, as the agent would.
+
+Load generators (Debian packages): `wrk` for saturation (200 connections, 60 s, 10 s with
+--quick; `wrk_post.lua` sends POST /v1/completions with a short prompt and max_tokens=1)
+and `hey` for latency at a fixed rate of half the direct path's saturation throughput
+(`-q` per worker × `-c` workers, `-z` duration, `-o csv`: percentiles computed here from
+every request). Direct and gateway latency runs are interleaved in rounds so both see the
+same machine.
+
+Keys: `requests`, `errors` (non-2xx + socket errors through the gateway; target 0),
+`throughput_rps`, `direct_throughput_rps`, `throughput_ratio`, `p50_ms`, `p99_ms`,
+`direct_p99_ms`, `overhead_p99_ms` (target < 5 ms), and what explains them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import redis
+
+from benchmarks.common import parser, percentile, prewarm_process, report, stop, wait_http
+from prewarm.adapters import BuiltinRuntimeAdapter
+from prewarm.domain import Replica, ReplicaState
+from prewarm.embedded import EmbeddedRedis, free_port
+from prewarm.manifest import load_manifest
+from prewarm.model import make_model
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import Settings
+from prewarm.validation import tensor_specs, validate
+from prewarm.warmup import WarmupPlan, generate_requests
+
+MODEL = "loadbench"
+NODE = "bench-node"
+CONNECTIONS = 200
+LUA = Path(__file__).with_name("wrk_post.lua")
+BODY = json.dumps({"model": MODEL, "prompt": "Hello, how are you today?", "max_tokens": 1})
+
+
+# --- bringing replicas up the agent's way ------------------------------------------------------
+
+
+def bring_up(reg: ReplicaRegistry, adapter: BuiltinRuntimeAdapter, replica: Replica, model_dir: Path,
+             settings: Settings, secret: str, timeout_s: float = 120.0, attempts: int = 3) -> Replica:
+    """pending → loading → warming → validated → ready, as workers/pipeline.py does it.
+
+    One difference: a failed validation is warmed and checked again, up to `attempts`
+    times, because on a shared machine a noisy neighbour can push one warm batch past the
+    1.2 × baseline latency rule (the agent would fail the replica and prewarm a new one).
+    """
+    rid = replica.id
+    reg.register(replica, now=time.time())
+    reg.transition(rid, ReplicaState.LOADING, now=time.time(), expected=ReplicaState.PENDING)
+    adapter.load()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = adapter.load_status()
+        if status.error:
+            raise RuntimeError(f"runtime of {rid} failed to load: {status.error}")
+        reg.set_progress(rid, min(1.0, max(0.0, status.progress)), status.phase, now=time.time())
+        if status.loaded:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"runtime of {rid} did not load within {timeout_s}s")
+        time.sleep(0.05)
+    reg.transition(rid, ReplicaState.WARMING, now=time.time(), expected=ReplicaState.LOADING)
+    node_class = settings.agent.node_class
+    for attempt in range(1, attempts + 1):
+        plan = WarmupPlan.from_settings(MODEL, settings.warmup, seed=attempt)
+        latencies = adapter.warmup(generate_requests(plan, secret=secret, now=time.time()))
+        probe = adapter.validation_inputs()
+        result = validate(
+            expected=tensor_specs(load_manifest(model_dir).tensors), live=probe.live, logits=probe.logits,
+            latencies_s=latencies, baseline_s=reg.baseline(MODEL, node_class),
+            mean_bound=settings.warmup.logits_mean_bound, latency_factor=settings.warmup.latency_factor,
+        )
+        if result.passed:
+            break
+        print(f"replica {rid}: validation attempt {attempt} failed: {result.reason}", file=sys.stderr)
+    else:
+        raise RuntimeError(f"replica {rid} failed validation {attempts} times: {result.reason}")
+    if result.record_baseline is not None:
+        reg.set_baseline_if_absent(MODEL, node_class, result.record_baseline)
+    if not adapter.mark_ready(result) or not adapter.ready():
+        raise RuntimeError(f"runtime of {rid} does not report /readyz 200 after validation")
+    return reg.transition(rid, ReplicaState.READY, now=time.time(), expected=ReplicaState.WARMING)
+
+
+class Heartbeats(threading.Thread):
+    """Keeps the ready replicas routable (the gateway skips a replica whose heartbeat expired)."""
+
+    def __init__(self, reg: ReplicaRegistry, replicas: list[Replica], interval_s: float) -> None:
+        super().__init__(name="heartbeats", daemon=True)
+        self.reg, self.replicas, self.interval_s = reg, replicas, interval_s
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(self.interval_s):
+            for r in self.replicas:
+                try:
+                    self.reg.heartbeat(r, now=time.time())
+                except Exception as exc:  # noqa: BLE001 - a missed beat shows up as errors in the figures
+                    print(f"heartbeat of {r.id} failed: {exc}", file=sys.stderr)
+
+
+# --- the load generators --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    seconds: float
+    non2xx: int  # "Non-2xx or 3xx responses"
+    socket_errors: dict[str, int]  # "Socket errors: connect, read, write, timeout"
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def errors(self) -> int:
+        return self.non2xx + sum(self.socket_errors.values())
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+
+_NON2XX = re.compile(r"Non-2xx or 3xx responses:\s*(\d+)")
+_SOCKET = re.compile(r"Socket errors:\s*connect (\d+), read (\d+), write (\d+), timeout (\d+)")
+
+
+def parse_wrk(text: str) -> WrkResult:
+    """Read wrk's text summary (error lines) and the WRK_JSON line of wrk_post.lua (exact counts)."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("WRK_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no WRK_JSON line (did wrk_post.lua run?):\n{text[-2000:]}")
+    data = json.loads(line[len("WRK_JSON "):])
+    m = _NON2XX.search(text)
+    non2xx = int(m.group(1)) if m else 0
+    s = _SOCKET.search(text)
+    sock = dict(zip(("connect", "read", "write", "timeout"), map(int, s.groups()))) if s else \
+        {"connect": 0, "read": 0, "write": 0, "timeout": 0}
+    exact = {k: int(data[k]) for k in ("connect", "read", "write", "timeout")}
+    if non2xx != int(data["status"]) or sock != exact:
+        raise RuntimeError(f"wrk's text summary ({non2xx} non-2xx, {sock}) disagrees with its "
+                           f"done() counts ({data['status']} non-2xx, {exact})")
+    return WrkResult(int(data["requests"]), data["duration_us"] / 1e6, non2xx, sock,
+                     data["p50_us"] / 1000, data["p99_us"] / 1000)
+
+
+def run_wrk(url: str, seconds: int, connections: int = CONNECTIONS) -> WrkResult:
+    threads = 2
+    cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
+           "-s", str(LUA), url, "--", MODEL]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return parse_wrk(done.stdout)
+
+
+@dataclass(frozen=True)
+class HeyResult:
+    latencies_s: list[float]  # successful requests only
+    statuses: dict[str, int]
+    seconds: float
+
+    @property
+    def errors(self) -> int:
+        return sum(n for code, n in self.statuses.items() if not code.startswith("2"))
+
+    @property
+    def rate(self) -> float:
+        return sum(self.statuses.values()) / self.seconds if self.seconds > 0 else 0.0
+
+
+def parse_hey_csv(text: str, seconds: float) -> HeyResult:
+    """hey -o csv: one row per request (response-time in seconds, status-code, ...)."""
+    rows = csv.DictReader(io.StringIO(text))
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    for row in rows:
+        code = row.get("status-code", "").strip() or "error"
+        statuses[code] = statuses.get(code, 0) + 1
+        if code.startswith("2"):
+            latencies.append(float(row["response-time"]))
+    if not statuses:
+        raise RuntimeError(f"hey printed no requests:\n{text[-2000:]}")
+    return HeyResult(latencies, statuses, seconds)
+
+
+def rate_plan(rate: float, per_worker: float = 10.0) -> tuple[int, float]:
+    """(workers, q per worker) for a total rate; each worker waits 1/q between requests."""
+    workers = max(4, math.ceil(rate / per_worker))
+    return workers, rate / workers
+
+
+def run_hey(url: str, seconds: int, rate: float) -> HeyResult:
+    workers, q = rate_plan(rate)
+    cmd = ["hey", "-z", f"{seconds}s", "-c", str(workers), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
+           "-T", "application/json", "-d", BODY, "-o", "csv", url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    if done.returncode != 0:
+        raise RuntimeError(f"hey exited {done.returncode}: {done.stderr[-2000:]}")
+    return parse_hey_csv(done.stdout, seconds)
+
+
+# --- what the servers say ---------------------------------------------------------------------
+
+
+def gateway_counts(port: int) -> dict[str, float]:
+    """From the gateway's own /metrics: user requests by status code ("code 200") and
+    routing decisions by outcome ("route serving", "route registry_unavailable", ...)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^gateway_(requests|routing_decisions)_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if m.group(1) == "requests" and labels.get("kind") == "user":
+            key = f"code {labels['code']}"
+        elif m.group(1) == "routing_decisions":
+            key = f"route {labels['outcome']}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def user_requests(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10) as resp:
+        return int(json.loads(resp.read())["user"])
+
+
+def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v - before.get(k, 0.0) > 0}
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str, Any]:
+    sat_s = 10 if quick else 60
+    lat_s, rounds = (4, 1) if quick else (10, 3)
+    secret = secrets.token_hex(16)
+    settings = Settings.load()
+    with ExitStack() as stack:
+        tmp = Path(tempfile.mkdtemp(prefix="prewarm-load-"))
+        stack.callback(shutil.rmtree, tmp, True)
+        model_dir = make_model(tmp / "model", "tiny", name=MODEL)
+        server = stack.enter_context(EmbeddedRedis())
+        env = {"PREWARM_REDIS_URL": server.url, "PREWARM_WARMUP_SECRET": secret,
+               "PREWARM_RUNTIME_SNAPSHOT_DIR": str(tmp / "snapshots"), "PREWARM_GATEWAY_HOST": "127.0.0.1",
+               "PREWARM_RUNTIME_HOST": "127.0.0.1"}
+        ports = [free_port() for _ in range(replicas)]
+        for slot, port in enumerate(ports):
+            proc = prewarm_process(["serve-model", "--model-dir", str(model_dir), "--port", str(port),
+                                    "--model-name", MODEL, "--node", NODE, "--no-autoload"],
+                                   env, log=tmp / f"runtime-{slot}.log")
+            stack.callback(stop, proc)
+        gw_port = free_port()
+        gateway = prewarm_process(["gateway", "--port", str(gw_port)], env, log=tmp / "gateway.log")
+        stack.callback(stop, gateway)
+        for port in ports:
+            wait_http(f"http://127.0.0.1:{port}/healthz", timeout=120)
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz", timeout=60)
+        say(f"redis, {replicas} runtimes and the gateway answer")
+
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        stack.callback(client.close)
+        reg = ReplicaRegistry(client, settings.registry)
+        revision = load_manifest(model_dir).revision or "0"
+        ready: list[Replica] = []
+        t0 = time.monotonic()
+        for slot, port in enumerate(ports):
+            endpoint = f"http://127.0.0.1:{port}"
+            adapter = BuiltinRuntimeAdapter(endpoint, token=secret, model=MODEL)
+            ready.append(bring_up(reg, adapter, Replica(MODEL, revision, NODE, slot, endpoint=endpoint),
+                                  model_dir, settings, secret))
+        say(f"{len(ready)} replicas ready in {time.monotonic() - t0:.1f}s (registry: "
+            f"{', '.join(r.id for r in ready)})")
+        beats = Heartbeats(reg, ready, settings.registry.heartbeat_interval_s)
+        beats.start()
+        stack.callback(beats.halt.set)
+
+        direct_url = f"{ready[0].endpoint}/v1/completions"
+        gw_url = f"http://127.0.0.1:{gw_port}/v1/completions"
+        run_wrk(direct_url, 1 if quick else 3)  # open connections, warm caches and threads on both paths
+        run_wrk(gw_url, 1 if quick else 3)
+
+        say(f"saturation: {CONNECTIONS} connections for {sat_s}s, direct then through the gateway")
+        direct = run_wrk(direct_url, sat_s)
+        codes_before = gateway_counts(gw_port)
+        served_before = [user_requests(p) for p in ports]
+        via = run_wrk(gw_url, sat_s)
+        codes = _diff(gateway_counts(gw_port), codes_before)
+        served = [user_requests(p) - b for p, b in zip(ports, served_before)]
+
+        rate = direct.rps / 2
+        workers, q = rate_plan(rate)
+        say(f"latency: {rate:.0f} req/s ({workers} workers x {q:.2f}/s), {rounds} x {lat_s}s per path, interleaved")
+        lat_direct: list[HeyResult] = []
+        lat_via: list[HeyResult] = []
+        for _ in range(rounds):
+            lat_direct.append(run_hey(direct_url, lat_s, rate))
+            lat_via.append(run_hey(gw_url, lat_s, rate))
+        say("measured; stopping everything")
+        gw_log = (tmp / "gateway.log").read_text(errors="replace")[-2000:] if via.errors else ""
+
+    d_lat = [x for r in lat_direct for x in r.latencies_s]
+    v_lat = [x for r in lat_via for x in r.latencies_s]
+    total = sum(served) or 1
+    return {
+        "requests": via.requests,
+        "errors": via.errors,
+        "non2xx": via.non2xx,
+        "socket_errors": via.socket_errors,
+        "gateway_codes": codes,
+        "throughput_rps": via.rps,
+        "direct_throughput_rps": direct.rps,
+        "throughput_ratio": via.rps / direct.rps if direct.rps else math.nan,
+        "direct_errors": direct.errors,
+        "saturation_p99_ms": via.p99_ms,
+        "direct_saturation_p99_ms": direct.p99_ms,
+        "replica_share": [n / total for n in served],
+        "rate_rps": rate,
+        "achieved_rate_rps": sum(r.rate for r in lat_via) / len(lat_via),
+        "direct_achieved_rate_rps": sum(r.rate for r in lat_direct) / len(lat_direct),
+        "p50_ms": percentile(v_lat, 50) * 1000,
+        "p99_ms": percentile(v_lat, 99) * 1000,
+        "direct_p50_ms": percentile(d_lat, 50) * 1000,
+        "direct_p99_ms": percentile(d_lat, 99) * 1000,
+        "overhead_p50_ms": (percentile(v_lat, 50) - percentile(d_lat, 50)) * 1000,
+        "overhead_p99_ms": (percentile(v_lat, 99) - percentile(d_lat, 99)) * 1000,
+        "latency_errors": sum(r.errors for r in lat_via),
+        "direct_latency_errors": sum(r.errors for r in lat_direct),
+        "latency_samples": len(v_lat),
+        "direct_latency_samples": len(d_lat),
+        "replicas": replicas,
+        "saturation_s": sat_s,
+        "latency_s": lat_s * rounds,
+        "quick": quick,
+        "gateway_log_tail": gw_log,
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=2, help="runtime replicas behind the gateway (default 2)")
+    args = p.parse_args()
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    for tool in ("wrk", "hey"):
+        if shutil.which(tool) is None:
+            p.error(f"{tool} is not installed (Debian package '{tool}')")
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    began = time.monotonic()
+    result = measure(args.quick, args.replicas,
+                     lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True))
+    share = ", ".join(f"{x:.0%}" for x in result["replica_share"])
+    rows = [
+        ("requests", result["requests"], f"through the gateway in {result['saturation_s']}s at {CONNECTIONS} connections"),
+        ("errors", result["errors"], f"target 0; non-2xx {result['non2xx']}, socket {result['socket_errors']}"),
+        ("gateway", json.dumps(result["gateway_codes"]), "its /metrics during saturation: codes, routing outcomes"),
+        ("throughput_rps", result["throughput_rps"], f"gateway -> {result['replicas']} replicas (share {share})"),
+        ("direct_throughput_rps", result["direct_throughput_rps"], "one replica, no gateway, same run"),
+        ("throughput_ratio", result["throughput_ratio"], "gateway / direct"),
+        ("saturation_p99_ms", result["saturation_p99_ms"], f"direct {result['direct_saturation_p99_ms']:.4g} ms"),
+        ("rate_rps", result["rate_rps"], f"half the direct saturation throughput; achieved "
+                                         f"{result['achieved_rate_rps']:.4g} (direct {result['direct_achieved_rate_rps']:.4g})"),
+        ("p50_ms", result["p50_ms"], f"through the gateway; direct {result['direct_p50_ms']:.4g} ms"),
+        ("p99_ms", result["p99_ms"], f"through the gateway, {result['latency_samples']} requests"),
+        ("direct_p99_ms", result["direct_p99_ms"], f"one replica, {result['direct_latency_samples']} requests"),
+        ("overhead_p99_ms", result["overhead_p99_ms"], "target < 5 ms"),
+        ("latency_errors", result["latency_errors"], f"non-2xx at the fixed rate; direct {result['direct_latency_errors']}"),
+    ]
+    if result["gateway_log_tail"]:
+        print(f"gateway log (tail):\n{result['gateway_log_tail']}", file=sys.stderr)
+    report("prewarm load benchmark", rows, result, args.json)
+
+
+if __name__ == "__main__":
+    main()
