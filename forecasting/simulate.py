@@ -496,6 +496,10 @@ def _replay_fluid(work: Workload, policy: "Policy", env: object, params: SimPara
         if progress is not None and t % report_every == 0:
             progress(t / T)
     gpu += sum(T - s0 for s0 in ready_starts) + sum(T - s0 for s0, _ in loading)
+    cap = len(ready_starts) * per_replica
+    if backlog > 1e-9 and cap > 0:  # the queue left at the end drains at the last capacity
+        extra = int(math.ceil(backlog / cap))
+        dep.extend([cap] * (extra - 1) + [backlog - cap * (extra - 1)])
     wait, weight = _fluid_waits(work.counts, np.asarray(dep), T)
     if progress is not None:
         progress(1.0)
@@ -505,9 +509,10 @@ def _replay_fluid(work: Workload, policy: "Policy", env: object, params: SimPara
 def _fluid_waits(counts: np.ndarray, dep: np.ndarray, T: int, parts: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """FIFO waits from cumulative curves: each second's arrivals split into `parts` cohorts."""
     A = np.concatenate([[0.0], np.cumsum(counts)])
-    D = np.concatenate([[0.0], np.cumsum(dep)])
+    D = np.concatenate([[0.0], np.cumsum(dep)])  # may run past T while a final backlog drains
+    T = dep.size
     waits, weights = [], []
-    sec = np.arange(T, dtype=np.float64)
+    sec = np.arange(counts.size, dtype=np.float64)
     for j in range(parts):
         f = (j + 0.5) / parts
         k = A[:-1] + counts * f  # the cohort's position in the arrival order

@@ -1,0 +1,199 @@
+"""The trace replay on tiny hand-made traces whose right answer is known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forecasting.models import QuantileForecaster
+from forecasting.policies import POLICIES, Policy, PolicyEnv, Prewarm, make_policy
+from forecasting.scoring import run_backtest, weighted_quantile
+from forecasting.simulate import Observation, SimParams, build_workload, replay
+from forecasting.traces import RateTrace, RequestTrace
+from prewarm.cli import main
+
+P = SimParams()
+
+
+def request_trace(times: list[float], context: float = 1000.0, generated: float = 10.0) -> RequestTrace:
+    t = np.asarray(times, dtype=np.float64)
+    return RequestTrace(t=t, context_tokens=np.full(t.size, context), generated_tokens=np.full(t.size, generated),
+                        source="hand-made")
+
+
+class Scripted(Policy):
+    """A test policy: the live count is a step function of time, ready from the start."""
+
+    name = "scripted"
+    period_s = 1.0
+
+    def __init__(self, steps: list[tuple[float, int]]) -> None:
+        self.steps = steps
+
+    def start(self, env: PolicyEnv) -> int:
+        return self.steps[0][1]
+
+    def decide(self, obs: Observation) -> int:
+        return [n for t, n in self.steps if t <= obs.now][-1]
+
+
+def test_single_burst_reactive_pays_one_cold_start_oracle_none() -> None:
+    # 10 requests of 30 s (1200 generated tokens at 40/s) at t=100, on an idle service with 1 replica
+    times = [0.0] + [100.0] * 10 + [300.0]
+    gen = [1.0] + [1200.0] * 10 + [1.0]
+    trace = RequestTrace(t=np.asarray(times), context_tokens=np.zeros(12), generated_tokens=np.asarray(gen),
+                         source="burst")
+    work = build_workload(trace, P)
+    reactive = replay(work, make_policy("reactive"), P)
+    # 8 slots take 8; 2 wait. The HPA sync at 120 sees 10 busy -> 2 replicas; ready at 128.7
+    assert reactive.starts == 1
+    hits = np.sort(reactive.wait[reactive.wait > P.wait_threshold_s])
+    assert hits.size == 2
+    assert hits == pytest.approx([28.7, 28.7])
+    oracle = replay(work, make_policy("oracle"), P)
+    assert (oracle.wait <= P.wait_threshold_s).all()
+    assert oracle.wait.max() == 0.0
+
+
+def test_steady_load_within_one_replica_no_cold_starts() -> None:
+    # one request a second, 0.3 s each: far within one replica, for 15 minutes
+    trace = request_trace([float(i) for i in range(900)], context=1000.0, generated=10.0)
+    work = build_workload(trace, P)
+    for name in ("reactive", "fixed_pool", "keepalive", "oracle"):
+        run = replay(work, make_policy(name), P)
+        assert run.wait.max() == 0.0, name
+        assert run.starts == 0, name
+
+
+def test_gpu_hours_arithmetic() -> None:
+    trace = request_trace([0.0, 3599.5], context=0.0, generated=2.0)
+    work = build_workload(trace, P)
+    assert work.duration_s == 3600.0
+    run = replay(work, Scripted([(0.0, 2)]), P)
+    assert run.gpu_s == pytest.approx(2 * 3600.0)
+    # one more replica from t=1800: it loads (8.7 s) and is paid from its load start
+    run = replay(work, Scripted([(0.0, 1), (1800.0, 2)]), P)
+    assert run.gpu_s == pytest.approx(3600.0 + 1800.0)
+    assert run.starts == 1
+    assert int(run.live[1000]) == 1 and int(run.live[2000]) == 2
+
+
+def test_draining_replica_finishes_its_requests() -> None:
+    # two 40 s requests at t=0 land on two replicas; at t=10 the policy wants one
+    trace = RequestTrace(t=np.asarray([0.0, 0.0, 599.0]), context_tokens=np.zeros(3),
+                         generated_tokens=np.asarray([1598.0, 1598.0, 1.0]), source="drain")
+    work = build_workload(trace, P)
+    run = replay(work, Scripted([(0.0, 2), (10.0, 1)]), P)
+    assert run.wait.max() == 0.0  # both were served without interruption
+    assert run.gpu_s == pytest.approx(600.0 + 40.0)  # the drained one retired when its request ended
+    assert int(run.live[20]) == 2 and int(run.live[45]) == 1
+
+
+class _SpyForecaster:
+    """The real QuantileForecaster, recording the last bucket it was shown at each call."""
+
+    calls: list[tuple[str, float, float]] = []  # (method, last index, decision time)
+    now: float = 0.0
+
+    def __init__(self) -> None:
+        self.inner = QuantileForecaster(quantiles=(0.5, 0.9, 0.99), bucket_s=60.0, max_horizon=10, max_iter=20)
+
+    def fit(self, y: pd.Series) -> "_SpyForecaster":
+        self.calls.append(("fit", float(y.index[-1]), self.now))
+        self.inner.fit(y)
+        return self
+
+    def predict(self, y: pd.Series, horizon: int) -> pd.DataFrame:
+        self.calls.append(("predict", float(y.index[-1]), self.now))
+        return self.inner.predict(y, horizon)
+
+
+class _SpyPrewarm(Prewarm):
+    def _forecast(self, now: float) -> None:
+        _SpyForecaster.now = now
+        super()._forecast(now)
+
+
+def test_prewarm_never_sees_the_future() -> None:
+    rng = np.random.default_rng(3)
+    trace = RateTrace(window_start_s=np.arange(0, 3600.0, 60.0), rate=rng.uniform(0.5, 4.0, 60), window_s=60.0,
+                      source="spy")
+    params = SimParams(seed=1)
+    work = build_workload(trace, params)
+    _SpyForecaster.calls = []
+    policy = _SpyPrewarm(forecaster=_SpyForecaster, forecast_every_s=300.0)
+    run = replay(work, policy, params)
+    assert run.ttft.size == work.arrivals.size  # type: ignore[union-attr]
+    assert {c[0] for c in _SpyForecaster.calls} == {"fit", "predict"}
+    for method, last_index, now in _SpyForecaster.calls:
+        # the last bucket shown ended at or before the decision time
+        assert last_index + 60.0 <= now + 1e-9, (method, last_index, now)
+    env = PolicyEnv(work=work, params=params)
+    view = env.past_counts(1234.5)
+    assert view.size == 1234
+    with pytest.raises(ValueError):
+        view[0] = 99.0
+
+
+def test_determinism_under_seed() -> None:
+    trace = RateTrace(window_start_s=np.arange(0, 1800.0, 300.0), rate=np.asarray([1.0, 3.0, 8.0, 2.0, 1.0, 5.0]),
+                      window_s=300.0, source="seeded")
+    a = run_backtest(trace, SimParams(seed=7), ("reactive", "keepalive", "oracle"))["result"]
+    b = run_backtest(trace, SimParams(seed=7), ("reactive", "keepalive", "oracle"))["result"]
+    c = run_backtest(trace, SimParams(seed=8), ("reactive", "keepalive", "oracle"))["result"]
+    strip = lambda r: {k: {m: v for m, v in s.items() if m != "replay_s"} for k, s in r["policies"].items()}  # noqa: E731
+    assert strip(a) == strip(b)
+    assert a["params"]["requests"] != c["params"]["requests"]
+
+
+def test_fluid_engine_capacity_and_waits() -> None:
+    # 200 req/s for 10 minutes, 0.5 s each (10 ms of prefill + 19.6 tokens of decode)
+    trace = RateTrace(window_start_s=np.asarray([0.0]), rate=np.asarray([200.0]), window_s=600.0, source="flat")
+    params = SimParams(mean_context_tokens=0.0, prefill_base_s=0.01, mean_generated_tokens=19.6)
+    work = build_workload(trace, params)
+    assert work.aggregated and any("aggregated per second" in n for n in work.notes)
+    # 100 busy slots needed: 16 replicas (128 slots) serve it without waiting
+    ample = replay(work, Scripted([(0.0, 16)]), params)
+    assert ample.wait.max() == pytest.approx(0.0, abs=1e-6)
+    assert ample.gpu_s == pytest.approx(16 * 600.0)
+    # 10 replicas serve 160 req/s: the backlog grows 40 req/s, and the last arrivals wait ~ 600*40/160
+    short = replay(work, Scripted([(0.0, 10)]), params)
+    assert short.wait.max() == pytest.approx(600 * 40 / 160, rel=0.1)
+    share = float(short.weight[short.wait > 0.5].sum() / short.weight.sum())  # type: ignore[index]
+    assert share > 0.95
+
+
+def test_weighted_quantile() -> None:
+    v = np.asarray([1.0, 2.0, 3.0])
+    assert weighted_quantile(v, np.asarray([1.0, 1.0, 98.0]), 0.5) == 3.0
+    assert weighted_quantile(v, np.asarray([98.0, 1.0, 1.0]), 0.5) == 1.0
+
+
+def test_cli_json_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 900, 1500))
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for x in t:
+        stamp = pd.Timestamp("2023-11-16 18:00:00") + pd.Timedelta(seconds=float(x))
+        lines.append(f"{stamp.strftime('%Y-%m-%d %H:%M:%S.%f')}0,{rng.integers(100, 4000)},{rng.integers(5, 60)}")
+    path = tmp_path / "small.csv"
+    path.write_text("\n".join(lines) + "\n")
+    plot = tmp_path / "out.png"
+    rc = main(["backtest", str(path), "--json", "--plot", str(plot), "--rate-scale", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    last = json.loads(out.strip().splitlines()[-1])
+    assert set(last) == {"trace", "params", "policies"}
+    assert set(last["policies"]) == set(POLICIES)
+    for s in last["policies"].values():
+        for key in ("ttft_p50_s", "ttft_p99_s", "ttft_p999_s", "cold_start_share", "gpu_hours",
+                    "gpu_hours_vs_reactive", "gpu_hours_vs_oracle", "warm_cost_ratio"):
+            assert key in s
+    assert last["params"]["rate_scale"] == 2.0
+    assert "rate scaled x2" in out  # the scaling is stated in the readable output too
+    assert plot.stat().st_size > 10_000
+    assert main(["backtest", str(path), "--policies", "nope"]) == 2
