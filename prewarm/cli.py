@@ -143,10 +143,14 @@ def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
     from prewarm.domain import check_name
+    from prewarm.errors import InvalidPayload
     from workers.agent import run_agent
 
     if args.node:
-        settings.agent.node = check_name(args.node, "--node")
+        try:
+            settings.agent.node = check_name(args.node, "--node")
+        except InvalidPayload as exc:
+            raise SettingsError(str(exc)) from None
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: an agent needs the shared Redis of its planner and gateway")
     return run_agent(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
@@ -184,7 +188,7 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
     import logging
 
-    from prewarm import runtime
+    from prewarm import runtime_serve as runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.device:

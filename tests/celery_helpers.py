@@ -49,8 +49,8 @@ def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, s
         "PREWARM_AGENT_STATE_DIR": str(state_dir / "agent"),
         "PREWARM_AGENT_REPLICA_SLOTS": "4",
         "PREWARM_AGENT_PORT_BASE": str(_port_block()),
-        "PREWARM_AGENT_TASK_TIME_LIMIT_S": "40",
-        "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "41",  # > the time limit, as in production
+        "PREWARM_AGENT_TASK_TIME_LIMIT_S": "12",
+        "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "13",  # > the time limit, as in production; short: redelivery in seconds
         "PREWARM_AGENT_RESTORE_INTERVAL_S": "1",
         "PREWARM_AGENT_LOCK_TTL_S": "3",
         "PREWARM_AGENT_RETRY_BACKOFF_S": "0.5",

@@ -21,6 +21,8 @@ back after the visibility timeout, and the next agent adopts the orphaned runtim
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -202,13 +204,14 @@ class Agent:
 def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int | None = None) -> int:
     """`prewarm agent`: reconcile, then consume this node's queue until SIGTERM (blocks)."""
     setup_logging(loglevel)
+    # SIGTERM before Celery installs its handlers (during reconciliation) still runs the cleanup below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     agent = Agent(settings, metrics_port=metrics_port)
-    agent.start()
-    app = make_app(settings)
     argv = ["worker", "-Q", node_queue(agent.node), "-P", "threads", "-c", str(settings.agent.effective_concurrency),
             "-n", f"agent@{agent.node}", f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:
-        app.worker_main(argv)
+        agent.start()
+        make_app(settings).worker_main(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     finally:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -85,12 +87,14 @@ def run_beat(settings: Settings, *, schedule_file: str | None = None, loglevel: 
     """Run the one beat of the deployment (blocks)."""
     client = sync_client(settings.redis)
     lock = BeatLock(client, f"{os.uname().nodename}:{os.getpid()}")
-    lock.wait_acquire()
-    log.info("beat lock acquired; scheduling %s", ", ".join(schedule(settings)))
-    app = app_mod.make_app(settings)
-    path = Path(schedule_file or Path(settings.agent.state_dir) / "beat-schedule")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # SIGTERM before Celery installs its own handler must still release the lock (finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        lock.wait_acquire()
+        log.info("beat lock acquired; scheduling %s", ", ".join(schedule(settings)))
+        app = app_mod.make_app(settings)
+        path = Path(schedule_file or Path(settings.agent.state_dir) / "beat-schedule")
+        path.parent.mkdir(parents=True, exist_ok=True)
         app.Beat(loglevel=loglevel, schedule=str(path), max_interval=5).run()
     finally:
         lock.release()

@@ -1,0 +1,142 @@
+"""The planner worker and the beat as real processes: scale from zero, reaping, exactly one beat.
+
+A real `prewarm planner` consumes `prewarm.planner` from the test Redis. Node views are
+written the way an agent publishes them (`keys.node_info`), and the prewarm the planner
+decides is read back from the node's queue in the broker, where that node's agent would
+consume it. Demand is recorded with the gateway's own function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from prewarm import keys
+from prewarm.counters import record_demand
+from prewarm.domain import Replica, ReplicaState
+from prewarm.embedded import EmbeddedRedis, free_port
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import RedisSettings, RegistrySettings, Settings
+from tests.celery_helpers import WorkerProcess, wait_for, worker_env
+from workers.app import PREWARM, REAP, make_app, node_queue
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def planner(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    tmp = tmp_path_factory.mktemp("planner")
+    client: "redis.Redis[str]" = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client.flushall()
+    port = free_port()
+    env = worker_env(redis_server.url, tmp, PREWARM_PLANNER_MODELS='["tiny@r1"]',
+                     PREWARM_REGISTRY_REAPER_INTERVAL_S="1")
+    proc = WorkerProcess(["planner", "--metrics-port", str(port)], env, tmp / "planner.log").start()
+    settings = Settings(redis=RedisSettings(url=redis_server.url))
+    app = make_app(settings)
+    try:
+        yield {"client": client, "proc": proc, "app": app, "env": env, "tmp": tmp, "metrics_port": port,
+               "registry": ReplicaRegistry(client, RegistrySettings())}
+    finally:
+        proc.stop()
+        app.close()
+        client.close()
+
+
+def _queued(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]:
+    """The task messages waiting in a Redis-transport queue: (task name, args)."""
+    out = []
+    for raw in client.lrange(queue, 0, -1):
+        msg = json.loads(raw)
+        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
+            else json.loads(msg["body"])
+        out.append({"task": msg["headers"]["task"], "args": body[0]})
+    return out
+
+
+def _publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
+    client.hset(keys.node_info(node), mapping={"name": node, "replica_slots": str(slots), "ready": "1"})
+    client.expire(keys.node_info(node), keys.NODE_INFO_TTL_S)
+
+
+def _record_demand(url: str, model: str) -> None:
+    async def go() -> None:
+        c = aioredis.Redis.from_url(url, decode_responses=True)
+        try:
+            await record_demand(c, model, time.time())
+        finally:
+            await c.aclose()
+
+    asyncio.run(go())
+
+
+def test_unmet_demand_scales_from_zero_once(planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
+    client = planner["client"]
+    _publish_node(client, "n8", 1)
+    now = time.time()
+    planner["registry"].register(Replica("other", "r1", "n8", 0, state=ReplicaState.PENDING, created_at=now), now=now)
+    _publish_node(client, "n9", 2)  # the node with the most free slots
+    _record_demand(redis_server.url, "tiny")
+    queue = node_queue("n9")
+    wait_for(lambda: _queued(client, queue), 20, f"a prewarm on {queue} (planner log:\n{planner['proc'].log()})")
+    for _ in range(3):  # the gateway keeps announcing while nothing is ready: still one prewarm
+        _record_demand(redis_server.url, "tiny")
+    time.sleep(1.5)
+    assert _queued(client, queue) == [{"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
+    assert _queued(client, node_queue("n8")) == []
+
+
+def test_demand_for_an_unknown_model_prewarms_nothing(planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
+    _record_demand(redis_server.url, "mystery")
+    wait_for(lambda: "no revision is known" in planner["proc"].log(), 20, "the planner to report the unknown model")
+    assert not any(m["args"][0].startswith("mystery@") for q in ("n8", "n9")
+                   for m in _queued(planner["client"], node_queue(q)))
+
+
+def test_reap_fails_replicas_whose_heartbeat_expired(planner: dict[str, Any]) -> None:
+    reg: ReplicaRegistry = planner["registry"]
+    long_ago = time.time() - 600
+    reg.register(Replica("tiny", "r1", "gone", 0, state=ReplicaState.PENDING, created_at=long_ago), now=long_ago)
+    planner["app"].send_task(REAP)
+    wait_for(lambda: (reg.get("tiny@r1/gone/0") or Replica("x", "r", "n", 0)).state is ReplicaState.FAILED, 20,
+             "the reaper to fail the silent replica")
+    assert reg.get("tiny@r1/gone/0").reason == "heartbeat expired"  # type: ignore[union-attr]
+    with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'prewarm_replicas{model="tiny",pool="serving",state="failed"} 1.0' in text
+
+
+def test_exactly_one_beat_runs(planner: dict[str, Any]) -> None:
+    client, tmp, env = planner["client"], planner["tmp"], planner["env"]
+    first = WorkerProcess(["beat", "--schedule-file", str(tmp / "beat1")], env, tmp / "beat1.log")
+    second = WorkerProcess(["beat", "--schedule-file", str(tmp / "beat2")], env, tmp / "beat2.log")
+    first.start(ready_marker="beat lock acquired", timeout=30)
+    try:
+        second.start(ready_marker="waiting as a standby", timeout=30)
+        # the active beat's reap entry reaches the planner worker (reaper interval 1 s)
+        wait_for(lambda: "prewarm.reap[" in planner["proc"].log() and "Sending due task reap-expired-replicas"
+                 in first.log(), 30, "the beat to schedule the reaper")
+        assert "Sending due task" not in second.log()
+        first.stop()
+        second_owner = wait_for(lambda: "beat lock acquired" in second.log(), 60, "the standby to take over")
+        assert second_owner
+        assert client.get(keys.BEAT_LOCK) is not None
+    finally:
+        first.stop()
+        second.stop()
+    assert client.get(keys.BEAT_LOCK) is None  # released on shutdown
+
+
+def test_planner_log_has_no_tracebacks(planner: dict[str, Any]) -> None:
+    assert "Traceback" not in planner["proc"].log(), planner["proc"].log()[-3000:]
+

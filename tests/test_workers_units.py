@@ -1,0 +1,143 @@
+"""Unit tests of the Celery pipeline's pure parts: payload validation, routing, placement, app settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from prewarm.domain import Pool
+from prewarm.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError
+from prewarm.manifest import CorruptWeights
+from prewarm.settings import AgentSettings, RedisSettings, Settings
+from workers import payload
+from workers.beat import BeatLock
+from workers.app import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, make_app, route_task
+from workers.host import RuntimeExited
+from workers.pipeline import DeadlineExceeded, failure_reason
+from workers.planner import NodeSlots, choose_placement, resolve_revision
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {}, "missing required argument(s) replica_id"),
+        ((1,), {}, "replica_id must be a string"),
+        (("m@r/n/x",), {}, "replica_id must look like"),
+        (("m@r/n/0", "cold"), {}, "pool must be one of"),
+        (("m@r/n/0",), {"replica_id": "m@r/n/0"}, "given twice"),
+        (("m@r/n/0", "serving", None, "extra"), {}, "takes at most 3 arguments"),
+        (("m@r/n/0",), {"model_dir": ""}, "model_dir must be a non-empty path"),
+        (("m@r/n/0",), {"priority": 1}, "unknown argument 'priority'"),
+        (("bad name@r/n/0",), {}, "model must be"),
+    ],
+)
+def test_prewarm_payload_refusals_name_the_field(args: tuple[Any, ...], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidPayload) as err:
+        payload.parse_prewarm(args, kwargs)
+    assert message in str(err.value)
+
+
+def test_prewarm_payload_accepts_positional_and_keyword_forms() -> None:
+    a = payload.parse_prewarm(("m@r1/n1/2", "warm", "/models/m"), {})
+    b = payload.parse_prewarm((), {"replica_id": "m@r1/n1/2", "pool": "warm", "model_dir": "/models/m"})
+    assert a == b
+    assert (a.replica.model, a.replica.revision, a.replica.node, a.replica.slot) == ("m", "r1", "n1", 2)
+    assert a.pool is Pool.WARM
+    assert payload.parse_prewarm(("m@r1/n1/0",), {}).model_dir is None
+
+
+@pytest.mark.parametrize("until", ["soon", float("nan"), float("inf"), True, None])
+def test_keep_warm_until_must_be_a_finite_number(until: Any) -> None:
+    with pytest.raises(InvalidPayload, match="until must be a finite number"):
+        payload.parse_keep_warm(("m@r/n/0", until), {})
+
+
+def test_retire_reason_is_bounded() -> None:
+    assert payload.parse_retire(("m@r/n/0",), {}).reason == ""
+    with pytest.raises(InvalidPayload, match="reason"):
+        payload.parse_retire(("m@r/n/0", "x" * 201), {})
+
+
+def test_node_tasks_route_to_the_node_named_in_the_replica_id() -> None:
+    assert route_task(PREWARM, ["m@r/gpu-7/0"], {}, {}) == {"queue": "prewarm.node.gpu-7"}
+    assert route_task(KEEP_WARM, [], {"replica_id": "m@r/gpu-3/1", "until": 1.0}, {}) == {"queue": "prewarm.node.gpu-3"}
+    # unreadable ids go where a worker refuses them clearly, not to a queue nobody consumes
+    assert route_task(PREWARM, ["garbage"], {}, {}) == {"queue": PLANNER_QUEUE}
+    assert route_task(PREWARM, [], {}, {}) == {"queue": PLANNER_QUEUE}
+    assert route_task(REAP, [], {}, {}) == {"queue": PLANNER_QUEUE}
+
+
+def test_app_follows_the_delivery_decisions() -> None:
+    settings = Settings(redis=RedisSettings(url="redis://127.0.0.1:1/0"),
+                        agent=AgentSettings(task_time_limit_s=100))
+    app = make_app(settings)
+    conf = app.conf
+    assert conf.task_serializer == "json" and conf.accept_content == ["json"] and conf.result_serializer == "json"
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.task_ignore_result
+    assert conf.worker_prefetch_multiplier == 1
+    assert conf.broker_transport_options["visibility_timeout"] > conf.task_time_limit == 100
+    assert not conf.task_always_eager
+    task = app.tasks[PREWARM]
+    assert task.acks_late and task.reject_on_worker_lost and task.ignore_result and not task.typing
+    app.close()
+
+
+def test_visibility_timeout_must_exceed_the_time_limit() -> None:
+    with pytest.raises(Exception, match="greater than task_time_limit_s"):
+        AgentSettings(task_time_limit_s=60, visibility_timeout_s=60)
+    assert AgentSettings(task_time_limit_s=60).effective_visibility_timeout_s == 120
+
+
+def test_agent_command_needs_a_shared_redis(clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from prewarm.cli import main
+
+    assert main(["agent", "--node", "n1"]) == 2
+    assert "PREWARM_REDIS_URL is not set" in capsys.readouterr().err
+    assert main(["agent", "--node", "bad node"]) == 2
+    assert "--node must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (CorruptWeights("layers.0.w", "sha256 mismatch"), "bad_weights"),
+        (PermanentError("runtime of x failed to load: tensor 'a' is corrupt: sha256 mismatch"), "bad_weights"),
+        (InvalidPayload("pool"), "invalid_payload"),
+        (RuntimeExited("status 1"), "runtime_exited"),
+        (DeadlineExceeded("late"), "timeout"),
+        (PermanentError("illegal"), "permanent"),
+        (TemporaryError("later"), "temporary"),
+        (ValueError("bug"), "internal"),
+    ],
+)
+def test_failure_reasons_are_low_cardinality_codes(exc: BaseException, reason: str) -> None:
+    assert failure_reason(exc) == reason
+
+
+def test_placement_prefers_the_node_with_most_free_slots() -> None:
+    nodes = [NodeSlots("a", 2, frozenset({0})), NodeSlots("b", 3, frozenset({1})), NodeSlots("c", 1, frozenset({0}))]
+    assert choose_placement(nodes) == ("b", 0)
+    assert choose_placement([NodeSlots("a", 1, frozenset({0}))]) is None
+    assert choose_placement([NodeSlots("z", 2, frozenset()), NodeSlots("y", 2, frozenset())]) == ("y", 0)
+
+
+def test_revision_comes_from_configuration_then_history() -> None:
+    assert resolve_revision("m", ["x@1", "m@r7"], [("r1", 5.0)]) == "r7"
+    assert resolve_revision("m", ["x@1"], [("r1", 5.0), ("r2", 9.0)]) == "r2"
+    assert resolve_revision("m", [], []) is None
+
+
+def test_settings_error_is_a_permanent_error() -> None:
+    assert issubclass(SettingsError, PermanentError)
+
+
+def test_beat_lock_on_real_redis(redis_client: "redis.Redis[str]") -> None:
+    a = BeatLock(redis_client, "a", ttl_s=2)
+    b = BeatLock(redis_client, "b", ttl_s=2)
+    assert a.wait_acquire(timeout_s=1)
+    assert not b.wait_acquire(poll_s=0.1, timeout_s=0.5)
+    a.release()
+    assert b.wait_acquire(timeout_s=1)
+    b.release()
