@@ -1,4 +1,7 @@
-"""The model host: `prewarm serve-model`, an aiohttp server in front of one `Engine`.
+"""The model host's HTTP app: `ModelHost`, an aiohttp server in front of one `Engine`.
+
+`prewarm serve-model` builds it with `prewarm.runtime_serve`; the wire format lives in
+`prewarm.runtime_api` and the engine-side computations in `prewarm.runtime_probe`.
 
 Why it exists: a replica must be observable and controllable from outside — loaded on
 request with visible progress, put to sleep and woken (vLLM sleep-mode semantics), and
@@ -38,24 +41,22 @@ come back); level 2 drops them, so after waking the host must be validated again
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from prewarm import runtime_api as api
+from prewarm import runtime_probe as probe
 from prewarm.domain import LoadPhase
 from prewarm.errors import TemporaryError
 from prewarm.metrics import Metrics
-from prewarm.settings import Settings
 from prewarm.signing import HEADER, is_valid_warmup
 from prewarm.validation import (
     LogitStats,
@@ -70,7 +71,6 @@ log = logging.getLogger("prewarm.runtime")
 
 #: Phases after which phase 1 (embeddings, positions, final norm, head) is in memory.
 _SERVABLE_PHASES = frozenset({LoadPhase.FIRST_LAYERS, LoadPhase.REST, LoadPhase.DONE})
-PROBE_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 @dataclass
@@ -197,8 +197,6 @@ class ModelHost:
                                    "(set PREWARM_RUNTIME_TOKEN or PREWARM_WARMUP_SECRET)",
                                    type_="permission_error", code="no_token_configured")
             scheme, _, token = auth.partition(" ")
-            import hmac
-
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.control_token):
                 raise api.ApiError(403, "the control token is wrong", type_="permission_error", code="bad_token")
             return await handler(request)
@@ -316,7 +314,7 @@ class ModelHost:
     async def _complete_once(self, req: api.CompletionRequest, ids: list[int]) -> web.Response:
         def work() -> tuple[list[int], dict[str, Any] | None]:
             out = list(self.engine.generate(ids, req.max_tokens))
-            lp = self._logprobs(ids, out, req.logprobs) if req.logprobs is not None else None
+            lp = probe.logprobs(self.engine, ids, out, req.logprobs) if req.logprobs is not None else None
             return out, lp
 
         out, logprobs = await self._run(work)
@@ -327,24 +325,6 @@ class ModelHost:
         return web.json_response(
             api.completion_body(api.completion_id(), self.model_name, text, finish, len(ids), len(out), logprobs)
         )
-
-    def _logprobs(self, ids: list[int], out: list[int], k: int) -> dict[str, Any]:
-        """OpenAI `logprobs` of the generated tokens: the chosen token's and the top-k (runs in a worker thread)."""
-        tokens, token_lp, top, offsets = [], [], [], []
-        offset = 0
-        for i, tok in enumerate(out):
-            lp = torch.log_softmax(self.engine.logits(ids + out[:i]).float(), dim=-1)
-            piece = self.engine.decode([tok])
-            tokens.append(piece)
-            token_lp.append(float(lp[tok]))
-            offsets.append(offset)
-            offset += len(piece)
-            if k:
-                vals, idx = torch.topk(lp, k)
-                top.append({self.engine.decode([int(j)]) or f"<{int(j)}>": float(v) for v, j in zip(vals, idx)})
-            else:
-                top.append({})
-        return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
 
     async def _stream(self, request: web.Request, req: api.CompletionRequest, ids: list[int]) -> web.StreamResponse:
         """SSE chunks as tokens come. One executor job runs the whole generation (the engine
@@ -457,9 +437,9 @@ class ModelHost:
     async def _probe_body(self, request: web.Request) -> str:
         raw = await request.read()
         if not raw:
-            return PROBE_PROMPT
+            return probe.PROBE_PROMPT
         data = api.parse_json_object(raw)
-        prompt = data.get("prompt", PROBE_PROMPT)
+        prompt = data.get("prompt", probe.PROBE_PROMPT)
         if not isinstance(prompt, str) or not prompt:
             raise api.bad_request("'prompt' must be a non-empty string", "prompt")
         return prompt
@@ -470,29 +450,10 @@ class ModelHost:
         if not self.engine.loaded or self.engine.is_sleeping:
             raise api.ApiError(409, "validation needs a fully loaded, awake model", code="not_loaded")
 
-    def _inputs(self, prompt: str) -> dict[str, Any]:
-        """Manifest tensors, live tensors and logit statistics of the probe (runs in a worker thread)."""
-        logits = self.engine.logits(prompt).float()
-        finite = torch.isfinite(logits)
-        vals = logits[finite]
-        nan = float("nan")
-        stats = LogitStats(
-            count=int(logits.numel()),
-            nonfinite=int((~finite).sum()),
-            mean=float(vals.mean()) if vals.numel() else nan,
-            std=float(vals.std(unbiased=False)) if vals.numel() else nan,
-            min=float(vals.min()) if vals.numel() else nan,
-            max=float(vals.max()) if vals.numel() else nan,
-        )
-        manifest = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.engine.manifest.tensors}
-        live = {n: {"shape": list(shape), "dtype": str(dtype)} for n, (shape, dtype) in self.engine.tensors().items()}
-        return {"model": self.model_name, "device": str(self.engine.device), "probe": prompt,
-                "manifest": manifest, "tensors": live, "logits": stats.to_dict()}
-
     async def validation_inputs(self, request: web.Request) -> web.Response:
         prompt = await self._probe_body(request)
         self._require_loaded()
-        return web.json_response(await self._run(self._inputs, prompt))
+        return web.json_response(await self._run(probe.validation_inputs, self.engine, self.model_name, prompt))
 
     async def validate(self, request: web.Request) -> web.Response:
         """Run all three checks in-process; body: {"baseline_s": float|null, "requests": n, "mark_ready": bool}."""
@@ -506,15 +467,9 @@ class ModelHost:
             raise api.bad_request(f"'requests' must be an integer in 1..100, got {n!r}", "requests")
         mark = data.get("mark_ready", True)
         self._require_loaded()
-        inputs = await self._run(self._inputs, PROBE_PROMPT)
-        ids = list(self.engine.encode(PROBE_PROMPT))
-
-        def timed() -> float:
-            t0 = time.perf_counter()
-            list(self.engine.generate(ids, 1))
-            return time.perf_counter() - t0
-
-        latencies = [await self._run(timed) for _ in range(n)]
+        inputs = await self._run(probe.validation_inputs, self.engine, self.model_name, probe.PROBE_PROMPT)
+        ids = list(self.engine.encode(probe.PROBE_PROMPT))
+        latencies = [await self._run(probe.timed_completion, self.engine, ids, 1) for _ in range(n)]
         report = ValidationReport((
             check_structural(tensor_specs(inputs["manifest"]), tensor_specs(inputs["tensors"])),
             check_numeric(LogitStats.from_dict(inputs["logits"]), mean_bound=self.mean_bound),
@@ -543,82 +498,3 @@ class ModelHost:
         self.state.report = report
         ok, reason = self.ready()
         return web.json_response({"ready": ok, "reason": reason})
-
-
-# -- process wiring ---------------------------------------------------------------------------
-
-
-def build_host(
-    model_dir: str | Path,
-    settings: Settings,
-    *,
-    model_name: str | None = None,
-    revision: str | None = None,
-    node: str = "",
-    metrics: Metrics | None = None,
-) -> ModelHost:
-    """An `Engine` for `model_dir` built from settings, wrapped in a `ModelHost`."""
-    from prewarm.engine import Engine
-    from prewarm.manifest import load_manifest
-
-    rt, wu = settings.runtime, settings.warmup
-    manifest = load_manifest(model_dir)
-    name = model_name or manifest.name or Path(model_dir).name
-    metrics = metrics or Metrics(CollectorRegistry())
-    snapshots = None
-    if rt.snapshot_dir:
-        from prewarm.snapshot import SnapshotStore
-
-        snapshots = SnapshotStore(rt.snapshot_dir, rt.snapshot_max_bytes)
-
-    def on_phase(phase: Any, seconds: float, *rest: Any) -> None:
-        value = phase.value if isinstance(phase, LoadPhase) else str(phase)
-        metrics.loading_phase_duration.labels(name, value, node).observe(seconds)
-
-    engine = Engine(model_dir, device=rt.device, first_layers=rt.first_layers, snapshots=snapshots,
-                    model_name=name, node=node, on_phase=on_phase, read_limit_bps=rt.read_limit_bps)
-    token = rt.token.get_secret_value() if rt.token is not None else None
-    secret = wu.secret.get_secret_value() if wu.secret is not None else None
-    return ModelHost(
-        engine,
-        model_name=name,
-        revision=revision or manifest.revision or "0",
-        control_token=token or secret,
-        warmup_secret=secret,
-        workers=rt.workers,
-        load_wait_s=rt.load_wait_s,
-        drain_timeout_s=rt.drain_timeout_s,
-        mean_bound=wu.logits_mean_bound,
-        latency_factor=wu.latency_factor,
-        metrics=metrics,
-        node=node,
-    )
-
-
-async def serve(host: ModelHost, bind: str, port: int, *, autoload: bool = True, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop accepting, finish the shutdown and return."""
-    runner = web.AppRunner(host.app(), handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, bind, port)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    bound = port
-    server = getattr(site, "_server", None)
-    if server is not None and server.sockets:
-        bound = int(server.sockets[0].getsockname()[1])
-    log.info("serving %s on http://%s:%d (device %s)", host.model_name, bind, bound, host.engine.device)
-    if on_ready is not None:
-        on_ready(bound)
-    if autoload:
-        host.engine.start_load()
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down %s", host.model_name)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-        host.executor.shutdown(wait=False, cancel_futures=True)
