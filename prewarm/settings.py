@@ -106,6 +106,7 @@ class WarmupSettings(_Group):
     prompt_sd_tokens: float = Field(5.0, ge=0)
     prompt_distribution: Literal["gaussian", "uniform", "lognormal", "fixed"] = "gaussian"  # shape of prompt lengths
     prompt_max_tokens: int | None = Field(None, ge=1)  # clip long prompts; None: no upper clip
+    prompt_token_unit: Literal["word", "byte"] = "word"  # what a prompt "token" counts: words, or UTF-8 bytes (byte tokenizers)
     max_tokens: int = Field(1, ge=1)
     topics: dict[str, float] = Field(
         default_factory=lambda: {"code": 0.4, "chat": 0.3, "summarize": 0.2, "translate": 0.1}

@@ -10,9 +10,10 @@ traffic (see `prewarm.signing`).
 Everything here is pure: a seeded `random.Random`, `now` passed in, no I/O. The same seed
 and settings always yield the same requests, so a redelivered task sends the same warmup.
 
-A "token" here is one whitespace-separated word unless the caller passes `count_tokens`
-(for example a runtime's own tokenizer); the runtime reports the real token count in
-`usage.prompt_tokens`.
+A "token" here is one whitespace-separated word by default (roughly one BPE token of a
+real LLM), or one UTF-8 byte (`token_unit="byte"`, what the built-in runtime's byte
+tokenizer counts), or whatever a caller's `count_tokens` counts; the runtime reports the
+real count in `usage.prompt_tokens`.
 
 For fp8/int8 models, `calibration_cases` lists value sets that cover the quantised
 ranges (activations, weights, attention scores); `quantisation_error` measures how a
@@ -122,6 +123,18 @@ def _words_count(text: str) -> int:
     return len(text.split())
 
 
+def _bytes_count(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+class TokenUnit(str, Enum):
+    WORD = "word"
+    BYTE = "byte"
+
+
+TOKEN_COUNTERS: Mapping[TokenUnit, Callable[[str], int]] = {TokenUnit.WORD: _words_count, TokenUnit.BYTE: _bytes_count}
+
+
 @dataclass(frozen=True)
 class TopicMix:
     """A weighted list of topics; weights need not sum to 1."""
@@ -184,8 +197,14 @@ class WarmupPlan:
     topics: TopicMix = field(default_factory=lambda: TopicMix.of({"chat": 1.0}))
     max_tokens: int = 1
     seed: int = 0
+    token_unit: TokenUnit = TokenUnit.WORD
 
     def __post_init__(self) -> None:
+        if not isinstance(self.token_unit, TokenUnit):
+            try:
+                object.__setattr__(self, "token_unit", TokenUnit(self.token_unit))
+            except ValueError:
+                raise InvalidPayload(f"warmup token unit must be 'word' or 'byte', got {self.token_unit!r}") from None
         if not isinstance(self.model, str) or not self.model:
             raise InvalidPayload("warmup plan needs a model name")
         if self.count < 0:
@@ -209,6 +228,7 @@ class WarmupPlan:
             topics=TopicMix.of(getattr(settings, "topics")),
             max_tokens=int(getattr(settings, "max_tokens")),
             seed=int(seed if seed is not None else getattr(settings, "seed")),
+            token_unit=TokenUnit(getattr(settings, "prompt_token_unit", TokenUnit.WORD.value)),
         )
 
 
@@ -241,7 +261,10 @@ def generate_requests(
     now: float,
     count_tokens: Callable[[str], int] | None = None,
 ) -> tuple[WarmupRequest, ...]:
-    """The plan's requests, deterministic under `plan.seed`, each signed at `now`."""
+    """The plan's requests, deterministic under `plan.seed`, each signed at `now`.
+
+    Prompt lengths are counted in `plan.token_unit` unless `count_tokens` is given.
+    """
     if not secret:
         raise InvalidPayload("warmup requests must be signed: the shared secret is empty")
     rng = random.Random(f"prewarm-warmup:{plan.model}:{plan.seed}")
@@ -249,7 +272,7 @@ def generate_requests(
     for i in range(plan.count):
         topic = plan.topics.sample(rng)
         length = plan.lengths.sample(rng)
-        prompt = make_prompt(topic, length, rng, count_tokens)
+        prompt = make_prompt(topic, length, rng, count_tokens or TOKEN_COUNTERS[plan.token_unit])
         body = json.dumps(
             {"model": plan.model, "prompt": prompt, "max_tokens": plan.max_tokens, "stream": False},
             sort_keys=True,

@@ -22,6 +22,7 @@ from prewarm.warmup import (
     calibration_cases,
     generate_requests,
     make_prompt,
+    TokenUnit,
     needs_calibration,
     quantisation_error,
 )
@@ -165,3 +166,16 @@ def test_quantisation_error_of_the_activation_range() -> None:
     acts = [v for c in calibration_cases("int8") if c.kind is CalibrationKind.ACTIVATIONS for v in c.values]
     assert quantisation_error(acts, scale=0.1) <= 0.05 + 1e-9  # the int8 grid at 0.1 covers -12.8..12.7
     assert quantisation_error(acts, scale=0.05) > 5  # too fine a scale clips the range
+
+
+def test_byte_token_unit_counts_utf8_bytes(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("PREWARM_WARMUP_PROMPT_TOKEN_UNIT", "byte")
+    plan = WarmupPlan.from_settings("tiny", WarmupSettings(), count=400)
+    assert plan.token_unit is TokenUnit.BYTE
+    reqs = generate_requests(plan, secret=SECRET, now=NOW)
+    sizes = [len(r.prompt.encode()) for r in reqs]
+    # words are whole, so a prompt may stop a few bytes short of its target, never past it (beyond one word)
+    assert all(n <= r.prompt_tokens or len(r.prompt.split()) == 1 for n, r in zip(sizes, reqs))
+    assert statistics.fmean(sizes) == pytest.approx(23.0, abs=4.0)
+    with pytest.raises(InvalidPayload, match="token unit"):
+        WarmupPlan(model="m", token_unit="char")  # type: ignore[arg-type]
