@@ -308,3 +308,68 @@ def test_serve_model_refuses_a_directory_without_a_model(tmp_path: Path, clean_e
 
     assert main(["serve-model", "--model-dir", str(tmp_path), "--port", "0"]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+def _poison_head(model_dir: Path) -> None:
+    """Overwrite lm_head.weight with NaN and re-checksum it: weights that load cleanly but compute garbage."""
+    import hashlib
+
+    from prewarm.manifest import MANIFEST_FILE, WEIGHTS_FILE, Manifest, TensorEntry, load_manifest
+
+    m = load_manifest(model_dir)
+    e = m.entry("lm_head.weight")
+    nan = bytes.fromhex("0000c07f") * (e.length // 4)  # float32 NaN, little-endian
+    with open(model_dir / WEIGHTS_FILE, "r+b") as f:
+        f.seek(e.offset)
+        f.write(nan)
+    fixed = tuple(TensorEntry(t.name, t.shape, t.dtype, t.offset, t.length, hashlib.sha256(nan).hexdigest())
+                  if t.name == e.name else t for t in m.tensors)
+    (model_dir / MANIFEST_FILE).write_text(Manifest(**{**m.__dict__, "tensors": fixed}).to_json())
+
+
+def test_nan_weights_fail_numeric_validation_end_to_end(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    """An in-process host on a real port: the poisoned model loads, answers, and is refused readiness."""
+    import asyncio
+
+    import aiohttp
+
+    from prewarm.embedded import free_port
+    from prewarm.runtime_serve import build_host
+    from prewarm.settings import Settings
+
+    model_dir = make_model(tmp_path / "nan", "tiny", seed=2, name="nan", revision="r1")
+    _poison_head(model_dir)
+    clean_env.setenv("PREWARM_RUNTIME_TOKEN", TOKEN)
+    clean_env.setenv("PREWARM_RUNTIME_DEVICE", "cpu")
+    clean_env.setenv("PREWARM_RUNTIME_SNAPSHOT_DIR", "")
+    host = build_host(model_dir, Settings.load())
+    host.engine.start_load()
+    assert host.engine.wait_loaded(30)
+
+    async def scenario() -> tuple[dict[str, Any], int, int]:
+        from aiohttp import web
+
+        runner = web.AppRunner(host.app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+                async with s.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                    completion_status = r.status
+                async with s.post("/validate", json={"requests": 2}, headers=auth) as r:
+                    report = await r.json()
+                async with s.get("/readyz") as r:
+                    ready_status = r.status
+        finally:
+            await runner.cleanup()
+            host.executor.shutdown(wait=False)
+        return report, completion_status, ready_status
+
+    report, completion_status, ready_status = asyncio.run(scenario())
+    assert completion_status == 200  # it computes — only validation can tell it is broken
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["structural"]["outcome"] == "passed"
+    assert checks["numeric"]["outcome"] == "failed" and "not finite" in checks["numeric"]["detail"]
+    assert not report["passed"] and ready_status == 503
