@@ -215,9 +215,10 @@ def _split_rows(lines: list[str], header_idx: int, ncols: int, bad: _BadRows) ->
     first_line = header_idx + 2
     if not body:
         return pd.DataFrame(columns=range(ncols), dtype=object), np.empty(0, dtype=np.int64)
+    text = "\n".join(body)
     try:
         parts = pd.read_csv(
-            io.StringIO("\n".join(body)), header=None, names=list(range(ncols)), dtype=str,
+            io.StringIO(text), header=None, names=list(range(ncols)), dtype=str,
             keep_default_na=False, na_values=[], skip_blank_lines=False, skipinitialspace=True,
             engine="c", quoting=csv.QUOTE_MINIMAL,
         )
@@ -226,17 +227,33 @@ def _split_rows(lines: list[str], header_idx: int, ncols: int, bad: _BadRows) ->
     if len(parts) != len(body):  # a quoted field spanned lines: line numbers would drift
         return _split_rows_slow(body, first_line, ncols, bad)
     numbers = np.arange(first_line, first_line + len(body), dtype=np.int64)
-    missing = parts.isna().to_numpy()
-    blank = missing[:, 1:].all(axis=1) & (parts[0].fillna("").str.strip() == "").to_numpy()
-    ragged = missing.any(axis=1) & ~blank
+    commas, quoted, blank = _line_shapes(text, len(body))
+    # The C parser pads short rows with "", so field counts come from the raw lines; a
+    # line with quotes is trusted to the parser (a quoted comma is not a separator).
+    ragged = (commas != ncols - 1) & ~quoted & ~blank
     if ragged.any():
-        counts = (~missing[ragged]).sum(axis=1)
-        for n, c in zip(numbers[ragged].tolist(), counts.tolist()):
-            bad.add([n], f"expected {ncols} fields, found {c}")
+        for n, c in zip(numbers[ragged].tolist(), commas[ragged].tolist()):
+            bad.add([n], f"expected {ncols} fields, found {c + 1}")
     keep = ~(blank | ragged)
     parts = parts[keep]
     parts.index = range(len(parts))
     return parts, numbers[keep]
+
+
+def _line_shapes(text: str, n_lines: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per line of ``text``: comma count, whether it has a quote, whether it is blank (vectorised)."""
+    buf = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    ends = np.append(np.flatnonzero(buf == 10), buf.size)  # each line's end (exclusive)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    assert ends.size == n_lines
+
+    def per_line(positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(positions, ends) - np.searchsorted(positions, starts)
+
+    commas = per_line(np.flatnonzero(buf == 44))
+    quotes = per_line(np.flatnonzero(buf == 34))
+    visible = per_line(np.flatnonzero((buf != 32) & (buf != 9) & (buf != 10) & (buf != 13)))
+    return commas, quotes > 0, visible == 0
 
 
 def _split_rows_slow(body: list[str], first_line: int, ncols: int, bad: _BadRows) -> tuple[pd.DataFrame, np.ndarray]:
