@@ -29,7 +29,7 @@ from prewarm.manifest import load_manifest
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, wait_for, worker_env
-from workers.app import KEEP_WARM, PREWARM, RETIRE, make_app, node_queue
+from workers.app import KEEP_WARM, PREWARM, RECYCLE, RETIRE, make_app, node_queue
 
 pytestmark = pytest.mark.slow
 
@@ -197,6 +197,20 @@ def test_keep_warm_sends_signed_synthetic_requests(world: World) -> None:
     assert status == 200 and stats.get("warmup", 0) >= first, stats
     assert stats.get("forged_warmup") == 0, stats
     assert world.client.get(keys.keep_warm(rid)) is not None
+
+
+def test_fragmentation_is_measured_and_a_healthy_replica_is_kept(world: World) -> None:
+    """On CPU the allocator reports no fragmentation: measured, exported, and the replica stays ready.
+
+    (Recycling itself is retire + the normal prewarm, each tested here; a fragmented CUDA
+    allocator cannot be produced on this CPU-only machine.)
+    """
+    rid = f"tiny@r1/{NODE}/0"
+    task = world.app.send_task(RECYCLE, args=[rid])
+    wait_for(lambda: f"{task.id}] succeeded" in world.agent.log(), 30, "the fragmentation check to finish")
+    assert "'fragmentation': 0.0, 'recycled': False" in world.agent.log()
+    assert f'gpu_fragmentation_rate{{node="{NODE}"}} 0.0' in world.metrics()
+    assert world.state(rid) == "ready"
 
 
 def test_malformed_payloads_are_refused_and_not_retried(world: World) -> None:
