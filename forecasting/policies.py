@@ -271,6 +271,7 @@ class Prewarm(Policy):
         self.target = target
         self.fits = 0
         self.predicts = 0
+        self.fit_errors: list[str] = []
 
     def start(self, env: PolicyEnv) -> int:
         self.env = env
@@ -331,9 +332,16 @@ class Prewarm(Policy):
         # one thread: the boosting's OpenMP pool only contends on a shared machine
         with threadpool_limits(1):
             if self.fitted is None or n >= 2 * self.fit_at_n or now - self.fit_at_t >= self.refit_max_s:
-                self.fitted = self.factory().fit(y.iloc[-keep:])
                 self.fit_at_n, self.fit_at_t = n, now
-                self.fits += 1
+                try:
+                    self.fitted = self.factory().fit(y.iloc[-keep:])
+                    self.fits += 1
+                except ValueError as exc:
+                    # as a deployment would: keep the last model (or the HPA alone) and say so
+                    self.fit_errors.append(f"t={now:.0f}s: {exc}")
+                    if self.fitted is None:
+                        self.frame = None
+                        return
             self.frame = self.fitted.predict(y.iloc[-keep:], self.horizon)
         self.predicts += 1
         self.forecast_t = now

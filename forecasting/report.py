@@ -95,6 +95,9 @@ def print_table(result: Mapping[str, Any]) -> None:
     console.print(f"[bold]{result['trace']}[/bold]: {params['requests']:.0f} requests over "
                   f"{params['duration_s'] / 3600:.2f} h; engine: {params['engine']}; C={params['slots']} slots, "
                   f"cold start {params['cold_start_s']:g} s; seed {params['seed']}")
+    if params.get("scored_after_s"):
+        console.print(f"  note: scored after {params['scored_after_s']:g} s (a warm-up excluded for every policy); "
+                      "GPU-hours from the per-second replica count")
     for note in params.get("notes", []):
         console.print(f"  note: {note}")
     table = Table(show_lines=False)

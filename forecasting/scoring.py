@@ -44,7 +44,10 @@ class PolicyScore:
     replay_s: float  # wall time of the replay (machine-dependent)
 
 
-def score(run: PolicyRun, work: Workload, params: SimParams) -> dict[str, float | int]:
+def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.0) -> dict[str, float | int]:
+    """The figures of one run; with `after_s`, only requests arriving (and GPU time) after it."""
+    if after_s > 0:
+        run, work = _after(run, work, after_s)
     w = run.weight
     total = float(w.sum()) if w is not None else float(run.wait.size)
     hits = float(w[run.wait > params.wait_threshold_s].sum()) if w is not None else float(
@@ -63,9 +66,31 @@ def score(run: PolicyRun, work: Workload, params: SimParams) -> dict[str, float 
     }
 
 
+def _after(run: PolicyRun, work: Workload, after_s: float) -> tuple[PolicyRun, Workload]:
+    """The run and workload restricted to time >= after_s (a warm-up excluded for every policy)."""
+    from dataclasses import replace
+
+    cut = int(after_s)
+    if cut >= run.live.size:
+        raise ValueError(f"--score-after {after_s:g} s is beyond the trace ({run.live.size} s)")
+    if run.weight is None:
+        assert work.arrivals is not None
+        keep = work.arrivals >= after_s
+        weight = None
+    else:
+        seconds = work.counts.size
+        parts = run.wait.size // seconds
+        keep = np.tile(np.arange(seconds) >= cut, parts)
+        weight = run.weight[keep]
+    live = run.live[cut:]
+    sub = replace(run, ttft=run.ttft[keep], wait=run.wait[keep], weight=weight, live=live,
+                  gpu_s=float(live.sum()))  # GPU time from the per-second replica count
+    return sub, replace(work, need=work.need[cut:])
+
+
 def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
                  progress: Callable[[str, float], None] | None = None,
-                 policy_kwargs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                 policy_kwargs: dict[str, dict[str, Any]] | None = None, score_after_s: float = 0.0) -> dict[str, Any]:
     """Replay `trace` under each policy; the JSON-ready result `prewarm backtest` prints."""
     import time
 
@@ -78,9 +103,12 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
     for name in policies:
         t0 = time.perf_counter()
         cb = (lambda f, n=name: progress(n, f)) if progress is not None else None
-        run = replay(work, make_policy(name, **(policy_kwargs or {}).get(name, {})), params, cb)
+        policy = make_policy(name, **(policy_kwargs or {}).get(name, {}))
+        run = replay(work, policy, params, cb)
         runs[name] = run
-        scores[name] = score(run, work, params) | {"replay_s": round(time.perf_counter() - t0, 3)}
+        scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
+        if hasattr(policy, "fit_errors"):
+            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors)}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
@@ -90,6 +118,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         "params": asdict(params) | {
             "engine": "fluid (per-second aggregate)" if work.aggregated else "exact (every request)",
             "duration_s": work.duration_s,
+            "scored_after_s": score_after_s,
             "requests": work.n_requests,
             "mean_service_s": round(work.mean_service_s, 4),
             "notes": list(work.notes),

@@ -52,6 +52,16 @@ def _build_parser() -> argparse.ArgumentParser:
     q = k8s_sub.add_parser("watch", help="print each pod of a Deployment as it becomes Ready (JSON lines)")
     q.add_argument("--deployment", required=True)
     q.add_argument("--count", type=int, help="stop after this many Ready pods")
+    q = k8s_sub.add_parser("prewarm-pods", help="warm, validate and register each Ready pod of an inference "
+                           "Deployment (vLLM, TGI, any OpenAI-compatible server) in the replica registry")
+    q.add_argument("--deployment", required=True)
+    q.add_argument("--model", required=True, help="model name in the registry (what gateway clients ask for)")
+    q.add_argument("--revision", required=True)
+    q.add_argument("--served-model", help="the name the pods' server knows the model by (default: --model)")
+    q.add_argument("--pool", choices=["serving", "warm"], default="serving")
+    q.add_argument("--node-class", help="node class of the latency baseline (default: agent.node_class)")
+    q.add_argument("--count", type=int, help="stop after this many Ready pods were handled")
+    q.add_argument("--metrics-port", type=int, help="serve /metrics on this port (default: none)")
     p.set_defaults(handler=_cmd_k8s)
 
     p = sub.add_parser("serve-model", help="run the model host: OpenAI-compatible completions, load/sleep/wake control")
@@ -106,6 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--score-after", type=float, default=0.0, metavar="S",
+                   help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     p.set_defaults(handler=_cmd_backtest)
 
     return parser
@@ -270,6 +282,15 @@ def _cmd_k8s(args: argparse.Namespace, settings: Settings) -> int:
 
             watcher = PodWatcher(api, namespace, args.deployment, pod_port=kube.pod_port)
             watcher.run(lambda pod: print(json.dumps(asdict(pod), sort_keys=True), flush=True), max_ready=args.count)
+        elif args.k8s_command == "prewarm-pods":
+            from workers.external import run_cli, target_from
+
+            if not settings.redis.url:
+                raise SettingsError("PREWARM_REDIS_URL is not set: prewarm-pods registers replicas in the shared Redis")
+            target = target_from(settings, model=args.model, revision=args.revision, served_model=args.served_model,
+                                 pool=args.pool, node_class=args.node_class)
+            return run_cli(settings, api, namespace, args.deployment, target, count=args.count,
+                           metrics_port=args.metrics_port)
         if result is not None:
             print(json.dumps(result.to_json(), sort_keys=True))
     except SettingsError:
@@ -316,7 +337,8 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         with progress_bar() as progress:
             out = run_backtest(trace, params, policies, progress=progress,
-                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}})
+                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
+                               score_after_s=args.score_after)
     except (HistoryError, ValueError) as exc:
         print(f"prewarm backtest: {exc}", file=sys.stderr)
         return 2

@@ -197,3 +197,16 @@ def test_cli_json_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert "rate scaled x2" in out  # the scaling is stated in the readable output too
     assert plot.stat().st_size > 10_000
     assert main(["backtest", str(path), "--policies", "nope"]) == 2
+
+
+def test_score_after_excludes_a_warm_up_for_every_policy() -> None:
+    from forecasting.scoring import score
+
+    trace = request_trace([0.0, 10.0, 1900.0, 3599.5], context=0.0, generated=2.0)
+    work = build_workload(trace, P)
+    run = replay(work, Scripted([(0.0, 2)]), P)
+    full, late = score(run, work, P), score(run, work, P, after_s=1800.0)
+    assert full["gpu_hours"] == pytest.approx(2.0)
+    assert late["gpu_hours"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="beyond the trace"):
+        score(run, work, P, after_s=7200.0)
