@@ -136,3 +136,6 @@ BEAT_LOCK_TTL_S = 30
 #: Marker that unmet demand for a model was turned into a prewarm (scale from zero), kept briefly.
 def demand_claim(model: str) -> str:
     return f"{PREFIX}:demandclaim:{model}"
+
+#: Sorted set of planned scale-event ids waiting to be carried out, scored by their due time (epoch s).
+PLANNED_EVENTS = f"{PREFIX}:plannedq"

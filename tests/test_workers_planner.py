@@ -26,7 +26,10 @@ from prewarm.embedded import EmbeddedRedis, free_port
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import RedisSettings, RegistrySettings, Settings
 from tests.celery_helpers import WorkerProcess, wait_for, worker_env
-from workers.app import PREWARM, REAP, make_app, node_queue
+from prewarm.domain import ScaleEvent, ScaleEventKind
+from workers.app import DISPATCH_EVENTS, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
+from workers.context import WorkerContext
+from workers.executor import submit_events
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +138,54 @@ def test_exactly_one_beat_runs(planner: dict[str, Any]) -> None:
         first.stop()
         second.stop()
     assert client.get(keys.BEAT_LOCK) is None  # released on shutdown
+
+
+def _ready_replica(reg: ReplicaRegistry, model: str, node: str, slot: int, created_at: float) -> str:
+    rep = Replica(model, "r1", node, slot, state=ReplicaState.PENDING, created_at=created_at)
+    reg.register(rep, now=created_at)
+    for state in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
+        reg.transition(rep.id, state, now=time.time())
+    return rep.id
+
+
+def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
+    client, app = planner["client"], planner["app"]
+    ctx = WorkerContext.build(Settings(redis=RedisSettings(url=redis_server.url)))
+    reg: ReplicaRegistry = planner["registry"]
+    _publish_node(client, "n7", 3)
+    _publish_node(client, "n6", 2)
+    now = time.time()
+    older = _ready_replica(reg, "big", "n6", 0, now - 100)
+    newer = _ready_replica(reg, "big", "n6", 1, now - 10)
+    up = ScaleEvent("up-1", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=2, nodes=("n7", "n7"))
+    down = ScaleEvent("down-1", ScaleEventKind.SCALE_DOWN, "big", "r1", at=now - 1, replicas=1)
+    hold = ScaleEvent("hold-1", ScaleEventKind.HOLD, "big", "r1", at=now - 1, replicas=1)
+    later = ScaleEvent("up-later", ScaleEventKind.SCALE_UP, "m", "r1", at=now + 3600, replicas=1)
+    assert submit_events(ctx, [up, down, hold, later]) == ["up-1", "down-1", "hold-1", "up-later"]
+    assert submit_events(ctx, [up]) == []  # a re-plan of the same decision is not queued again
+
+    app.send_task(DISPATCH_EVENTS)
+    wait_for(lambda: client.hget(keys.planned_event("hold-1"), "status") == "applied"
+             and client.hget(keys.planned_event("up-1"), "status") == "applied"
+             and client.hget(keys.planned_event("down-1"), "status") == "applied", 20,
+             f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
+    assert sorted(_queued(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
+        {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None]},
+        {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None]},
+    ]
+    on_n6 = _queued(client, node_queue("n6"))
+    assert sorted(m["task"] for m in on_n6) == sorted([RETIRE, KEEP_WARM])
+    retire = next(m for m in on_n6 if m["task"] == RETIRE)
+    assert retire["args"][0] == newer  # scale down removes the newest replica
+    keep = next(m for m in on_n6 if m["task"] == KEEP_WARM)
+    assert keep["args"][0] == newer and keep["args"][1] > now
+    assert older not in {m["args"][0] for m in on_n6 if m["task"] == RETIRE}
+    assert client.hget(keys.planned_event("up-later"), "status") == "planned"
+
+    app.send_task(DISPATCH_EVENTS)  # nothing is due twice
+    time.sleep(1.5)
+    assert len(_queued(client, node_queue("n7"))) == 2
+    ctx.client.close()
 
 
 def test_planner_log_has_no_tracebacks(planner: dict[str, Any]) -> None:

@@ -40,6 +40,8 @@ REAP = "prewarm.reap"
 HANDLE_DEMAND = "prewarm.handle_demand"
 SCAN_DEMAND = "prewarm.scan_demand"
 SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
+DISPATCH_EVENTS = "prewarm.dispatch_due_events"
+APPLY_EVENT = "prewarm.apply_scale_event"
 
 #: Tasks that act on one replica and run on the replica's node.
 NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})

@@ -28,6 +28,7 @@ log = logging.getLogger("prewarm.beat")
 
 DEMAND_SCAN_S = 10.0
 FRAGMENTATION_SWEEP_S = 300.0
+EVENT_DISPATCH_S = 2.0
 
 
 def schedule(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -38,6 +39,8 @@ def schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         "scan-unmet-demand": {"task": app_mod.SCAN_DEMAND, "schedule": timedelta(seconds=DEMAND_SCAN_S)},
         "sweep-fragmentation": {"task": app_mod.SWEEP_FRAGMENTATION,
                                 "schedule": timedelta(seconds=FRAGMENTATION_SWEEP_S)},
+        "dispatch-due-scale-events": {"task": app_mod.DISPATCH_EVENTS,
+                                      "schedule": timedelta(seconds=EVENT_DISPATCH_S)},
     }
 
 

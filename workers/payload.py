@@ -137,3 +137,11 @@ def parse_model(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Mo
 
 def parse_nothing(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     _bind(task, args, kwargs, (), 0)
+
+
+def parse_event_id(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    b = _bind(task, args, kwargs, ("event_id",), 1)
+    value = b["event_id"]
+    if not isinstance(value, str) or not 0 < len(value) <= 200 or any(c.isspace() for c in value):
+        raise InvalidPayload(f"event_id must be a non-empty string without spaces, got {value!r:.80}")
+    return value

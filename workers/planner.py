@@ -7,6 +7,8 @@
   short claim key and the deterministic replica id make repeats harmless.
 - `scan_demand`: the beat's safety net for demand announcements nobody heard.
 - `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
+- `dispatch_due_events` / `apply_scale_event(event_id)`: carry out the planner's scale
+  events when they are due (see `workers.executor`).
 
 Placement reads the node views agents publish (`keys.node_info`); the choice itself is
 the pure `choose_placement` below.
@@ -61,7 +63,7 @@ def resolve_revision(model: str, configured: Iterable[str], known: Iterable[tupl
     return recent[0][0] if recent else None
 
 
-def _nodes(ctx: WorkerContext) -> list[NodeSlots]:
+def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:
     out = []
     for node in sorted(ctx.client.smembers(keys.NODES) | _published_nodes(ctx)):
         info: Mapping[str, str] = ctx.client.hgetall(keys.node_info(node))
@@ -92,7 +94,7 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         log.warning("unmet demand for %s, but no revision is known (set PREWARM_PLANNER_MODELS=%s@<rev>)", model,
                     model)
         return {"model": model, "outcome": "unknown_model"}
-    placement = choose_placement(_nodes(ctx))
+    placement = choose_placement(live_nodes(ctx))
     if placement is None:
         log.warning("unmet demand for %s, but no live node has a free slot", model)
         ctx.client.delete(keys.demand_claim(model))
@@ -148,8 +150,27 @@ def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
     return {"checked": sent}
 
 
+def dispatch_due_events(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("dispatch_due_events", args, kwargs)
+    from workers.executor import dispatch_due
+
+    ctx = _ctx(self)
+    return {"dispatched": dispatch_due(ctx, self.app, now=ctx.clock())}
+
+
+def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
+    from workers.executor import apply_event
+
+    bound = payload.parse_event_id("apply_scale_event", args, kwargs)
+    applied = apply_event(_ctx(self), self.app, bound)
+    return {"event_id": applied.event_id, "kind": applied.kind.value, "replicas": list(applied.replica_ids),
+            "outcome": applied.outcome}
+
+
 def register(app: Celery, common: Mapping[str, Any]) -> None:
     app.task(name=app_mod.REAP, **common)(reap)
     app.task(name=app_mod.HANDLE_DEMAND, **common)(handle_demand)
     app.task(name=app_mod.SCAN_DEMAND, **common)(scan_demand)
     app.task(name=app_mod.SWEEP_FRAGMENTATION, **common)(sweep_fragmentation)
+    app.task(name=app_mod.DISPATCH_EVENTS, **common)(dispatch_due_events)
+    app.task(name=app_mod.APPLY_EVENT, **common)(apply_scale_event)
