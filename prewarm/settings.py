@@ -134,6 +134,12 @@ class KubernetesSettings(_Group):
     dry_run: bool = False
     node_selector: str = "gpu.feature/preload=true"
     pod_port: int = Field(8000, ge=1, le=65535)
+    # --- prewarming the pods of an inference Deployment (`prewarm k8s prewarm-pods`) ---
+    pod_api_key: SecretStr | None = None  # bearer token of the pods' OpenAI-compatible servers (vLLM --api-key)
+    pod_sleep_mode: bool = False  # the pods' servers have vLLM-style /sleep, /wake_up, /is_sleeping
+    pod_ready_timeout_s: float = Field(120.0, gt=0)  # a Ready pod's server must pass its health check within this
+    pod_require_logprobs: bool = True  # numeric validation needs logprobs; False: "unsupported" is accepted
+    pod_concurrency: int = Field(4, ge=1)  # pods warmed at the same time
 
 
 class RuntimeSettings(_Group):
