@@ -221,6 +221,9 @@ class PlannerSettings(_Group):
     dry_run: bool = False
     models: list[str] = Field(default_factory=list)  # model@revision to plan for; empty: every model seen
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
+    capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
+    history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
+    min_history_buckets: int = Field(30, ge=2)  # below this, the forecast is the recent mean (cold start)
 
 
 class MetricsSettings(_Group):

@@ -27,7 +27,7 @@ from prewarm.registry import ReplicaRegistry
 from prewarm.settings import RedisSettings, RegistrySettings, Settings
 from tests.celery_helpers import WorkerProcess, wait_for, worker_env
 from prewarm.domain import ScaleEvent, ScaleEventKind
-from workers.app import DISPATCH_EVENTS, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
+from workers.app import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
 from workers.context import WorkerContext
 from workers.executor import submit_events
 
@@ -186,6 +186,32 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
     time.sleep(1.5)
     assert len(_queued(client, node_queue("n7"))) == 2
     ctx.client.close()
+
+
+def test_forecast_and_plan_turns_gateway_counters_into_scale_events(planner: dict[str, Any]) -> None:
+    """Ten requests/s for the last hour, nothing live: the plan scales tiny up now and says so."""
+    client = planner["client"]
+    now = time.time()
+    current = int(now // 60) * 60
+    for i in range(1, 61):
+        client.set(keys.requests("tiny", 60, current - 60 * i), 600)
+    client.sadd(keys.REQUEST_MODELS, "tiny")
+    planner["app"].send_task(FORECAST)
+    wait_for(lambda: client.hget(keys.last_forecast("tiny"), "status") is not None, 60,
+             f"a forecast for tiny (planner log:\n{planner['proc'].log()[-3000:]})")
+    record = client.hgetall(keys.last_forecast("tiny"))
+    assert record["status"] == "planned", record
+    assert 8.0 < float(record["rps_q0.5"]) < 12.0
+    assert int(record["need_now"]) == 3  # ceil(10 req/s / 4 req/s per replica x 1.1 headroom)
+    events = [json.loads(client.hget(keys.planned_event(e), "event") or "{}") for e in
+              client.zrange(keys.PLANNED_EVENTS, 0, -1)]
+    ups = [e for e in events if e.get("model") == "tiny" and e.get("kind") == "scale_up" and e["pool"] == "serving"]
+    assert ups and ups[0]["at"] <= now + 60, events
+    assert sum(e["replicas"] for e in ups if e["at"] <= now + 60) >= 3
+    with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'prewarm_forecast_requests{model="tiny",quantile="0.9"}' in text
+    assert 'prewarm_forecast_timestamp_seconds{model="tiny"}' in text
 
 
 def test_planner_log_has_no_tracebacks(planner: dict[str, Any]) -> None:

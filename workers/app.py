@@ -42,6 +42,7 @@ SCAN_DEMAND = "prewarm.scan_demand"
 SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
 DISPATCH_EVENTS = "prewarm.dispatch_due_events"
 APPLY_EVENT = "prewarm.apply_scale_event"
+FORECAST = "prewarm.forecast_and_plan"
 
 #: Tasks that act on one replica and run on the replica's node.
 NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})

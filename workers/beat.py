@@ -41,6 +41,7 @@ def schedule(settings: Settings) -> dict[str, dict[str, Any]]:
                                 "schedule": timedelta(seconds=FRAGMENTATION_SWEEP_S)},
         "dispatch-due-scale-events": {"task": app_mod.DISPATCH_EVENTS,
                                       "schedule": timedelta(seconds=EVENT_DISPATCH_S)},
+        "forecast-and-plan": {"task": app_mod.FORECAST, "schedule": timedelta(seconds=settings.planner.interval_s)},
     }
 
 

@@ -9,6 +9,7 @@
 - `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
 - `dispatch_due_events` / `apply_scale_event(event_id)`: carry out the planner's scale
   events when they are due (see `workers.executor`).
+- `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.forecast`).
 
 Placement reads the node views agents publish (`keys.node_info`); the choice itself is
 the pure `choose_placement` below.
@@ -167,6 +168,15 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
             "outcome": applied.outcome}
 
 
+def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("forecast_and_plan", args, kwargs)
+    from workers.forecast import forecast_and_plan as run
+
+    ctx = _ctx(self)
+    return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
+                        "new_events": list(m.new_events), "dropped": m.dropped} for m in run(ctx, now=ctx.clock())]}
+
+
 def register(app: Celery, common: Mapping[str, Any]) -> None:
     app.task(name=app_mod.REAP, **common)(reap)
     app.task(name=app_mod.HANDLE_DEMAND, **common)(handle_demand)
@@ -174,3 +184,4 @@ def register(app: Celery, common: Mapping[str, Any]) -> None:
     app.task(name=app_mod.SWEEP_FRAGMENTATION, **common)(sweep_fragmentation)
     app.task(name=app_mod.DISPATCH_EVENTS, **common)(dispatch_due_events)
     app.task(name=app_mod.APPLY_EVENT, **common)(apply_scale_event)
+    app.task(name=app_mod.FORECAST, **common)(forecast_and_plan)
