@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import cached_property
 from typing import Any, Mapping
 
 from prewarm.errors import InvalidPayload
@@ -140,8 +141,8 @@ class Replica:
         if not 0.0 <= self.progress <= 1.0:
             raise InvalidPayload(f"progress must be within 0..1, got {self.progress}")
 
-    @property
-    def id(self) -> str:
+    @cached_property
+    def id(self) -> str:  # cached: the gateway's routing reads it ~20 times per request
         return replica_id(self.model, self.revision, self.node, self.slot)
 
     def with_(self, **changes: Any) -> "Replica":
