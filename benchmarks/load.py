@@ -23,12 +23,17 @@ Load generators (Debian packages): `wrk` for saturation (200 connections, 60 s, 
 --quick; `wrk_post.lua` sends POST /v1/completions with a short prompt and max_tokens=1)
 and `hey` for latency at a fixed rate of half the direct path's saturation throughput
 (`-q` per worker × `-c` workers, `-z` duration, `-o csv`: percentiles computed here from
-every request). Direct and gateway latency runs are interleaved in rounds so both see the
-same machine.
+every request). The latency paths run interleaved in rounds so all see the same machine.
 
 Keys: `requests`, `errors` (non-2xx + socket errors through the gateway; target 0),
-`throughput_rps`, `direct_throughput_rps`, `throughput_ratio`, `p50_ms`, `p99_ms`,
-`direct_p99_ms`, `overhead_p99_ms` (target < 5 ms), and what explains them.
+`throughput_rps`, `direct_throughput_rps` (one replica), `throughput_ratio`; at the fixed
+rate `p50_ms`, `p99_ms` (through the gateway), `direct_p99_ms`, `overhead_p99_ms` (target
+< 5 ms), and what explains them. Which "direct" the latency overhead is taken against:
+the same rate sent straight to the same replicas, split evenly (one hey per replica), so
+each replica sees the same load with and without the gateway and the difference is the
+gateway's hop. Against one replica alone the gateway would look faster than direct (it has
+twice the capacity behind it), which says nothing about its cost; that figure is still
+reported as `one_replica_p99_ms`.
 """
 
 from __future__ import annotations
@@ -225,20 +230,45 @@ def parse_hey_csv(text: str, seconds: float) -> HeyResult:
     return HeyResult(latencies, statuses, seconds)
 
 
-def rate_plan(rate: float, per_worker: float = 10.0) -> tuple[int, float]:
-    """(workers, q per worker) for a total rate; each worker waits 1/q between requests."""
+def rate_plan(rate: float, parts: int = 1, per_worker: float = 10.0) -> tuple[int, float]:
+    """(workers in total, q per worker) for a total rate, workers a multiple of `parts`.
+
+    hey starts its workers together and each waits 1/q between requests, so a run sends
+    bursts of `workers` requests; the same workers and q for every path keeps the burst
+    shape the same whether the gateway spreads it or the client splits it over replicas."""
     workers = max(4, math.ceil(rate / per_worker))
+    workers = parts * math.ceil(workers / parts)
     return workers, rate / workers
 
 
-def run_hey(url: str, seconds: int, rate: float) -> HeyResult:
-    workers, q = rate_plan(rate)
-    cmd = ["hey", "-z", f"{seconds}s", "-c", str(workers), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
-           "-T", "application/json", "-d", BODY, "-o", "csv", url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
-    if done.returncode != 0:
-        raise RuntimeError(f"hey exited {done.returncode}: {done.stderr[-2000:]}")
-    return parse_hey_csv(done.stdout, seconds)
+def run_hey(urls: list[str], seconds: int, workers: int, q: float) -> HeyResult:
+    """`workers` hey workers at `q` requests/s each, split evenly over `urls` (one hey process
+    per URL, run concurrently); `workers` must be a multiple of len(urls)."""
+    if workers % len(urls):
+        raise ValueError(f"{workers} workers do not split evenly over {len(urls)} URLs")
+    share = workers // len(urls)
+    procs = []
+    for url in urls:
+        cmd = ["hey", "-z", f"{seconds}s", "-c", str(share), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
+               "-T", "application/json", "-d", BODY, "-o", "csv", url]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=seconds + 60)
+            if proc.returncode != 0:
+                raise RuntimeError(f"hey exited {proc.returncode}: {err[-2000:]}")
+            part = parse_hey_csv(out, seconds)
+            latencies += part.latencies_s
+            for code, n in part.statuses.items():
+                statuses[code] = statuses.get(code, 0) + n
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return HeyResult(latencies, statuses, seconds)
 
 
 # --- what the servers say ---------------------------------------------------------------------
@@ -278,9 +308,21 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _stop_all(procs: list[tuple[str, subprocess.Popen[bytes]]], say: Callable[[str], None]) -> None:
+    """SIGTERM every process first, then wait for each: shutdowns overlap instead of adding up."""
+    began = time.monotonic()
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for _, proc in procs:
+        stop(proc)
+    if time.monotonic() - began > 3.0:
+        say(f"{', '.join(n for n, _ in procs)} took {time.monotonic() - began:.1f}s to stop")
+
+
 def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str, Any]:
     sat_s = 10 if quick else 60
-    lat_s, rounds = (4, 1) if quick else (10, 3)
+    lat_s, rounds = (3, 1) if quick else (10, 3)
     secret = secrets.token_hex(16)
     settings = Settings.load()
     with ExitStack() as stack:
@@ -292,14 +334,14 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
                "PREWARM_RUNTIME_SNAPSHOT_DIR": str(tmp / "snapshots"), "PREWARM_GATEWAY_HOST": "127.0.0.1",
                "PREWARM_RUNTIME_HOST": "127.0.0.1"}
         ports = [free_port() for _ in range(replicas)]
+        procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        stack.callback(_stop_all, procs, say)
         for slot, port in enumerate(ports):
-            proc = prewarm_process(["serve-model", "--model-dir", str(model_dir), "--port", str(port),
-                                    "--model-name", MODEL, "--node", NODE, "--no-autoload"],
-                                   env, log=tmp / f"runtime-{slot}.log")
-            stack.callback(stop, proc)
+            procs.append((f"runtime {slot}", prewarm_process(
+                ["serve-model", "--model-dir", str(model_dir), "--port", str(port), "--model-name", MODEL,
+                 "--node", NODE, "--no-autoload"], env, log=tmp / f"runtime-{slot}.log")))
         gw_port = free_port()
-        gateway = prewarm_process(["gateway", "--port", str(gw_port)], env, log=tmp / "gateway.log")
-        stack.callback(stop, gateway)
+        procs.insert(0, ("gateway", prewarm_process(["gateway", "--port", str(gw_port)], env, log=tmp / "gateway.log")))
         for port in ports:
             wait_http(f"http://127.0.0.1:{port}/healthz", timeout=120)
         wait_http(f"http://127.0.0.1:{gw_port}/healthz", timeout=60)
@@ -336,16 +378,21 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         served = [user_requests(p) - b for p, b in zip(ports, served_before)]
 
         rate = direct.rps / 2
-        workers, q = rate_plan(rate)
-        say(f"latency: {rate:.0f} req/s ({workers} workers x {q:.2f}/s), {rounds} x {lat_s}s per path, interleaved")
+        workers, q = rate_plan(rate, len(ready))
+        say(f"latency: {rate:.0f} req/s ({workers} workers x {q:.2f}/s), {rounds} x {lat_s}s per path "
+            "(one replica, split straight over the replicas, through the gateway), interleaved")
+        replica_urls = [f"{r.endpoint}/v1/completions" for r in ready]
+        lat_one: list[HeyResult] = []
         lat_direct: list[HeyResult] = []
         lat_via: list[HeyResult] = []
         for _ in range(rounds):
-            lat_direct.append(run_hey(direct_url, lat_s, rate))
-            lat_via.append(run_hey(gw_url, lat_s, rate))
+            lat_one.append(run_hey([direct_url], lat_s, workers, q))
+            lat_direct.append(run_hey(replica_urls, lat_s, workers, q))
+            lat_via.append(run_hey([gw_url], lat_s, workers, q))
         say("measured; stopping everything")
         gw_log = (tmp / "gateway.log").read_text(errors="replace")[-2000:] if via.errors else ""
 
+    o_lat = [x for r in lat_one for x in r.latencies_s]
     d_lat = [x for r in lat_direct for x in r.latencies_s]
     v_lat = [x for r in lat_via for x in r.latencies_s]
     total = sum(served) or 1
@@ -362,7 +409,8 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         "saturation_p99_ms": via.p99_ms,
         "direct_saturation_p99_ms": direct.p99_ms,
         "replica_share": [n / total for n in served],
-        "rate_rps": rate,
+        "rate_rps": workers * q,
+        "hey_workers": workers,
         "achieved_rate_rps": sum(r.rate for r in lat_via) / len(lat_via),
         "direct_achieved_rate_rps": sum(r.rate for r in lat_direct) / len(lat_direct),
         "p50_ms": percentile(v_lat, 50) * 1000,
@@ -371,8 +419,10 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         "direct_p99_ms": percentile(d_lat, 99) * 1000,
         "overhead_p50_ms": (percentile(v_lat, 50) - percentile(d_lat, 50)) * 1000,
         "overhead_p99_ms": (percentile(v_lat, 99) - percentile(d_lat, 99)) * 1000,
+        "one_replica_p50_ms": percentile(o_lat, 50) * 1000,
+        "one_replica_p99_ms": percentile(o_lat, 99) * 1000,
         "latency_errors": sum(r.errors for r in lat_via),
-        "direct_latency_errors": sum(r.errors for r in lat_direct),
+        "direct_latency_errors": sum(r.errors for r in lat_direct) + sum(r.errors for r in lat_one),
         "latency_samples": len(v_lat),
         "direct_latency_samples": len(d_lat),
         "replicas": replicas,
@@ -396,6 +446,7 @@ def main() -> None:
     began = time.monotonic()
     result = measure(args.quick, args.replicas,
                      lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True))
+    print(f"load [{time.monotonic() - began:5.1f}s] everything stopped", file=sys.stderr, flush=True)
     share = ", ".join(f"{x:.0%}" for x in result["replica_share"])
     rows = [
         ("requests", result["requests"], f"through the gateway in {result['saturation_s']}s at {CONNECTIONS} connections"),
@@ -409,8 +460,11 @@ def main() -> None:
                                          f"{result['achieved_rate_rps']:.4g} (direct {result['direct_achieved_rate_rps']:.4g})"),
         ("p50_ms", result["p50_ms"], f"through the gateway; direct {result['direct_p50_ms']:.4g} ms"),
         ("p99_ms", result["p99_ms"], f"through the gateway, {result['latency_samples']} requests"),
-        ("direct_p99_ms", result["direct_p99_ms"], f"one replica, {result['direct_latency_samples']} requests"),
-        ("overhead_p99_ms", result["overhead_p99_ms"], "target < 5 ms"),
+        ("direct_p99_ms", result["direct_p99_ms"], f"same rate split straight over the same replicas, "
+                                                   f"{result['direct_latency_samples']} requests"),
+        ("overhead_p99_ms", result["overhead_p99_ms"], f"target < 5 ms (p50: {result['overhead_p50_ms']:.3g} ms)"),
+        ("one_replica_p99_ms", result["one_replica_p99_ms"], f"the whole rate to one replica (p50 "
+                                                             f"{result['one_replica_p50_ms']:.4g} ms)"),
         ("latency_errors", result["latency_errors"], f"non-2xx at the fixed rate; direct {result['direct_latency_errors']}"),
     ]
     if result["gateway_log_tail"]:
