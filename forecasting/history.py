@@ -82,10 +82,20 @@ def make_frame(
     return frame
 
 
-def _bucket_grid(first_ts: float, last_ts: float, bucket_s: float) -> np.ndarray:
+#: More buckets than this in one frame is a mistake (a stray timestamp decades away), not history.
+MAX_BUCKETS = 20_000_000
+
+
+def _check_bucket_count(count: float, what: str) -> None:
+    if not count <= MAX_BUCKETS:
+        raise HistoryError(f"{what}: {count:.3g} buckets is more than {MAX_BUCKETS:,}; a stray timestamp or a too-small bucket")
+
+
+def _bucket_grid(first_ts: float, last_ts: float, bucket_s: float, source: str = "history") -> np.ndarray:
     """Bucket starts (multiples of bucket_s) covering [first_ts, last_ts]."""
     lo = math.floor(first_ts / bucket_s)
     hi = math.floor(last_ts / bucket_s)
+    _check_bucket_count(hi - lo + 1, source)
     return np.arange(lo, hi + 1, dtype=np.float64) * bucket_s
 
 
@@ -94,7 +104,7 @@ def requests_frame(trace: RequestTrace, *, model: str = "default", bucket_s: flo
     if not bucket_s > 0:
         raise HistoryError(f"{trace.source}: bucket_s must be positive, got {bucket_s}")
     abs_t = trace.start_epoch + trace.t
-    grid = _bucket_grid(float(abs_t[0]), float(abs_t[-1]), bucket_s)
+    grid = _bucket_grid(float(abs_t[0]), float(abs_t[-1]), bucket_s, trace.source)
     idx = np.floor(abs_t / bucket_s).astype(np.int64) - int(round(grid[0] / bucket_s))
     counts = np.bincount(np.clip(idx, 0, grid.size - 1), minlength=grid.size).astype(np.float64)
     return make_frame(model, grid, counts, bucket_s=bucket_s, source=trace.source, bad_rows=trace.bad_rows)
@@ -121,7 +131,7 @@ def rates_frame(trace: RateTrace, *, model: str = "default", bucket_s: float = 6
     cum = np.concatenate([[0.0], np.cumsum(counts)])
     xs[0::2], xs[1::2] = starts, ends
     ys[0::2], ys[1::2] = cum[:-1], cum[1:]
-    grid = _bucket_grid(float(starts[0]), float(ends[-1]) - 1e-9 * trace.window_s, bucket_s)
+    grid = _bucket_grid(float(starts[0]), float(ends[-1]) - 1e-9 * trace.window_s, bucket_s, trace.source)
     edges = np.append(grid, grid[-1] + bucket_s)
     per_bucket = np.diff(np.interp(edges, xs, ys))
     per_bucket = np.clip(per_bucket, 0.0, None)  # float noise around exact zeros
@@ -225,6 +235,7 @@ def load_redis(client: _RedisLike, model: str, *, resolution_s: int, start: floa
     if not end > start:
         raise HistoryError(f"empty time range: start {start} is not before end {end}")
     first = math.floor(start / resolution_s) * resolution_s
+    _check_bucket_count((end - first) / resolution_s, f"redis counters of {model!r}")
     bucket_starts = np.arange(first, end, resolution_s, dtype=np.int64)
     names = [keys.requests(model, resolution_s, int(b)) for b in bucket_starts]
     counts = np.zeros(bucket_starts.size, dtype=np.float64)

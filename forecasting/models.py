@@ -67,7 +67,11 @@ def check_series(y: pd.Series, bucket_s: float | None, *, what: str = "y") -> tu
     if not isinstance(y, pd.Series):
         raise TypeError(f"{what} must be a pandas Series indexed by bucket start, got {type(y).__name__}")
     values = y.to_numpy(dtype=np.float64)
-    index = np.asarray(y.index, dtype=np.float64)
+    if isinstance(y.index, pd.DatetimeIndex):
+        epoch = pd.Timestamp(0, tz=y.index.tz) if y.index.tz is not None else pd.Timestamp(0)
+        index = np.asarray((y.index - epoch).total_seconds(), dtype=np.float64)
+    else:
+        index = np.asarray(y.index, dtype=np.float64)
     if values.size == 0:
         raise ValueError(f"{what} is empty")
     if not np.all(np.isfinite(values)) or np.any(values < 0):

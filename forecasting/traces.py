@@ -36,6 +36,10 @@ from prewarm.errors import PermanentError, TemporaryError
 
 log = logging.getLogger(__name__)
 
+#: Rates or counts above this are not traffic but corruption (and would overflow sums).
+MAX_VALUE = 1e12
+#: Timestamps (epoch or offset seconds) beyond this (year ~5100) are corruption, not traffic.
+MAX_ABS_TIME_S = 1e11
 #: How many bad rows are logged one by one (all of them are kept in ``bad_rows``).
 LOG_BAD_ROWS = 20
 
@@ -283,19 +287,23 @@ def _to_float(values: pd.Series) -> np.ndarray:
         return pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
 
 
+def _in_range(secs: np.ndarray) -> np.ndarray:
+    """``secs`` with out-of-range times (beyond MAX_ABS_TIME_S) turned to NaN."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.abs(secs) <= MAX_ABS_TIME_S, secs, np.nan)
+
+
 def _parse_times(values: pd.Series) -> tuple[np.ndarray, bool]:
-    """Epoch seconds (NaN where unreadable) and whether the column held dates (vs numbers)."""
+    """Epoch seconds (NaN where unreadable or out of range) and whether the column held dates."""
     sample = pd.to_numeric(values.iloc[:200], errors="coerce")
     if sample.notna().mean() > 0.5:
-        return _to_float(values), False
+        return _in_range(_to_float(values)), False
     parsed = pd.to_datetime(values.str.strip(), format="ISO8601", errors="coerce", utc=True)
-    secs = np.full(len(values), np.nan)
-    ok = parsed.notna().to_numpy()
-    if ok.any():
-        # pandas picks the resolution from the strings (s, ms, us, ns): normalise before casting.
-        ns = parsed[ok].dt.as_unit("ns").astype("int64").to_numpy()
-        secs[ok] = ns / 1e9
-    return secs, True
+    # pandas picks the resolution from the strings (s .. ns); microseconds hold any year
+    # pandas can parse without overflow, and keep the Azure traces' 7th digit to 0.1 us.
+    stamps = parsed.dt.tz_convert(None).to_numpy().astype("datetime64[us]").astype(np.int64)
+    secs = np.where(parsed.isna().to_numpy(), np.nan, stamps / 1e6)
+    return _in_range(secs), True
 
 
 def _parse_tokens(values: pd.Series, numbers: np.ndarray, name: str, bad: _BadRows) -> tuple[np.ndarray, np.ndarray]:
@@ -341,7 +349,7 @@ def _parse_request_csv(path: Path, lines: list[str], header_idx: int, origin: fl
     secs, dated = _parse_times(parts[time_col]) if len(parts) else (np.empty(0), True)
     ok = np.isfinite(secs)
     if (~ok).any():
-        bad.add(numbers[~ok], f"unreadable timestamp {cols[time_col]!r}")
+        bad.add(numbers[~ok], f"unreadable or out-of-range timestamp {cols[time_col]!r}")
     if not dated:
         neg = ok & (secs < 0)
         if neg.any():
@@ -389,8 +397,12 @@ def _parse_request_jsonl(path: Path, lines: list[str], first: int, origin: float
             bad.add([n], "not a JSON object")
             continue
         ts = obj.get("timestamp")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-            bad.add([n], f"timestamp {ts!r} is not a non-negative number of milliseconds")
+        try:
+            ms = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else math.nan
+        except OverflowError:  # an integer beyond float range
+            ms = math.nan
+        if not math.isfinite(ms) or ms < 0 or ms / 1000.0 > MAX_ABS_TIME_S:
+            bad.add([n], f"timestamp {str(ts)[:40]} is not a non-negative number of milliseconds")
             continue
         c, g = obj.get("input_length"), obj.get("output_length")
         row_ok = True
@@ -403,7 +415,7 @@ def _parse_request_jsonl(path: Path, lines: list[str], first: int, origin: float
             continue
         has_ctx &= c is not None
         has_gen &= g is not None
-        secs.append(float(ts) / 1000.0)
+        secs.append(ms / 1000.0)
         ctx.append(int(c) if c is not None else 0)
         gen.append(int(g) if g is not None else 0)
     bad_rows = bad.finish()
@@ -430,7 +442,7 @@ def _parse_rates(path: Path, lines: list[str], header_idx: int, fmt: TraceFormat
     parts, numbers = _split_rows(lines, header_idx, len(cols), bad)
     if fmt is TraceFormat.RATE_WINDOWS:
         t_idx, v_idx = cols.index("window_start_s"), cols.index("rate_req_per_s")
-        starts = _to_float(parts[t_idx]) if len(parts) else np.empty(0)
+        starts = _in_range(_to_float(parts[t_idx])) if len(parts) else np.empty(0)
         dated = False
         value_name = "rate_req_per_s"
     else:
@@ -441,10 +453,10 @@ def _parse_rates(path: Path, lines: list[str], header_idx: int, fmt: TraceFormat
     values = _to_float(parts[v_idx]) if len(parts) else np.empty(0)
     t_ok = np.isfinite(starts)
     if (~t_ok).any():
-        bad.add(numbers[~t_ok], f"unreadable {cols[t_idx]!r}")
-    v_ok = t_ok & np.isfinite(values) & (values >= 0)
+        bad.add(numbers[~t_ok], f"unreadable or out-of-range {cols[t_idx]!r}")
+    v_ok = t_ok & np.isfinite(values) & (values >= 0) & (values <= MAX_VALUE)
     if (t_ok & ~v_ok).any():
-        bad.add(numbers[t_ok & ~v_ok], f"{value_name} is not a finite non-negative number")
+        bad.add(numbers[t_ok & ~v_ok], f"{value_name} is not a number in [0, {MAX_VALUE:g}]")
     ok = v_ok
     starts, values, numbers = starts[ok], values[ok], numbers[ok]
     order = np.argsort(starts, kind="stable")

@@ -151,7 +151,7 @@ def test_bad_timestamp_is_reported_with_file_and_line(tmp_path: Path, caplog: py
     trace = load_requests(path)
     assert len(trace) == 3
     assert trace.bad_rows == (
-        "azure.csv:4: unreadable timestamp 'timestamp'",
+        "azure.csv:4: unreadable or out-of-range timestamp 'timestamp'",
         "azure.csv:5: context tokens is not a non-negative integer",
         "azure.csv:7: expected 3 fields, found 2",
     )
@@ -212,7 +212,30 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         load_file(tmp_path)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+ATOMS = [
+    "0", "1", "600", "-1", "2.5", "1e308", "1e15", "nan", "inf", "9" * 40, "", " ", '"7"',
+    "2023-11-16 18:17:03.9799600", "1995-07-01 00:00:00", "3000-01-01 00:00:00", "0001-01-01", "x",
+]
+
+
+@pytest.mark.parametrize("name, text, outcome", [
+    ("huge.jsonl", '{"timestamp": 0}\n{"timestamp": %s}\n' % ("9" * 400), "ok"),
+    ("far.jsonl", '{"timestamp": 0}\n{"timestamp": 1e300}\n', "ok"),
+    ("far.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n1e10,1,1\n", "more than"),
+    ("inf.csv", "window_start_s,rate_req_per_s\n0,1e308\n600,1\n1200,2\n", "ok"),
+    ("year3000.csv", "timestamp,requests\n3000-01-01 00:00:00,1\n3000-01-01 00:01:00,2\n", "ok"),
+])
+def test_extreme_values_are_bad_rows_or_clear_errors(tmp_path: Path, name: str, text: str, outcome: str) -> None:
+    path = _write(tmp_path, name, text)
+    if outcome == "ok":
+        frame = load_file(path)
+        assert np.all(np.isfinite(frame["requests"])) and len(frame) <= 20
+    else:
+        with pytest.raises(HistoryError, match=outcome):
+            load_file(path)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     header=st.sampled_from([
         "TIMESTAMP,ContextTokens,GeneratedTokens", "window_start_s,rate_req_per_s",
@@ -222,6 +245,12 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         st.binary(max_size=400),
         st.lists(st.text(alphabet=st.sampled_from(list("0123456789,.-: {}\"eE+naT\t")), max_size=40), max_size=12)
         .map(lambda ls: "\n".join(ls).encode()),
+        # Rows of plausible and extreme fields: huge numbers, far dates, NaN, JSON objects.
+        st.lists(
+            st.lists(st.sampled_from(ATOMS), min_size=1, max_size=4).map(",".join)
+            | st.sampled_from(ATOMS).map(lambda a: '{"timestamp": %s, "input_length": 3}' % a),
+            max_size=10,
+        ).map(lambda ls: "\n".join(ls).encode()),
     ),
 )
 def test_fuzz_loaders_give_a_frame_or_history_error(tmp_path_factory: pytest.TempPathFactory, header: str, body: bytes) -> None:
