@@ -214,6 +214,16 @@ def test_ready_pod_is_warmed_validated_registered_and_retired_when_deleted(
     assert [r.id for r in ctx.registry.replicas_of("tiny")] == [rid]
     assert json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"] == stats1["warmup"]
 
+    # the pod turns unready (its container restarted): retired; Ready again: the same replica, warmed again
+    double.put_pod(NS, "llm-a", LABELS, ready=False, ip="127.0.0.1", node="gpu-a")
+    wait_for(lambda: running.state(rid) == "retired", 10, f"{rid} to be retired when its pod is unready")
+    assert "not Ready" in (ctx.registry.get(rid) or rec).reason
+    double.put_pod(NS, "llm-a", LABELS, ready=True, ip="127.0.0.1", node="gpu-a")
+    wait_for(lambda: running.state(rid) == "ready", 30, f"{rid} to be ready again")
+    assert running.transitions(rid)[4:] == [("ready", "draining"), ("draining", "retired"), ("retired", "pending"),
+                                            ("pending", "loading"), ("loading", "warming"), ("warming", "ready")]
+    assert json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"] == stats1["warmup"] + 3
+
     # the pod is deleted: drained and retired, no longer routable
     double.delete_pod(NS, "llm-a")
     wait_for(lambda: running.state(rid) == "retired", 10, f"{rid} to be retired")

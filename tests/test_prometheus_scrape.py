@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -139,11 +138,11 @@ def stack(redis_url: str, tmp_path: Path) -> Iterator[tuple[Prometheus, WorkerPr
 
 
 def test_prometheus_scrapes_the_gateway_and_the_agent(
-    stack: tuple[Prometheus, WorkerProcess, str, ReplicaRegistry], redis_url: str, tmp_path: Path
+    stack: tuple[Prometheus, WorkerProcess, str, ReplicaRegistry], redis_url: str, clean_env: pytest.MonkeyPatch
 ) -> None:
     prom, agent, gateway, registry = stack
-    settings = Settings()
-    settings.redis.url = redis_url
+    clean_env.setenv("PREWARM_REDIS_URL", redis_url)
+    settings = Settings.load()
     app = make_app(settings)
     try:
         app.send_task(PREWARM, args=[RID, "serving", None])
