@@ -161,12 +161,16 @@ class QuantileForecaster(BaseEstimator):
             raise ValueError(f"max_horizon must be >= 1, got {self.max_horizon}")
         self.bucket_s_ = step
         self.max_horizon_ = int(wanted)
-        self.spec_: FeatureSpec = choose_spec(n, step, self.max_horizon_, level_window=self.level_window)
-        self.feature_names_ = self.spec_.names
         # Horizons that have at least a few targets inside the series.
         reachable = min(self.max_horizon_, n - 2)
         origins, horizons = self._training_pairs(n, reachable)
-        self.n_train_rows_ = int(origins.size)
+        fit_rows, calib_rows = self._split(n, origins, horizons)
+        # The feature set is chosen on the stretch the trees are fitted on, so that seasonal
+        # lags are only used when fitted rows have them.
+        fitted_span = int((origins + horizons)[fit_rows].max()) + 1 if fit_rows.any() else n
+        self.spec_: FeatureSpec = choose_spec(fitted_span, step, self.max_horizon_, level_window=self.level_window)
+        self.feature_names_ = self.spec_.names
+        self.n_train_rows_ = int(fit_rows.sum())
         if origins.size < MIN_TRAIN_ROWS:
             # Too little history to learn a shape: flat empirical quantiles of what there is.
             self.models_: dict[float, HistGradientBoostingRegressor] | None = None
@@ -178,7 +182,6 @@ class QuantileForecaster(BaseEstimator):
         target_ts = _index[origins + horizons]
         X_rows, level = build(self.spec_, values, origins, horizons, target_ts)
         z = np.log1p(values[origins + horizons]) - level
-        fit_rows, calib_rows = self._split(n, origins, horizons)
         self.n_calibration_rows_ = int(calib_rows.sum())
         self.models_ = {}
         # One OpenMP thread: on a shared 2-core machine, HGB's spinning worker threads make
@@ -225,6 +228,12 @@ class QuantileForecaster(BaseEstimator):
 
     def _fit_models(self, qs: np.ndarray, X_rows: np.ndarray, z: np.ndarray) -> None:
         assert self.models_ is not None
+        # A feature with no value in any fitted row (a seasonal lag the sample missed) cannot
+        # be binned; as a constant it is never split on, and predict may pass real values.
+        empty = np.all(np.isnan(X_rows), axis=0)
+        if empty.any():
+            X_rows = X_rows.copy()
+            X_rows[:, empty] = 0.0
         for q in qs:
             model = HistGradientBoostingRegressor(
                 loss="quantile", quantile=float(q), max_iter=self.max_iter,
