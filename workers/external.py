@@ -44,6 +44,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -74,6 +75,7 @@ log = logging.getLogger("prewarm.external")
 EXTERNAL_SLOT_BASE = 1_000_000
 EXTERNAL_SLOT_SPAN = 1_000_000_000
 TERMINAL = (ReplicaState.FAILED, ReplicaState.RETIRED)
+RESULTS_KEPT = 1000
 
 
 def pod_slot(namespace: str, pod_name: str) -> int:
@@ -179,7 +181,7 @@ class PodPrewarmer:
         self._mu = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}  # replica id -> pod, for heartbeats and retirement
         self._inflight: set[str] = set()
-        self.results: list[PodResult] = []
+        self.results: deque[PodResult] = deque(maxlen=RESULTS_KEPT)  # the latest outcomes, for logs and the CLI
 
     def _adapter(self, endpoint: str) -> OpenAICompatibleAdapter:
         t = self.target
