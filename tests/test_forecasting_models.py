@@ -158,3 +158,12 @@ def test_features_read_nothing_after_the_origin() -> None:
         build(spec, y, origins, np.zeros(5, dtype=int), ts)
     with pytest.raises(ValueError, match="bucket_s must be positive"):
         FeatureSpec(bucket_s=0)
+
+
+def test_seasonal_features_follow_the_fitted_stretch() -> None:
+    """7.6 days: a week of lags exists in the series but not before the calibration cut."""
+    y = daily_series(8).iloc[: int(7.6 * PER_DAY)]
+    est = QuantileForecaster(bucket_s=BUCKET, max_horizon=6).fit(y)
+    assert est.n_calibration_rows_ > 0
+    assert est.spec_.daily and not est.spec_.weekly
+    assert np.all(np.isfinite(est.predict(y, 6).to_numpy()))
