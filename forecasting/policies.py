@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -257,9 +257,13 @@ class Prewarm(Policy):
                  sync_s: float = 5.0, plan_every_s: float = 60.0, forecast_every_s: float = 900.0,
                  horizon_buckets: int = 30, min_history_buckets: int = 10, refit_max_s: float = 2 * 86400.0,
                  target: float = 0.7, signal: str = "peak", history_s: float = 8 * 86400.0,
-                 planner_settings: Any = None) -> None:
+                 planner_settings: Any = None, peak_quantile: float | None = 0.5) -> None:
         if planner is None and planner_settings is not None:
             planner = PlannerParams.from_settings(planner_settings)
+        if signal == "peak" and peak_quantile is not None:
+            # the bucket's peak is already an upper statistic (the max of 60 per-second
+            # demands): its median plans for about the 98th percentile of the seconds
+            planner = replace(planner or PlannerParams(), quantile=peak_quantile)
         if signal not in ("peak", "mean"):
             raise ValueError(f"signal must be 'peak' or 'mean', got {signal!r}")
         self.signal, self.history_s = signal, history_s
