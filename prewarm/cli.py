@@ -28,6 +28,18 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("settings", help="print the effective settings (secrets masked)")
     p.set_defaults(handler=_cmd_settings)
 
+    p = sub.add_parser("up", help="run the whole system locally on a traffic replay (the main job)")
+    p.add_argument("--trace", help="replay this trace (any format the history loaders read); default: a synthetic workload")
+    p.add_argument("--duration", type=float, default=360.0, help="a trace is compressed into this many seconds")
+    p.add_argument("--max-rps", type=float, default=6.0, help="a trace's mean rate is thinned to this")
+    p.add_argument("--days", type=int, default=3, help="synthetic workload: compressed days")
+    p.add_argument("--day-seconds", type=float, default=120.0, help="synthetic workload: length of one day")
+    p.add_argument("--model-size", default="small", help="size of the local demo model (see make-model)")
+    p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
+    p.add_argument("--no-flower", action="store_true", help="do not start Flower")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_cmd_up)
+
     p = sub.add_parser("gateway", help="run the HTTP gateway (embedded Redis when PREWARM_REDIS_URL is unset)")
     p.add_argument("--host", help="listen address (default: gateway.host)")
     p.add_argument("--port", type=int, help="listen port (default: gateway.port)")
@@ -143,6 +155,19 @@ def _redis_for(settings: Settings) -> Iterator[str]:
         finally:
             os.environ.pop("PREWARM_REDIS_URL", None)
             print("prewarm: embedded Redis stopped", flush=True)
+
+
+def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from pathlib import Path
+
+    from workers import up
+
+    opts = up.UpOptions(
+        out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
+        day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
+    )
+    with _redis_for(settings):
+        return up.run(settings, opts)
 
 
 def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:

@@ -8,6 +8,7 @@ set. An invalid value fails at start with a `SettingsError` naming the variable.
 
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 import tomllib
@@ -269,6 +270,7 @@ class Settings:
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> "Settings":
         """Read the environment and the optional file; raise SettingsError naming a bad setting."""
+        _check_environment()
         path = path or os.environ.get("PREWARM_CONFIG") or None
         data = _read_file(Path(path)) if path else {}
         unknown = set(data) - set(_GROUPS)
@@ -284,6 +286,27 @@ class Settings:
             except ValidationError as exc:
                 raise SettingsError(_describe(group_cls, exc)) from None
         return cls(**built)
+
+
+def known_variables() -> set[str]:
+    """Every PREWARM_* environment variable a setting reads, plus PREWARM_CONFIG."""
+    names = {"PREWARM_CONFIG"}
+    for group_cls in _GROUPS.values():
+        prefix = str(group_cls.model_config.get("env_prefix", ""))
+        names.update(f"{prefix}{name}".upper() for name in group_cls.model_fields)
+    return names
+
+
+def _check_environment() -> None:
+    """A PREWARM_* variable that no setting reads is a typo that would silently do nothing."""
+    known = known_variables()
+    unknown = sorted(n for n in os.environ if n.startswith("PREWARM_") and n not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise SettingsError("unknown setting(s): " + ", ".join(hints))
 
 
 def _read_file(path: Path) -> dict[str, Any]:
