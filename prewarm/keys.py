@@ -139,3 +139,7 @@ def demand_claim(model: str) -> str:
 
 #: Sorted set of planned scale-event ids waiting to be carried out, scored by their due time (epoch s).
 PLANNED_EVENTS = f"{PREFIX}:plannedq"
+
+#: Outcome of a task message that finished (done or failed for good): a redelivered copy does nothing.
+def task_done(task_id: str) -> str:
+    return f"{PREFIX}:taskdone:{task_id}"

@@ -42,6 +42,7 @@ def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, s
     env.update({
         "PREWARM_REDIS_URL": redis_url,
         "PREWARM_WARMUP_SECRET": "test-warmup-secret",
+        "PREWARM_REDIS_SOCKET_TIMEOUT_S": "10",  # the shared test machine stalls; a slow reply is not an outage
         "PREWARM_WARMUP_REQUESTS": "3",
         # The machine is shared and noisy: the performance check gets a wide margin here, and the
         # test of a failing performance check sets an impossible baseline instead.
@@ -49,10 +50,12 @@ def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, s
         "PREWARM_AGENT_STATE_DIR": str(state_dir / "agent"),
         "PREWARM_AGENT_REPLICA_SLOTS": "4",
         "PREWARM_AGENT_PORT_BASE": str(_port_block()),
-        "PREWARM_AGENT_TASK_TIME_LIMIT_S": "12",
-        "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "13",  # > the time limit, as in production; short: redelivery in seconds
+        # Short, so that a SIGKILLed task comes back within seconds; long enough for a runtime to start
+        # on a busy 2-core machine (a task past its limit is retried and resumes, so it is not fatal).
+        "PREWARM_AGENT_TASK_TIME_LIMIT_S": "20",
+        "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "21",  # > the time limit, as in production
         "PREWARM_AGENT_RESTORE_INTERVAL_S": "1",
-        "PREWARM_AGENT_LOCK_TTL_S": "3",
+        "PREWARM_AGENT_LOCK_TTL_S": "8",  # outlives Redis stalls on a loaded machine; expires before redelivery
         "PREWARM_AGENT_RETRY_BACKOFF_S": "0.5",
         "PREWARM_AGENT_RUNTIME_START_TIMEOUT_S": "60",
         "PREWARM_AGENT_DRAIN_TIMEOUT_S": "2",

@@ -69,6 +69,20 @@ class World:
     def deliveries(self, task_id: str, retries: int = 0) -> int:
         return int(self.client.get(keys.task_deliveries(task_id, retries)) or 0)
 
+    def attempts(self, task_id: str) -> int:
+        """Executions of a task message: its deliveries summed over its retries."""
+        return sum(self.deliveries(task_id, r) for r in range(10))
+
+    def assert_failure_not_retried(self, task_id: str, rid: str, reason: str) -> None:
+        """The permanent failure ended the task: no delivery after it, one failure line."""
+        before = self.attempts(task_id)
+        time.sleep(1.5)  # a retry would come after a backoff of 0.5 s
+        assert self.attempts(task_id) == before, f"{rid}: the permanent failure ({reason}) was retried"
+        assert self.agent.log().count(f"replica={rid} model=") and \
+            self.agent.log().count(f"state=failed reason={reason}") >= 1
+        assert sum(1 for line in self.agent.log().splitlines()
+                   if f"replica={rid} " in line and "state=failed" in line) == 1
+
 
 def _settings(env: dict[str, str]) -> Settings:
     with pytest.MonkeyPatch.context() as mp:
@@ -150,6 +164,10 @@ def test_prewarm_reaches_ready_and_answers(world: World) -> None:
     assert f'model_cold_start_seconds_count{{model="tiny",node="{NODE}"}} 1.0' in text
     assert 'prewarm_validation_results_total{check="structural",model="tiny",result="passed"} 1.0' in text
     assert f"[COLDSTART] replica={rid}" in world.agent.log()
+    # the node view the planner places by: live, its slots, and the model's node-local snapshot
+    info = wait_for(lambda: (lambda i: i if "tiny@r1" in i.get("snapshots", "") else None)(
+        world.client.hgetall(keys.node_info(NODE))), 10, "the node view to list the tiny snapshot")
+    assert info["ready"] == "1" and info["replica_slots"] == str(world.settings.agent.replica_slots)
 
 
 def test_through_the_gateway(world: World) -> None:
@@ -158,10 +176,14 @@ def test_through_the_gateway(world: World) -> None:
     gw = WorkerProcess(["gateway", "--port", str(port)], world.env, world.tmp / "gateway.log")
     gw.start(ready_marker="listening on", timeout=30)
     try:
-        status, body = wait_for(
-            lambda: (lambda r: r if r[0] == 200 else None)(
-                _post(f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})),
-            30, "the gateway to answer")
+        def answer() -> tuple[int, Any] | None:
+            try:
+                got = _post(f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            except urllib.error.URLError:
+                return None  # not listening yet
+            return got if got[0] == 200 else None
+
+        status, body = wait_for(answer, 30, "the gateway to answer")
         assert body["choices"][0]["finish_reason"] == "length"
     finally:
         gw.stop()
@@ -256,9 +278,7 @@ def test_validation_failure_leaves_the_replica_failed_and_unroutable(world: Worl
     assert 'model_loading_failures_total{model="slow",node="n1",reason="validation_failed"} 1.0' in world.metrics()
     assert 'prewarm_validation_results_total{check="performance",model="slow",result="failed"} 1.0' in world.metrics()
     wait_for(lambda: runtime_pids(world.settings.agent.port_base + 1) == [], 20, "the failed runtime to stop")
-    time.sleep(1.0)
-    assert world.client.get(keys.task_deliveries(task.id, 1)) is None, "a validation failure was retried"
-    assert "reason=validation_failed" in world.agent.log()
+    world.assert_failure_not_retried(task.id, rid, "validation_failed")
 
 
 def test_corrupt_weights_fail_without_retry(world: World) -> None:
@@ -277,9 +297,7 @@ def test_corrupt_weights_fail_without_retry(world: World) -> None:
     assert rec.state is ReplicaState.FAILED
     assert "bad_weights" in rec.reason and entry.name in rec.reason, rec.reason
     assert 'model_loading_failures_total{model="corrupt",node="n1",reason="bad_weights"} 1.0' in world.metrics()
-    time.sleep(1.0)
-    assert world.deliveries(task.id, 0) == 1
-    assert world.client.get(keys.task_deliveries(task.id, 1)) is None, "corrupt weights were retried"
+    world.assert_failure_not_retried(task.id, rid, "bad_weights")
     shutil.rmtree(bad)
 
 

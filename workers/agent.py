@@ -73,6 +73,7 @@ class Agent:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._metrics_server: Any = None
+        self._loaded: set[str] = set()  # model@revision this agent brought to ready (snapshot hint)
 
     @property
     def node(self) -> str:
@@ -172,7 +173,12 @@ class Agent:
         self._publish_node(now)
 
     def _publish_node(self, now: float) -> None:
+        # A model brought to ready here left a node-local snapshot (the first load writes it): a
+        # placement hint for the planner (LRU eviction may have dropped it since; then it costs a load).
+        self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.host.all()
+                         if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING)}
         info = {"name": self.node, "node_class": self.settings.agent.node_class,
+                "snapshots": ",".join(sorted(self._loaded)),
                 "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
                 "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now)}
         pipe = self.ctx.client.pipeline(transaction=True)

@@ -217,9 +217,11 @@ class RuntimeHost:
         tmp.write_text(json.dumps(data))
         tmp.replace(self._pidfile(hosted.slot))
 
-    def wait_healthy(self, hosted: HostedRuntime, *, deadline: float) -> None:
-        """Wait until the runtime answers /healthz; RuntimeExited if it dies first."""
+    def wait_healthy(self, hosted: HostedRuntime, *, deadline: float, check: Callable[[], None] | None = None) -> None:
+        """Wait until the runtime answers /healthz; RuntimeExited if it dies first; `check()` may abort."""
         while True:
+            if check is not None:
+                check()
             code = hosted.exit_code()
             if code is not None:
                 raise RuntimeExited(f"runtime of {hosted.replica.id} exited with status {code}: "

@@ -179,7 +179,7 @@ class PrewarmJob:
         hosted = ctx.host.ensure(rec, str(model_dir), now=ctx.clock())
         if rec.endpoint != hosted.endpoint:
             ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
-        ctx.host.wait_healthy(hosted, deadline=self.deadline)
+        ctx.host.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
         client = make_client(ctx.settings, hosted.endpoint)
 
         if rec.state is ReplicaState.LOADING:

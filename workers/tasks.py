@@ -10,7 +10,9 @@ calls the pipeline or an operation, and applies one failure policy:
   `[COLDSTART] ... reason=` and stops the runtime; no retry;
 - a temporary error is retried with exponential backoff, up to `agent.max_attempts`;
 - a message delivered more than `agent.max_attempts` times (its worker died every time:
-  acks_late + reject_on_worker_lost redeliver it) is given up and the replica failed.
+  acks_late + reject_on_worker_lost redeliver it) is given up and the replica failed;
+- once a message is settled (done, failed for good, refused) its outcome is kept
+  (`keys.task_done`), so a copy the broker redelivers later does nothing at all.
 
 Tasks take `*args, **kwargs` so that a producer's wrong arguments reach the validator and
 are refused with a message naming the field, instead of a bare TypeError.
@@ -66,16 +68,26 @@ def _delivery_number(ctx: WorkerContext, task: Task) -> int:
 
 
 def _fail(ctx: WorkerContext, ref: ReplicaRef, exc: BaseException, *, reason: str | None = None) -> None:
+    """Mark the replica failed; only the delivery that made the transition counts and logs it."""
     code = reason or failure_reason(exc)
     detail = f"{code}: {exc}"
     rec = operations.safe_fail(ctx, ref.replica_id, detail)
-    ctx.metrics.loading_failures.labels(ref.model, ref.node, code).inc()
-    log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=%s detail=%s", ref.replica_id,
-              ref.model, ref.node, code, str(exc).replace("\n", " | ")[:1000])
+    if rec is None:
+        log.info("replica %s was not live any more (%s); left as it is", ref.replica_id, code)
+    else:
+        ctx.metrics.loading_failures.labels(ref.model, ref.node, code).inc()
+        log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=%s detail=%s", ref.replica_id,
+                  ref.model, ref.node, code, str(exc).replace("\n", " | ")[:1000])
     if ref.node == ctx.node:
         ctx.host.stop(ref.replica_id)
-    if rec is None:
-        log.info("replica %s was not live any more; left as it is", ref.replica_id)
+
+
+def _finished(ctx: WorkerContext, task: Task, outcome: str) -> None:
+    """Remember that this task message is settled, so a redelivered copy of it does nothing."""
+    try:
+        ctx.client.set(keys.task_done(task.request.id or "?"), outcome[:200], ex=keys.TASK_DELIVERIES_TTL_S)
+    except redis.RedisError as exc:
+        log.warning("could not record the outcome of %s: %s", task.request.id, exc)
 
 
 def _backoff(ctx: WorkerContext, task: Task, exc: BaseException) -> float:
@@ -83,7 +95,10 @@ def _backoff(ctx: WorkerContext, task: Task, exc: BaseException) -> float:
     delay = agent.retry_backoff_s * (2 ** int(task.request.retries or 0))
     if isinstance(exc, TemporaryError):
         delay = max(delay, exc.retry_after)
-    return min(delay, agent.effective_visibility_timeout_s / 2)
+    # A retry waits in the worker, unacked, from its delivery: countdown + time limit must stay
+    # under the visibility timeout, or the broker hands a copy to another worker meanwhile.
+    room = agent.effective_visibility_timeout_s - agent.task_time_limit_s - 1
+    return max(0.1, min(delay, room))
 
 
 def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[T], ReplicaRef],
@@ -96,30 +111,39 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
         _refuse(ctx, task, exc, args, kwargs)
         raise
     ref = ref_of(req)
+    done = ctx.client.get(keys.task_done(task.request.id or "?"))
+    if done is not None:
+        log.info("%s[%s] of %s was already settled (%s); this copy does nothing", task.name, task.request.id,
+                 ref.replica_id, done)
+        return {"replica_id": ref.replica_id, "outcome": "duplicate"}
     max_attempts = ctx.settings.agent.max_attempts
     delivery = _delivery_number(ctx, task)
     if delivery > max_attempts:
         exc = PermanentError(f"{task.name} was delivered {delivery} times without finishing "
                              f"(agent.max_attempts={max_attempts}); giving up")
         _fail(ctx, ref, exc, reason="gave_up")
+        _finished(ctx, task, "gave_up")
         return {"replica_id": ref.replica_id, "outcome": "gave_up"}
     deadline = time.monotonic() + ctx.settings.agent.task_time_limit_s
     try:
-        return work(ctx, req, deadline)
+        result = work(ctx, req, deadline)
     except Retry:
         raise
     except InvalidPayload as exc:
         _refuse(ctx, task, exc, args, kwargs)
+        _finished(ctx, task, "refused")
         raise
     except LockLost as exc:
         log.warning("%s[%s]: %s; leaving the replica to its new owner", task.name, task.request.id, exc)
         return {"replica_id": ref.replica_id, "outcome": "taken_over"}
     except PermanentError as exc:
         _fail(ctx, ref, exc)
+        _finished(ctx, task, f"failed: {failure_reason(exc)}")
         raise
     except (TemporaryError, redis.RedisError, OSError, TimeoutError) as exc:
         if int(task.request.retries or 0) + 1 >= max_attempts:
             _fail(ctx, ref, exc, reason="gave_up")
+            _finished(ctx, task, "gave_up")
             raise
         countdown = _backoff(ctx, task, exc)
         log.warning("%s[%s] of %s: temporary failure (%s); retry %d/%d in %.1fs", task.name, task.request.id,
@@ -127,7 +151,10 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
         raise task.retry(exc=exc, countdown=countdown, max_retries=max_attempts - 1)
     except Exception as exc:
         _fail(ctx, ref, exc, reason="internal")
+        _finished(ctx, task, "failed: internal")
         raise
+    _finished(ctx, task, str(result.get("outcome", "done")) if isinstance(result, dict) else "done")
+    return result
 
 
 # --- node tasks ----------------------------------------------------------------------------
