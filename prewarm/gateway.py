@@ -353,4 +353,11 @@ def run(settings: Settings, *, host: str | None = None, port: int | None = None,
     host = host or settings.gateway.host
     port = settings.gateway.port if port is None else port
     print_fn(f"prewarm gateway listening on http://{host}:{port} (registry {settings.redis.url})")
-    web.run_app(gw.app(), host=host, port=port, print=None, access_log=None, handle_signals=True)
+    loop = None
+    try:  # uvloop roughly halves the event loop's cost per proxied request; optional
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        pass
+    web.run_app(gw.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, loop=loop)
