@@ -233,6 +233,10 @@ def test_fragmentation_is_measured_and_a_healthy_replica_is_kept(world: World) -
     assert "'fragmentation': 0.0, 'recycled': False" in world.agent.log()
     assert f'gpu_fragmentation_rate{{node="{NODE}"}} 0.0' in world.metrics()
     assert world.state(rid) == "ready"
+    # past the 3 s heartbeat TTL since it became ready, only the agent's heartbeats keep it routable
+    ready_at = world.registry.get(rid).updated_at  # type: ignore[union-attr]
+    time.sleep(max(0.0, ready_at + 3.5 - time.time()))
+    assert [r.id for r in world.registry.ready("tiny", Pool.SERVING, now=time.time())] == [rid]
 
 
 def test_malformed_payloads_are_refused_and_not_retried(world: World) -> None:

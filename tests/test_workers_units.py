@@ -141,3 +141,14 @@ def test_beat_lock_on_real_redis(redis_client: "redis.Redis[str]") -> None:
     a.release()
     assert b.wait_acquire(timeout_s=1)
     b.release()
+
+
+def test_worker_processes_never_import_torch() -> None:
+    """CUDA is initialised in each replica's runtime process, never in an agent or planner worker."""
+    import subprocess
+    import sys
+
+    code = ("import sys, workers.agent, workers.tasks, workers.pipeline, workers.operations, workers.executor, "
+            "workers.beat; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
