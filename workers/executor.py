@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from celery import Celery
 
@@ -169,5 +169,5 @@ def live_counts(replicas: Iterable[Replica]) -> dict[str, int]:
     return out
 
 
-__all__: list[Any] = ["Applied", "apply_event", "dispatch_due", "hold_until", "live_counts", "node_views",
-                      "submit_events"]
+__all__ = ["Applied", "apply_event", "dispatch_due", "hold_until", "live_counts", "node_views",
+           "submit_events"]

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
 from prewarm.domain import LoadPhase, Replica, ReplicaState
 from prewarm.errors import InvalidPayload, PermanentError, TemporaryError
@@ -259,5 +258,5 @@ def owner_token(task_id: str) -> str:
     return f"{os.uname().nodename}:{os.getpid()}:{task_id}"
 
 
-__all__: list[Any] = ["PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ValidationFailed", "failure_reason",
-                      "owner_token", "resolve_model_dir"]
+__all__ = ["PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ValidationFailed", "failure_reason",
+           "owner_token", "resolve_model_dir"]
