@@ -352,7 +352,12 @@ def test_sigkill_mid_load_is_redelivered_and_ready_exactly_once(world: World) ->
 
     rec = world.wait_state(rid, "ready", "failed", timeout=120)
     assert rec.state is ReplicaState.READY, rec.reason
-    assert world.deliveries(task.id, 0) == 2, "the task was not redelivered exactly once"
+    assert f"resuming the prewarm of adopted replica {rid}" in world.agent.log()
+    # the crashed task's own message comes back after the visibility timeout and finds the work done
+    wait_for(lambda: world.deliveries(task.id, 0) == 2, 60, "the killed task to be redelivered")
+    wait_for(lambda: f"{task.id}] succeeded" in world.agent.log(), 30, "the redelivered task to finish")
+    assert world.deliveries(task.id, 0) == 2, "the task was redelivered more than once"
+    assert "'outcome': 'already_ready'" in world.agent.log().split(f"{task.id}] succeeded")[1].splitlines()[0]
     steps = world.transitions(rid)
     assert steps.count(("warming", "ready")) == 1, steps
     assert steps.count(("", "pending")) == 1, f"registered more than once: {steps}"

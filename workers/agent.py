@@ -3,7 +3,9 @@
 Lifecycle of `prewarm agent`:
 1. start: build the worker context, serve /metrics, reconcile (adopt the runtimes a crashed
    predecessor left whose replicas are still live, stop the other orphans, mark failed every
-   replica the registry places on this node that the agent does not host);
+   replica the registry places on this node that the agent does not host), and queue a
+   prewarm for adopted replicas that were still loading, so they need not wait for the
+   broker to redeliver the crashed task;
 2. run: a Celery worker with the *threads* pool consumes the node queue, while a
    heartbeat thread refreshes every hosted replica (and the node's view for placement) and
    a keeper thread sends synthetic requests to replicas held warm;
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from celery import Celery
 from prometheus_client import start_http_server
 
 from prewarm import keys
@@ -36,7 +39,7 @@ from prewarm.errors import PrewarmError
 from prewarm.metrics import RegistryCollector
 from prewarm.settings import Settings
 from workers import context, operations
-from workers.app import PLANNER_QUEUE, make_app, node_queue
+from workers.app import PLANNER_QUEUE, PREWARM, make_app, node_queue
 from workers.context import WorkerContext
 
 log = logging.getLogger("prewarm.agent")
@@ -150,6 +153,22 @@ class Agent:
         log.info("reconciled node %s: adopted %s, failed %s", self.node, list(report.adopted), list(report.failed))
         return report
 
+    def resume_adopted(self, app: Celery) -> list[str]:
+        """Queue a prewarm for every adopted replica its dead predecessor had not finished.
+
+        The crashed task's own message comes back only after the broker's visibility timeout
+        (minutes in production); this new message resumes the work at once. Both are the same
+        idempotent prewarm of the same replica id, so whichever runs second finds it ready.
+        """
+        resumed = []
+        for hosted in self.ctx.host.all():
+            rec = self.ctx.registry.get(hosted.replica.id)
+            if rec is not None and rec.state in (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING):
+                app.send_task(PREWARM, args=[rec.id, rec.pool.value, hosted.model_dir or None])
+                resumed.append(rec.id)
+                log.info("resuming the prewarm of adopted replica %s (it was %s)", rec.id, rec.state.value)
+        return resumed
+
     # --- heartbeats -------------------------------------------------------------------
     def heartbeat_once(self) -> None:
         now = self.ctx.clock()
@@ -217,7 +236,9 @@ def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int |
             "-n", f"agent@{agent.node}", f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:
         agent.start()
-        make_app(settings).worker_main(argv)
+        app = make_app(settings)
+        agent.resume_adopted(app)
+        app.worker_main(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     finally:
