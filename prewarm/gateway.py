@@ -271,15 +271,19 @@ class Gateway:
                 headers.pop(h, None)
         stream = bool(payload.get("stream"))
         tried: set[str] = set()
+        refused: list[web.Response] = []
         while decision.replica is not None:
             replica = decision.replica
             tried.add(replica.id)
-            result = await self._proxy_once(request, replica.id, replica.endpoint + request.path, body, headers, stream, model)
+            result = await self._proxy_once(request, replica.id, replica.endpoint + request.path, body, headers, stream,
+                                            model, refused)
             if result is not None:
                 return result
             decision = self._route(await self._view(model), warmup)
             if decision.replica is not None and decision.replica.id in tried:
                 break
+        if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
+            return refused[-1]
         return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")
 
     async def _record_demand(self, model: str) -> None:
@@ -289,9 +293,15 @@ class Gateway:
             log.warning("demand for %s not recorded: %s", model, exc)
 
     async def _proxy_once(
-        self, request: web.Request, rid: str, url: str, body: bytes, headers: dict[str, str], stream: bool, model: str
+        self, request: web.Request, rid: str, url: str, body: bytes, headers: dict[str, str], stream: bool, model: str,
+        refused: list[web.Response] | None = None,
     ) -> web.StreamResponse | None:
-        """Send the request to one replica. None: it could not be reached (try another)."""
+        """Send the request to one replica. None: it could not be reached or refused it (try another).
+
+        A 503 from a replica is a refusal before any work (asleep, weights unloaded, draining):
+        the request goes to another replica, and the refusal, with a Retry-After, is appended
+        to `refused` for the caller to answer with when no replica takes it.
+        """
         assert self.session is not None
         self.state.inflight[rid] = self.state.inflight.get(rid, 0) + 1
         try:
@@ -306,6 +316,19 @@ class Gateway:
                 else:
                     self.state.failures.pop(rid, None)
                 ctype = upstream.headers.get("Content-Type", "application/json")
+                if upstream.status == 503 and refused is not None:
+                    try:
+                        data = await upstream.read()
+                    except _UPSTREAM_ERRORS:
+                        data = b""
+                    retry = upstream.headers.get("Retry-After", "")
+                    retry = retry if retry.isdigit() and int(retry) >= 1 else str(self.cfg.retry_after_s)
+                    if not data:
+                        refused.append(self._unavailable(f"replica {rid} refused the request", float(retry)))
+                    else:
+                        refused.append(web.Response(status=503, body=data,
+                                                    headers={"Content-Type": ctype, "Retry-After": retry}))
+                    return None
                 if not stream or upstream.status != 200:
                     try:
                         data = await upstream.read()

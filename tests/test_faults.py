@@ -1,0 +1,227 @@
+"""Faults on a running stack: nothing lost, nothing stuck (issue 6).
+
+One stack per module, on its OWN Redis (a dedicated `EmbeddedRedis`, so restarting it does
+not disturb the session server): two node agents (`prewarm agent`, nodes n1 and n2) as real
+Celery worker processes, each hosting one real runtime of a tiny random-weight torch model,
+and a real `prewarm gateway` process in front. Heartbeats are short (1 s, TTL 3 s).
+
+- Redis restarted with no persistence: the gateway answers 503 with Retry-After while it is
+  gone (never 500, never a crash), and once it is back the agents' heartbeats re-create
+  every live replica within two heartbeat intervals.
+- A replica that starts failing requests: its runtime is put to sleep at level 2 behind the
+  registry's back (the weights are dropped; the process stays up and healthy, and every
+  completion is answered 503 — a real runtime's refusal, not a stand-in). Only the gateway
+  can see it: it stops routing there, marks it failed after `gateway.failure_threshold`
+  failures, the agent stops its runtime, and the traffic goes to the other replica.
+
+The agent killed mid-load is covered in tests/test_workers_agent.py
+(`test_sigkill_mid_load_is_redelivered_and_ready_exactly_once`, which polls a gateway
+through the whole episode); the broker outage in tests/test_faults_broker.py; fuzzed inputs
+in tests/test_faults_fuzz.py and tests/test_history.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from prewarm.domain import ReplicaState
+from prewarm.embedded import EmbeddedRedis, free_port
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import Settings
+from tests.celery_helpers import WorkerProcess, runtime_pids, wait_for, worker_env
+from workers.app import PREWARM, make_app
+from workers.runtime_client import control_token
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n1", "n2")
+HEARTBEAT_S = 1.0
+REPLICAS = {node: f"tiny@r1/{node}/0" for node in NODES}
+
+
+@dataclass
+class Stack:
+    redis: EmbeddedRedis
+    tmp: Path
+    agents: dict[str, WorkerProcess]
+    envs: dict[str, dict[str, str]]
+    gateway: WorkerProcess
+    gateway_url: str
+    client: "redis.Redis[str]"
+    registry: ReplicaRegistry
+    settings: Settings
+
+    def complete(self, prompt: str = "hello", timeout: float = 30.0) -> tuple[int, dict[str, str], Any]:
+        """One completion through the gateway: (status, headers, JSON body)."""
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"{self.gateway_url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, dict(resp.headers), json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            return exc.code, dict(exc.headers), json.loads(raw) if raw else None
+
+    def ready_ids(self) -> set[str]:
+        try:
+            return {r.id for r in self.registry.view("tiny", now=time.time()).serving}
+        except Exception:  # noqa: BLE001 - Redis may still be coming back
+            return set()
+
+    def logs(self) -> str:
+        parts = [f"--- agent {n}\n{a.log()[-2500:]}" for n, a in self.agents.items()]
+        return "\n".join(parts + [f"--- gateway\n{self.gateway.log()[-2500:]}"])
+
+
+def _settings(env: dict[str, str]) -> Settings:
+    with pytest.MonkeyPatch.context() as mp:
+        for k in [k for k in os.environ if k.startswith("PREWARM_")]:
+            mp.delenv(k)
+        for k, v in env.items():
+            if k.startswith("PREWARM_"):
+                mp.setenv(k, v)
+        return Settings.load()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from prewarm.model import make_model
+
+    tmp = tmp_path_factory.mktemp("faults")
+    server = EmbeddedRedis().start()
+    short = {"PREWARM_REGISTRY_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "3",
+             "PREWARM_REDIS_SOCKET_TIMEOUT_S": "2"}
+    make_model(tmp / "models" / "tiny" / "r1", "tiny", seed=0, name="tiny", revision="r1")
+    envs = {n: worker_env(server.url, tmp, PREWARM_AGENT_NODE=n, PREWARM_METRICS_PORT=str(free_port()), **short)
+            for n in NODES}
+    agents = {n: WorkerProcess(["agent", "--node", n], envs[n], tmp / f"agent-{n}.log") for n in NODES}
+    port = free_port()
+    gw_env = worker_env(server.url, tmp, **short)
+    gateway = WorkerProcess(["gateway", "--port", str(port)], gw_env, tmp / "gateway.log")
+    client: "redis.Redis[str]" = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=2)
+    settings = _settings(envs["n1"])
+    app = make_app(settings)
+    try:
+        for a in agents.values():  # both start at once; each waits for Celery's "ready" below
+            a.start(ready_marker=None)
+        gateway.start(ready_marker="listening on", timeout=30)
+        for a in agents.values():
+            wait_for(lambda: " ready." in a.log() or a.proc.poll() is not None, 90,  # type: ignore[union-attr]
+                     "the agents to become ready")
+            assert a.proc is not None and a.proc.poll() is None, a.log()[-3000:]
+        st = Stack(server, tmp, agents, envs, gateway, f"http://127.0.0.1:{port}", client,
+                   ReplicaRegistry(client, settings.registry), settings)
+        for rid in REPLICAS.values():
+            app.send_task(PREWARM, args=[rid, "serving", None])
+        wait_for(lambda: st.ready_ids() == set(REPLICAS.values()), 120,
+                 f"both replicas to be ready\n{st.logs()}")
+        yield st
+    finally:
+        gateway.stop()
+        for a in agents.values():
+            a.stop()
+        app.close()
+        client.close()
+        server.close()
+    for n in NODES:
+        base = int(envs[n]["PREWARM_AGENT_PORT_BASE"])
+        assert runtime_pids(base) == [], f"agent {n} left a runtime running"
+
+
+def test_redis_restart_without_persistence(stack: Stack) -> None:
+    status, _, body = stack.complete()
+    assert status == 200, body
+    outage: list[tuple[int, dict[str, str], Any]] = []
+    stack.redis.stop()
+    try:
+        deadline = time.monotonic() + 2.5  # past the gateway's cached view (refresh 0.5 s): it must read Redis
+        while time.monotonic() < deadline:
+            outage.append(stack.complete(timeout=15))
+        with urllib.request.urlopen(f"{stack.gateway_url}/healthz", timeout=10) as resp:
+            health = json.loads(resp.read())
+        assert health["registry"].startswith("unavailable"), health
+    finally:
+        stack.redis.start()  # same port, empty: nothing was persisted
+    back = time.monotonic()
+    assert stack.client.dbsize() < 5, "the restarted Redis should start empty"
+
+    statuses = [s for s, _, _ in outage]
+    assert 503 in statuses, f"the gateway never noticed the outage: {statuses}"
+    assert set(statuses) <= {200, 503}, statuses  # never a 500, never a 502
+    for status, headers, body in outage:
+        if status == 503:
+            assert int(headers["Retry-After"]) >= 1, headers
+            assert body["error"]["code"] == "unavailable", body
+
+    # the agents' heartbeats re-create both replicas (record, indexes, model list) from what they host
+    wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 10, f"the replicas to come back\n{stack.logs()}",
+             poll=0.05)
+    took = time.monotonic() - back
+    print(f"registry rebuilt {took:.2f}s after Redis came back (heartbeat interval {HEARTBEAT_S}s)")
+    # two heartbeat intervals, plus what a shared 2-core machine adds to a poll and a reconnect
+    assert took <= 2 * HEARTBEAT_S + 0.5, f"took {took:.2f}s"
+    for rid in REPLICAS.values():
+        rec = stack.registry.get(rid)
+        assert rec is not None and rec.state is ReplicaState.READY and rec.endpoint, rec
+
+    status, _, body = wait_for(lambda: (lambda r: r if r[0] == 200 else None)(stack.complete()), 10,
+                               "the gateway to route again")
+    assert body["usage"]["completion_tokens"] == 2
+    assert stack.gateway.proc is not None and stack.gateway.proc.poll() is None, "the gateway died"
+    for node, agent in stack.agents.items():
+        assert agent.proc is not None and agent.proc.poll() is None, f"agent {node} died:\n{agent.log()[-3000:]}"
+    assert "Traceback" not in stack.gateway.log(), stack.gateway.log()[-3000:]
+
+
+def test_failing_replica_is_marked_failed_and_traffic_moves(stack: Stack) -> None:
+    bad, good = REPLICAS["n1"], REPLICAS["n2"]
+    wait_for(lambda: stack.ready_ids() == {bad, good}, 15, "both replicas to be ready")
+    bad_rec, good_rec = stack.registry.get(bad), stack.registry.get(good)
+    assert bad_rec is not None and good_rec is not None
+    token = control_token(stack.settings)
+    req = urllib.request.Request(f"{bad_rec.endpoint}/sleep?level=2", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["is_sleeping"] is True
+    with urllib.request.urlopen(f"{bad_rec.endpoint}/healthz", timeout=5) as resp:
+        assert resp.status == 200  # the process is alive: only requests show the failure
+
+    def served_by_good() -> int:
+        with urllib.request.urlopen(f"{good_rec.endpoint}/stats", timeout=5) as resp:
+            return int(json.loads(resp.read()).get("user", 0))
+
+    answers: list[tuple[int, dict[str, str], Any]] = []
+
+    def marked_failed() -> bool:
+        answers.append(stack.complete())
+        rec = stack.registry.get(bad)
+        return rec is not None and rec.state is ReplicaState.FAILED
+
+    wait_for(marked_failed, 30, f"the gateway to mark {bad} failed\n{stack.logs()}", poll=0.05)
+    rec = stack.registry.get(bad)
+    assert rec is not None and "failing requests" in rec.reason, rec
+    statuses = [s for s, _, _ in answers]
+    assert 500 not in statuses and set(statuses) <= {200, 503}, statuses
+    for status, headers, _ in answers:
+        if status == 503:
+            assert int(headers.get("Retry-After", "0")) >= 1, headers
+
+    before = served_by_good()
+    after = [stack.complete(f"after {i}") for i in range(10)]
+    assert [s for s, _, _ in after] == [200] * 10, after
+    assert served_by_good() - before == 10, "the traffic did not all go to the healthy replica"
+    # the agent sees the failed record on its next heartbeat and stops the runtime
+    port = int(stack.envs["n1"]["PREWARM_AGENT_PORT_BASE"])
+    wait_for(lambda: runtime_pids(port) == [], 20, "the failed replica's runtime to stop")
+    assert stack.ready_ids() == {good}
