@@ -1,0 +1,137 @@
+"""The broker unreachable when the planner enqueues: scale events are kept and reported, never dropped.
+
+The registry is the session Redis; the Celery broker is a second, real Redis server
+(`EmbeddedRedis`) that the test stops and starts again, so a send meets a closed port the way
+a planner does when its broker goes away. The producer is the real Celery app of
+`workers.app.make_app`, and what reached the broker is read back from its queues (the
+Redis transport's lists), where a worker would consume it.
+
+Before the fix in `workers.executor`, `dispatch_due` removed an event from the queue (ZREM
+as the claim) before sending its apply task: a send that failed lost the event for good,
+with status "dispatched" and nothing in the broker. And an apply whose prewarm sends failed
+left the event "dispatched" forever.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any, Iterator
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from prewarm import keys
+from prewarm.domain import ScaleEvent, ScaleEventKind
+from prewarm.embedded import EmbeddedRedis
+from prewarm.metrics import Metrics
+from prewarm.registry import ReplicaRegistry
+from prewarm.settings import RedisSettings, Settings
+from workers.app import APPLY_EVENT, PLANNER_QUEUE, PREWARM, make_app, node_queue
+from workers.context import WorkerContext
+from workers.executor import apply_event, dispatch_due, submit_events
+
+
+def _queued(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]:
+    """The task messages waiting in a Redis-transport queue: (task name, args)."""
+    out = []
+    for raw in client.lrange(queue, 0, -1):
+        msg = json.loads(raw)
+        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
+            else json.loads(msg["body"])
+        out.append({"task": msg["headers"]["task"], "args": body[0]})
+    return out
+
+
+@pytest.fixture()
+def broker() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture()
+def ctx(redis_url: str) -> Iterator[WorkerContext]:
+    settings = Settings(redis=RedisSettings(url=redis_url))
+    client: "redis.Redis[str]" = redis.Redis.from_url(redis_url, decode_responses=True)
+    c = WorkerContext(settings=settings, client=client, registry=ReplicaRegistry(client, settings.registry),
+                      metrics=Metrics(CollectorRegistry()))
+    yield c
+    client.close()
+
+
+def _publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
+    client.hset(keys.node_info(node), mapping={"name": node, "replica_slots": str(slots), "ready": "1"})
+
+
+def _dropped(ctx: WorkerContext, model: str, reason: str) -> float:
+    return ctx.metrics.dropped_events.labels(model, reason)._value.get()  # type: ignore[attr-defined]
+
+
+def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_back(
+        ctx: WorkerContext, broker: EmbeddedRedis) -> None:
+    app = make_app(Settings(redis=RedisSettings(url=broker.url)))
+    broker_client: "redis.Redis[str]" = redis.Redis.from_url(broker.url, decode_responses=True)
+    try:
+        now = time.time()
+        ev = ScaleEvent("up-broker", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=1, nodes=("n1",))
+        assert submit_events(ctx, [ev]) == ["up-broker"]
+
+        broker.stop()
+        started = time.monotonic()
+        assert dispatch_due(ctx, app, now=now) == []  # no exception escapes: the round reports and stops
+        assert time.monotonic() - started < 15, "a send to a closed port should fail fast"
+        record = ctx.client.hgetall(keys.planned_event("up-broker"))
+        assert record["status"] == "planned", record
+        assert "last_error" in record and record["last_error"], record
+        assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-broker") is not None, "the event left the queue"
+        assert _dropped(ctx, "m", "enqueue_failed") == 1.0
+        assert dispatch_due(ctx, app, now=now + 2) == []  # still down: still kept
+        assert _dropped(ctx, "m", "enqueue_failed") == 2.0
+
+        broker.start()  # same port, empty
+        assert dispatch_due(ctx, app, now=now + 4) == ["up-broker"]
+        assert dispatch_due(ctx, app, now=now + 6) == []  # leased: not sent twice
+        assert _queued(broker_client, PLANNER_QUEUE) == [{"task": APPLY_EVENT, "args": ["up-broker"]}]
+        assert ctx.client.hget(keys.planned_event("up-broker"), "status") == "dispatched"
+    finally:
+        broker_client.close()
+        app.close()
+
+
+def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: WorkerContext,
+                                                                       broker: EmbeddedRedis) -> None:
+    app = make_app(Settings(redis=RedisSettings(url=broker.url)))
+    broker_client: "redis.Redis[str]" = redis.Redis.from_url(broker.url, decode_responses=True)
+    try:
+        _publish_node(ctx.client, "n1", 4)
+        now = time.time()
+        ev = ScaleEvent("up-apply", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=2, nodes=("n1", "n1"))
+        submit_events(ctx, [ev])
+        assert dispatch_due(ctx, app, now=now) == ["up-apply"]
+        broker_client.delete(PLANNER_QUEUE)  # this test runs the apply itself, as the planner worker would
+
+        broker.stop()
+        applied = apply_event(ctx, app, "up-apply")
+        assert applied.outcome == "enqueue_failed" and applied.replica_ids == ("m@r1/n1/0", "m@r1/n1/1")
+        record = ctx.client.hgetall(keys.planned_event("up-apply"))
+        assert record["status"] == "planned" and record["last_error"], record
+        assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-apply") == pytest.approx(ctx.clock(), abs=5)
+        assert _dropped(ctx, "m", "enqueue_failed") == 1.0
+
+        broker.start()
+        assert dispatch_due(ctx, app, now=time.time()) == ["up-apply"]  # due again at once
+        applied = apply_event(ctx, app, "up-apply")
+        assert applied.outcome == "applied" and applied.replica_ids == ("m@r1/n1/0", "m@r1/n1/1")
+        assert apply_event(ctx, app, "up-apply").outcome == "already_applied"  # a redelivered apply sends nothing
+        assert sorted(m["args"][0] for m in _queued(broker_client, node_queue("n1"))) == ["m@r1/n1/0", "m@r1/n1/1"]
+        assert {m["task"] for m in _queued(broker_client, node_queue("n1"))} == {PREWARM}
+        assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-apply") is None  # applied: it left the queue
+        assert dispatch_due(ctx, app, now=time.time() + 10_000) == []
+    finally:
+        broker_client.close()
+        app.close()
