@@ -186,6 +186,7 @@ class AgentSettings(_Group):
     state_dir: str = ".prewarm/agent"  # runtime pid files and logs (adoption after an agent crash)
     runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
     drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
+    orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
 
     @field_validator("visibility_timeout_s")
     @classmethod

@@ -59,6 +59,7 @@ def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, s
         "PREWARM_AGENT_RETRY_BACKOFF_S": "0.5",
         "PREWARM_AGENT_RUNTIME_START_TIMEOUT_S": "60",
         "PREWARM_AGENT_DRAIN_TIMEOUT_S": "2",
+        "PREWARM_AGENT_ORPHAN_GRACE_S": "30",
         "PREWARM_RUNTIME_MODELS_DIR": str(state_dir / "models"),
         "PREWARM_RUNTIME_SNAPSHOT_DIR": str(state_dir / "snapshots"),
         "PREWARM_RUNTIME_DEVICE": "cpu",
@@ -147,8 +148,8 @@ class WorkerProcess:
         return self.proc.returncode
 
 
-def runtime_pids(port: int) -> list[int]:
-    """Pids of live `serve-model` processes listening on `port` (from /proc; zombies excluded)."""
+def runtime_pids(port: int, *, guards: bool = False) -> list[int]:
+    """Pids of live `serve-model` processes for `port` (from /proc; zombies excluded), or of their guards."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -158,6 +159,7 @@ def runtime_pids(port: int) -> list[int]:
             state = (entry / "stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if b"serve-model" in cmd and str(port).encode() in cmd and state != "Z":
+        if b"serve-model" in cmd and str(port).encode() in cmd and (b"workers.guard" in cmd) == guards \
+                and state != "Z":
             out.append(int(entry.name))
     return out

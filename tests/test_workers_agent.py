@@ -118,6 +118,7 @@ def world(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
         app.close()
         for slot in range(settings.agent.replica_slots):
             assert runtime_pids(settings.agent.port_base + slot) == [], "the agent left a runtime running"
+            assert runtime_pids(settings.agent.port_base + slot, guards=True) == [], "the agent left a guard"
         client.close()
 
 
@@ -366,5 +367,6 @@ def test_sigkill_mid_load_is_redelivered_and_ready_exactly_once(world: World) ->
     assert live == {rid}, f"stale live entries: {live - {rid}}"
     assert world.client.zscore(keys.HEARTBEATS, ghost) is None
     assert len(runtime_pids(port)) == 1, "an orphaned runtime is still running next to the adopted one"
+    assert len(runtime_pids(port, guards=True)) == 1
     status, body = _post(f"{rec.endpoint}/v1/completions", {"prompt": "after the crash", "max_tokens": 2})
     assert status == 200, body

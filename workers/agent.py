@@ -172,6 +172,7 @@ class Agent:
     # --- heartbeats -------------------------------------------------------------------
     def heartbeat_once(self) -> None:
         now = self.ctx.clock()
+        self.ctx.host.touch_leases()  # first, so that a Redis outage does not orphan the runtimes
         for hosted in self.ctx.host.all():
             rid = hosted.replica.id
             code = hosted.exit_code()

@@ -1,7 +1,8 @@
 """The runtime processes one node agent hosts: spawn, adopt after a crash, stop.
 
 Each replica runs in its own `prewarm serve-model` child process on port
-`agent.port_base + slot`. The child initialises torch and CUDA itself, so the agent (a
+`agent.port_base + slot`, under a `workers.guard` that stops it if no agent has vouched
+for it (a lease file touched on every heartbeat) for `agent.orphan_grace_s`. The child initialises torch and CUDA itself, so the agent (a
 Celery worker) never touches the accelerator and a crash of the agent does not take the
 GPU context with it. A pid file per slot (under `agent.state_dir`) records what runs
 where: an agent that starts after a crash adopts the runtimes whose replica is still live
@@ -146,6 +147,17 @@ class RuntimeHost:
     def _pidfile(self, slot: int) -> Path:
         return self.state_dir / f"slot-{slot}.json"
 
+    def lease(self, slot: int) -> Path:
+        return self.state_dir / f"slot-{slot}.lease"
+
+    def touch_leases(self) -> None:
+        """Vouch for every hosted runtime: its guard stops it once nobody has for `agent.orphan_grace_s`."""
+        for hosted in self.all():
+            try:
+                self.lease(hosted.slot).touch()
+            except OSError as exc:
+                log.warning("could not touch the lease of %s: %s", hosted.replica.id, exc)
+
     def logfile(self, slot: int) -> Path:
         return self.state_dir / f"slot-{slot}.log"
 
@@ -188,7 +200,11 @@ class RuntimeHost:
         if _healthz(f"http://127.0.0.1:{port}", timeout=0.5):
             raise TemporaryError(f"port {port} of slot {replica.slot} is taken by a process this agent does not know",
                                  retry_after=5.0)
+        lease = self.lease(replica.slot)
+        lease.touch()
         cmd = [
+            sys.executable, "-m", "workers.guard", "--lease", str(lease),
+            "--grace-s", repr(self.settings.agent.orphan_grace_s), "--",
             sys.executable, "-m", "prewarm.cli", "serve-model",
             "--model-dir", model_dir,
             "--host", self.settings.runtime.host,
@@ -250,10 +266,8 @@ class RuntimeHost:
 
     def _forget(self, slot: int) -> None:
         self._slots.pop(slot, None)
-        try:
-            self._pidfile(slot).unlink()
-        except FileNotFoundError:
-            pass
+        self._pidfile(slot).unlink(missing_ok=True)
+        self.lease(slot).unlink(missing_ok=True)
 
     # --- after a crash ----------------------------------------------------------------
     def adopt_orphans(self, keep: Callable[[Replica], Replica | None]) -> list[HostedRuntime]:
@@ -280,6 +294,7 @@ class RuntimeHost:
                                        endpoint=self.endpoint_of(replica.slot), adopted=True)
                 with self._lock:
                     self._slots[replica.slot] = hosted
+                self.lease(replica.slot).touch()
                 adopted.append(hosted)
                 log.info("adopted runtime of %s (pid %d) left by a previous agent", replica.id, pid)
                 continue
@@ -314,10 +329,13 @@ def _terminate(pid: int, proc: "subprocess.Popen[bytes] | None", grace_s: float)
         elif not _pid_alive(pid):
             return
         time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+    try:  # the guard leads its own process group: this takes the runtime under it along
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
     if proc is not None:
         proc.wait(timeout=5)
 
