@@ -90,7 +90,8 @@ def parse_replica_id(rid: str) -> tuple[str, str, str, int]:
     if len(parts) != 3 or not parts[2].isdigit():
         raise InvalidPayload(f"replica_id must look like model@revision/node/slot, got {rid!r}")
     model, revision, node, slot = head, parts[0], parts[1], int(parts[2])
-    replica_id(model, revision, node, slot)
+    if replica_id(model, revision, node, slot) != rid:  # "０" or "007" would name slot 0 or 7 under a second id
+        raise InvalidPayload(f"replica_id slot must be written in plain ASCII digits without leading zeros, got {rid!r}")
     return model, revision, node, slot
 
 

@@ -69,6 +69,20 @@ class GatewayState:
         return frozenset(self.excluded)
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method) as the same JSON error body as the rest."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        reason = exc.reason or "error"
+        return _error(exc.status, f"{request.method} {request.path}: {reason}", reason.lower().replace(" ", "_"),
+                      headers=headers)
+
+
 class Gateway:
     def __init__(self, settings: Settings, metrics_registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
@@ -124,7 +138,7 @@ class Gateway:
                 log.warning("counter flush failed: %s", exc)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_json_errors])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         app.router.add_post("/v1/completions", self.handle_proxy)
