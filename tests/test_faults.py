@@ -14,16 +14,20 @@ and a real `prewarm gateway` process in front. Heartbeats are short (1 s, TTL 3 
   can see it: it stops routing there, marks it failed after `gateway.failure_threshold`
   failures, the agent stops its runtime, and the traffic goes to the other replica.
 
-The agent killed mid-load is covered in tests/test_workers_agent.py
-(`test_sigkill_mid_load_is_redelivered_and_ready_exactly_once`, which polls a gateway
-through the whole episode); the broker outage in tests/test_faults_broker.py; fuzzed inputs
-in tests/test_faults_fuzz.py and tests/test_history.py.
+- An agent killed with SIGKILL while it loads a replica: a client polls the gateway through
+  the whole episode and only ever gets 200 (from the other node's replica) — never a 5xx —
+  and the gateway never tries the dead agent's replica (no failed request in its log);
+  the restarted agent brings the replica to ready exactly once, and traffic reaches it.
+
+The broker outage is in tests/test_faults_broker.py; fuzzed inputs in
+tests/test_faults_fuzz.py and tests/test_history.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -82,6 +86,14 @@ class Stack:
     def logs(self) -> str:
         parts = [f"--- agent {n}\n{a.log()[-2500:]}" for n, a in self.agents.items()]
         return "\n".join(parts + [f"--- gateway\n{self.gateway.log()[-2500:]}"])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _settings(env: dict[str, str]) -> Settings:
@@ -225,3 +237,59 @@ def test_failing_replica_is_marked_failed_and_traffic_moves(stack: Stack) -> Non
     port = int(stack.envs["n1"]["PREWARM_AGENT_PORT_BASE"])
     wait_for(lambda: runtime_pids(port) == [], 20, "the failed replica's runtime to stop")
     assert stack.ready_ids() == {good}
+
+
+def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None:
+    rid, good = "tiny@r1/n1/1", REPLICAS["n2"]
+    agent = stack.agents["n1"]
+    port = int(stack.envs["n1"]["PREWARM_AGENT_PORT_BASE"]) + 1
+    answers: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            status, _, _ = stack.complete("during the crash")
+            answers.append((time.monotonic(), status))
+            time.sleep(0.05)
+
+    app = make_app(stack.settings)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        task = app.send_task(PREWARM, args=[rid, "serving", None])
+        wait_for(lambda: (r := stack.registry.get(rid)) is not None and r.state is ReplicaState.LOADING, 60,
+                 f"{rid} to start loading\n{stack.logs()}", poll=0.05)
+        wait_for(lambda: runtime_pids(port), 30, "its runtime to be spawned", poll=0.05)
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 60, "its runtime to answer", poll=0.05)
+        agent.kill()  # SIGKILL mid-load: no ack, no cleanup, no more heartbeats
+        state = stack.registry.get(rid)
+        assert state is not None and state.state in (ReplicaState.LOADING, ReplicaState.WARMING), state
+        killed = time.monotonic()
+        time.sleep(3.5)  # past the heartbeat TTL (3 s): the dead agent's replica is not routable now
+        assert rid not in {r.id for r in stack.registry.view("tiny", now=time.time()).loading}
+        agent.start()
+        wait_for(lambda: (r := stack.registry.get(rid)) is not None and r.state is ReplicaState.READY, 90,
+                 f"{rid} to be ready\n{stack.logs()}")
+        wait_for(lambda: stack.ready_ids() == {rid, good}, 10, "both replicas to be routable")
+        time.sleep(1.0)  # a few answers after the recovery
+    finally:
+        stop.set()
+        poller.join(60)
+        app.close()
+
+    statuses = [s for _, s in answers]
+    assert statuses and set(statuses) == {200}, f"not every request was answered: {sorted(set(statuses))}"
+    assert any(t > killed for t, _ in answers), "the poller stopped during the episode"
+    assert f"replica {rid} failed a request" not in stack.gateway.log(), "the gateway tried the dead agent's replica"
+    steps = [(f.get("from", ""), f.get("to", "")) for _, f in stack.registry.events() if f.get("replica") == rid]
+    assert steps.count(("warming", "ready")) == 1, steps
+    assert steps.count(("", "pending")) == 1, f"registered more than once: {steps}"
+    assert len(runtime_pids(port)) == 1, "two runtimes serve the slot"
+    # the revived replica takes traffic (ties in flight go to the lower id: tiny@r1/n1/1)
+    before = stack.complete("after")
+    assert before[0] == 200
+    rec = stack.registry.get(rid)
+    assert rec is not None
+    with urllib.request.urlopen(f"{rec.endpoint}/stats", timeout=5) as resp:
+        assert json.loads(resp.read())["user"] >= 1
+    assert task.id  # the crashed task's message, redelivered later, finds the replica ready (tests/test_workers_agent.py)
