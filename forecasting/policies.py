@@ -284,6 +284,8 @@ class Prewarm(Policy):
         self.fits = 0
         self.predicts = 0
         self.fit_errors: list[str] = []
+        self.clipped = 0  # forecasts clipped to max_over_seen x the highest bucket seen
+        self.max_over_seen = 2.0
 
     def start(self, env: PolicyEnv) -> int:
         self.env = env
@@ -357,7 +359,14 @@ class Prewarm(Policy):
                     if self.fitted is None:
                         self.frame = None
                         return
-            self.frame = self.fitted.predict(y.iloc[-keep:], self.horizon)
+            frame = self.fitted.predict(y.iloc[-keep:], self.horizon)
+        # a guard a deployment needs too: a forecast above twice the highest demand ever
+        # seen is a model error (e.g. after outage gaps), not a plan; clip it and count it
+        bound = self.max_over_seen * max(self.rates)
+        if bound > 0 and float(frame.to_numpy().max()) > bound:
+            self.clipped += 1
+            frame = frame.clip(upper=bound)
+        self.frame = frame
         self.predicts += 1
         self.forecast_t = now
 

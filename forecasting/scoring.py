@@ -108,7 +108,8 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         runs[name] = run
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
         if hasattr(policy, "fit_errors"):
-            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors)}
+            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
+                             "forecasts_clipped": getattr(policy, "clipped", 0)}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
