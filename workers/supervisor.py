@@ -80,7 +80,7 @@ class Supervisor:
     def _runtime_pids(self) -> list[int]:
         pids = []
         for d in self.pid_dirs:
-            for f in d.glob("slot-*.json"):
+            for f in d.rglob("slot-*.json"):
                 try:
                     pid = int(json.loads(f.read_text())["pid"])
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
