@@ -260,7 +260,7 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
         wait_for(lambda: (r := stack.registry.get(rid)) is not None and r.state is ReplicaState.LOADING, 60,
                  f"{rid} to start loading\n{stack.logs()}", poll=0.05)
         wait_for(lambda: runtime_pids(port), 30, "its runtime to be spawned", poll=0.05)
-        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 60, "its runtime to answer", poll=0.05)
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 150, "its runtime to answer", poll=0.05)
         agent.kill()  # SIGKILL mid-load: no ack, no cleanup, no more heartbeats
         state = stack.registry.get(rid)
         assert state is not None and state.state in (ReplicaState.LOADING, ReplicaState.WARMING), state
