@@ -42,13 +42,15 @@ class RequestCounter:
             return 0
         batch, self._pending = self._pending, Counter()
         pipe = client.pipeline(transaction=False)
-        models = set()
+        first: dict[str, int] = {}
         for (model, res, start), n in batch.items():
             key = keys.requests(model, res, start)
             pipe.incrby(key, n)
             pipe.expire(key, self.resolutions[res])
-            models.add(model)
-        pipe.sadd(keys.REQUEST_MODELS, *models)
+            first[model] = min(first.get(model, start), start)
+        pipe.sadd(keys.REQUEST_MODELS, *first)
+        for model, start in first.items():
+            pipe.hsetnx(keys.REQUESTS_FIRST, model, start)
         try:
             await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:

@@ -56,6 +56,9 @@ def requests(model: str, resolution_s: int, bucket_start: int) -> str:
 #: Set of model names the gateway has counted requests for.
 REQUEST_MODELS = f"{PREFIX}:requests:models"
 
+#: Hash model -> the first bucket start (epoch s) the gateway counted: where history begins.
+REQUESTS_FIRST = f"{PREFIX}:requests:first"
+
 #: Bucket sizes (seconds) of the request counters, and how long each bucket is kept.
 REQUEST_RESOLUTIONS_S: dict[int, int] = {10: 2 * 86400, 60: 35 * 86400}
 

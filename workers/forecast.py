@@ -97,8 +97,12 @@ def history(ctx: WorkerContext, model: str, *, now: float) -> pd.Series:
     resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
     resolution = max((r for r in resolutions if p.bucket_s % r == 0), default=resolutions[0])
     end = math.floor(now / p.bucket_s) * p.bucket_s  # the bucket in progress is left out
+    first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
+    start = end - p.history_s if first is None else max(end - p.history_s, math.floor(float(first) / p.bucket_s) * p.bucket_s)
+    if start >= end:
+        return pd.Series(dtype=float)
     try:
-        frame = load_redis(ctx.client, model, resolution_s=resolution, start=end - p.history_s, end=end)
+        frame = load_redis(ctx.client, model, resolution_s=resolution, start=start, end=end)
     except HistoryError as exc:
         log.info("no request history for %s yet: %s", model, exc)
         return pd.Series(dtype=float)
