@@ -196,7 +196,7 @@ class Gateway:
         return choose_replica(
             view.serving, view.warm, view.loading, self.state.inflight,
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
-            exclude=self.state.exclusions(time.monotonic()),
+            exclude=self.state.exclusions(time.monotonic()), replica_concurrency=self.cfg.replica_concurrency,
         )
 
     # --- handlers -------------------------------------------------------------------------

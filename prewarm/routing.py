@@ -1,7 +1,9 @@
 """The gateway's routing policy: pure, over a registry view and the gateway's in-flight counts.
 
 Rules (from the field):
-1. among ready serving replicas, the one with the fewest requests in flight;
+1. among ready serving replicas, the one with the fewest requests in flight — unless even
+   that one is saturated (`replica_concurrency` requests in flight) and the warm pool has
+   room: a burst spills into the warm pool instead of queueing behind busy replicas;
 2. with no ready serving replica, a serving replica still loading is used once its load
    progress reaches the warm threshold (70% by default) — the runtime serves it pipelined;
    below the threshold its requests go to the warm pool;
@@ -49,6 +51,7 @@ def choose_replica(
     warm_threshold: float = 0.7,
     warmup: bool = False,
     exclude: frozenset[str] = frozenset(),
+    replica_concurrency: int | None = None,
 ) -> RouteDecision:
     """Pick the replica for one request. `exclude` holds ids the gateway saw failing."""
     ready_serving = [r for r in serving if r.id not in exclude and r.endpoint]
@@ -63,6 +66,10 @@ def choose_replica(
 
     best = _least_loaded(ready_serving, inflight)
     if best is not None:
+        if replica_concurrency is not None and inflight.get(best.id, 0) >= replica_concurrency:
+            spill = _least_loaded(ready_warm, inflight)
+            if spill is not None and inflight.get(spill.id, 0) < replica_concurrency:
+                return RouteDecision(RouteOutcome.WARM_POOL, spill, "serving replicas saturated")
         return RouteDecision(RouteOutcome.SERVING, best, "fewest requests in flight")
 
     in_progress = [

@@ -77,6 +77,7 @@ class GatewaySettings(_Group):
     refresh_interval_s: float = Field(0.5, gt=0)  # how long a routing view may be reused
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
+    replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
 
 
 class RegistrySettings(_Group):

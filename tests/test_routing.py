@@ -44,6 +44,17 @@ def test_choose_replica(serving, warm, loading, inflight, warmup, exclude, outco
     assert d.reason
 
 
+def test_saturated_serving_replicas_spill_into_the_warm_pool() -> None:
+    busy = {S0.id: 8, S1.id: 9}
+    d = choose_replica([S0, S1], [W5], [], busy, replica_concurrency=8)
+    assert d.outcome is RouteOutcome.WARM_POOL and d.replica == W5 and "saturated" in d.reason
+    # the pool is full too: the least busy serving replica queues it
+    d = choose_replica([S0, S1], [W5], [], {**busy, W5.id: 8}, replica_concurrency=8)
+    assert d.outcome is RouteOutcome.SERVING and d.replica == S0
+    # below saturation the pool is left alone
+    assert choose_replica([S0], [W5], [], {S0.id: 7}, replica_concurrency=8).replica == S0
+
+
 def test_threshold_is_configurable() -> None:
     d = choose_replica([], [W5], [L_LOW], {}, warm_threshold=0.5)
     assert d.outcome is RouteOutcome.LOADING
