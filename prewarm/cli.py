@@ -34,7 +34,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rps", type=float, default=6.0, help="a trace's mean rate is thinned to this")
     p.add_argument("--days", type=int, default=3, help="synthetic workload: compressed days")
     p.add_argument("--day-seconds", type=float, default=120.0, help="synthetic workload: length of one day")
-    p.add_argument("--model-size", default="small", help="size of the local demo model (see make-model)")
+    p.add_argument("--model-size", default="tiny", help="size of the local demo model (see make-model)")
     p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--seed", type=int, default=0)
