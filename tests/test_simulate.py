@@ -210,3 +210,41 @@ def test_score_after_excludes_a_warm_up_for_every_policy() -> None:
     assert late["gpu_hours"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="beyond the trace"):
         score(run, work, P, after_s=7200.0)
+
+
+@pytest.mark.parametrize("base,pool,plan_extra,share,expected", [
+    (4, 1, 3, 0.12, 0),  # 1 spare of 5 is 20% > 12%: neither pool nor forecast extra
+    (8, 1, 3, 0.12, 1),  # 1 of 9 is 11%: the pool fits, the forecast's extra does not
+    (30, 1, 3, 0.12, 4),  # 4 of 34 is 11.8%: pool first, then 3 of forecast extra
+    (30, 0, -2, 0.12, 0),  # the forecast below the floors adds nothing
+    (3, 2, 5, 1.0, 7),  # no budget
+])
+def test_prewarm_warm_budget(base: int, pool: int, plan_extra: int, share: float, expected: int) -> None:
+    from forecasting.policies import budgeted_extra
+
+    assert budgeted_extra(base, pool, plan_extra, share) == expected
+    if share < 1 and expected:
+        assert expected / (base + expected) <= share
+
+
+def test_prewarm_peak_hold_keeps_capacity_between_bursts() -> None:
+    # a burst of 40 requests of 10 s (5 replicas' worth) every 400 s, idle between: the HPA
+    # drops the replicas after its 300 s window and pays a cold start at every burst; the
+    # peak hold (480 s) has seen the first burst and keeps them for the next ones
+    times, gen = [0.0], [1.0]
+    for b in range(5):
+        times += [60.0 + 400.0 * b + i * 0.01 for i in range(40)]
+        gen += [396.0] * 40
+    times.append(2100.0)
+    gen.append(1.0)
+    trace = RequestTrace(t=np.asarray(times), context_tokens=np.zeros(len(times)), generated_tokens=np.asarray(gen),
+                         source="bursts")
+    work = build_workload(trace, P)
+    later = work.arrivals >= 400.0  # type: ignore[operator]
+    reactive = replay(work, make_policy("reactive"), P)
+    assert (reactive.wait[later] > P.wait_threshold_s).sum() >= 4 * 32  # every later burst waits
+    prewarm = replay(work, make_policy("prewarm"), P)
+    assert (prewarm.wait[~later] > P.wait_threshold_s).sum() == 32  # the first burst is unforeseeable
+    assert prewarm.wait[later].max() <= P.wait_threshold_s
+    no_hold = replay(work, make_policy("prewarm", peak_hold_s=0.0), P)
+    assert (no_hold.wait[later] > P.wait_threshold_s).sum() > 0
