@@ -187,6 +187,8 @@ class UpRun:
             "PREWARM_REGISTRY_HEARTBEAT_INTERVAL_S": "2",
             "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "6",
         }
+        if wl.day_s:  # forecast once a compressed day has been seen
+            demo["PREWARM_PLANNER_MIN_HISTORY_BUCKETS"] = str(max(2, int(wl.day_s // 10)))
         if wl.batch_cron:
             demo["PREWARM_PLANNER_BATCH_JOBS"] = json.dumps(
                 [{"cron": wl.batch_cron, "model": MODEL, "replicas": 2, "duration_s": wl.batch_len_s, "name": "batch"}]
