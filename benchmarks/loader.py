@@ -161,7 +161,7 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         second.wait()
         out["snapshot_load_s"] = time.perf_counter() - t0
         assert second.stats.source == "snapshot" and second.stats.bytes_from_original == 0
-        reads["snapshot_load_s"] = f"{Path(second.stats.opened[0])} (mmap + crc32, zero-copy on CPU)"
+        reads["snapshot_load_s"] = f"{Path(second.stats.opened[0])} (mmap + crc32c, zero-copy on CPU)"
         tok = first_token(second.model, prompt, device)
         assert tok == ref, "snapshot path answered differently"
         second.release()

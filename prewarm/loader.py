@@ -9,25 +9,34 @@ answer is bit-identical to the fully loaded model's because it runs the same cod
 
 Where the bytes come from:
 - a valid node-local snapshot (`prewarm.snapshot`) when the store has one: tensors are
-  mapped, crc-checked, and (on CUDA) copied to the device; nothing reads model.safetensors;
-- otherwise model.safetensors, read with `os.preadv` in `read_chunk_bytes` chunks (each
-  chunk's sha256 update overlaps the next read), checked against the manifest's shape,
-  dtype and sha256 (`CorruptWeights` names the tensor), converted to the runtime dtype
-  and moved to the device (pinned buffers and non-blocking copies on CUDA); then the
-  snapshot for the next replica is written (after the model is complete, off the
+  mapped and (on CUDA) copied to the device; their crc32c checks run on a thread pool
+  ahead of use, and a tensor is installed only after its own check passed; nothing
+  reads model.safetensors;
+- otherwise model.safetensors, through `prewarm.verified_read.VerifiedReader`: a reader
+  thread reads ahead in `read_chunk_bytes` chunks (on CPU by mapping the file and asking
+  the kernel to read ahead, on CUDA with `os.preadv` into pinned buffers) while a pool
+  hashes the tensors already in, so reading tensor i+1 overlaps hashing tensor i and the
+  load runs near the disk's speed; each tensor is checked against the manifest's shape,
+  dtype and sha256 (`CorruptWeights` names the tensor) before it is converted to the
+  runtime dtype and moved to the device (non-blocking copies on CUDA); then
+  the snapshot for the next replica is written (after the model is complete, off the
   first-token path). A snapshot that fails a check mid-load is invalidated and the rest
   comes from the original, so it is never served.
 
 `read_limit_bps` caps the read bandwidth (so a loading replica does not starve the disk
 of its neighbours on a node); tests also use it to make a load slow enough to overlap.
-`load_full` is the standard non-progressive path, kept for comparison.
+`load_full` is the standard non-progressive path, kept for comparison. On CPU safetensors
+maps the file lazily, which would move the reading into the first request (and make a
+comparison of load and compute times meaningless): it touches every page of every tensor,
+so "loaded" means the bytes were read, in the same form the progressive loader serves on
+CPU (views of the mapped file).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import mmap
 import os
 import threading
 import time
@@ -42,6 +51,7 @@ from prewarm.domain import LoadPhase
 from prewarm.manifest import WEIGHTS_FILE, CorruptWeights, Manifest, ModelError, TensorEntry, load_manifest
 from prewarm.model import ModelConfig, TransformerLM, load_config, torch_dtype
 from prewarm.snapshot import CorruptSnapshot, MappedSnapshot, SnapshotKey, SnapshotStore, SnapshotWriter
+from prewarm.verified_read import VerifiedReader, default_verify_threads
 
 log = logging.getLogger("prewarm.coldstart")
 
@@ -86,6 +96,7 @@ class LoadStats:
     opened: list[str] = field(default_factory=list)  # files opened for weights, in order
     bytes_from_original: int = 0
     bytes_from_snapshot: int = 0
+    original_read: str = ""  # "mapped" (CPU: views of the verified file) | "pread" (CUDA: pinned staging)
     snapshot_rejected: str = ""  # why a present snapshot was not (fully) used
     snapshot_written: str = ""  # path of the snapshot this load wrote for the next replica
     phase_seconds: dict[str, float] = field(default_factory=dict)
@@ -150,6 +161,7 @@ class ProgressiveLoader:
         on_phase: PhaseCallback | None = None,
         read_chunk_bytes: int = DEFAULT_CHUNK,
         read_limit_bps: float | None = None,
+        verify_threads: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.manifest = load_manifest(self.model_dir)
@@ -166,8 +178,11 @@ class ProgressiveLoader:
             raise ValueError(f"read_chunk_bytes must be positive, got {read_chunk_bytes}")
         if read_limit_bps is not None and read_limit_bps <= 0:
             raise ValueError(f"read_limit_bps must be positive, got {read_limit_bps}")
+        if verify_threads is not None and verify_threads < 1:
+            raise ValueError(f"verify_threads must be >= 1, got {verify_threads}")
         self.read_chunk_bytes = read_chunk_bytes
         self.read_limit_bps = read_limit_bps
+        self.verify_threads = verify_threads or default_verify_threads()
         self.snapshots = snapshots
         self.model_name = model_name or self.manifest.name
         self.node = node
@@ -191,8 +206,6 @@ class ProgressiveLoader:
         self._phase = LoadPhase.NONE
         self.error: BaseException | None = None
         self._t0 = 0.0
-        self._read_t0 = 0.0
-        self._read_bytes = 0
 
     # -- public state --------------------------------------------------------------------
     @property
@@ -296,32 +309,51 @@ class ProgressiveLoader:
         return snap
 
     def _load_all(self) -> None:
+        plan = _partition(self.config, self.first_layers)
+        order = [n for _, groups in plan for _, names in groups for n in names]
         snap = self._open_snapshot()
+        pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="verify")
+        # The snapshot's per-tensor checks run ahead of use, in parallel; each tensor waits for its own.
+        checks: dict[str, Future[None]] = {n: pool.submit(snap.verify, n) for n in order} if snap is not None else {}
+        reader: VerifiedReader | None = None
         fd: int | None = None
-        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
         used_original = False
+        done = 0  # tensors installed, in `order`
         try:
-            for phase, groups in _partition(self.config, self.first_layers):
+            for phase, groups in plan:
                 self._phase = phase
                 t = time.perf_counter()
                 for block, names in groups:
                     for name in names:
+                        e = self._entries[name]
                         tensor: torch.Tensor | None = None
                         if snap is not None:
                             try:
-                                tensor = self._from_snapshot(snap, name)
+                                tensor = self._from_snapshot(snap, name, checks.pop(name))
                             except CorruptSnapshot as exc:
                                 self.stats.snapshot_rejected = str(exc)
                                 assert self.snapshots is not None
                                 self.snapshots.invalidate(self.snapshot_key, str(exc))
                                 snap.release()
                                 snap = None
+                                for f in checks.values():
+                                    f.cancel()
+                                checks.clear()
                         if tensor is None:
-                            if fd is None:
+                            if reader is None:
                                 fd = self._open_original()
-                            tensor = self._from_original(fd, self._entries[name], hasher)
+                                reader = VerifiedReader(
+                                    fd, [self._entries[n] for n in order[done:]], pool,
+                                    chunk_bytes=self.read_chunk_bytes, mapped=self.device.type == "cpu",
+                                    pin_memory=self.device.type == "cuda",
+                                    read_limit_bps=self.read_limit_bps,
+                                ).start()
+                                self.stats.original_read = "mapped" if self.device.type == "cpu" else "pread"
+                            tensor = self._from_original(reader, e)
                             used_original = True
                         self.model.set_tensor(name, tensor)
+                        done += 1
+                        self._advance(e.length)
                     self._sync_device()
                     # A block becomes usable the moment its last tensor is in, not at the phase end.
                     (self._emb_ready if block is None else self._layer_ready[block]).set()
@@ -335,7 +367,11 @@ class ProgressiveLoader:
                     except Exception:
                         log.exception("on_phase callback failed")
         finally:
-            hasher.shutdown(wait=True)
+            for f in checks.values():
+                f.cancel()
+            if reader is not None:
+                reader.close()
+            pool.shutdown(wait=True, cancel_futures=True)
             if fd is not None:
                 os.close(fd)
         self.stats.source = ("snapshot+original" if snap is None and self.stats.bytes_from_snapshot else
@@ -358,49 +394,25 @@ class ProgressiveLoader:
         if size != self.manifest.file_bytes:
             raise CorruptWeights(WEIGHTS_FILE, f"file is {size} bytes, manifest says {self.manifest.file_bytes} (truncated?)")
         self.stats.opened.append(str(path))
-        self._read_t0 = time.perf_counter()
-        return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+        except OSError:
+            pass
+        return fd
 
-    def _throttle(self, nbytes: int) -> None:
-        self._read_bytes += nbytes
-        if self.read_limit_bps:
-            due = self._read_t0 + self._read_bytes / self.read_limit_bps
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-
-    def _from_original(self, fd: int, e: TensorEntry, hasher: ThreadPoolExecutor) -> torch.Tensor:
-        cuda = self.device.type == "cuda"
-        buf = torch.empty(e.length, dtype=torch.uint8, pin_memory=cuda)
-        view = memoryview(buf.numpy())
-        h = hashlib.sha256()
-        pending: Future[None] | None = None
-        pos = 0
-        while pos < e.length:
-            n = min(self.read_chunk_bytes, e.length - pos)
-            got = os.preadv(fd, [view[pos : pos + n]], e.offset + pos)
-            if got <= 0:
-                raise CorruptWeights(e.name, f"file ends inside the tensor ({pos} of {e.length} bytes read)")
-            if pending is not None:
-                pending.result()
-            pending = hasher.submit(h.update, view[pos : pos + got])  # hashing overlaps the next read
-            pos += got
-            self.stats.bytes_from_original += got
-            self._advance(got)
-            self._throttle(got)
-        if pending is not None:
-            pending.result()
-        if h.hexdigest() != e.sha256:
-            raise CorruptWeights(e.name, "sha256 of its bytes does not match the manifest")
+    def _from_original(self, reader: VerifiedReader, e: TensorEntry) -> torch.Tensor:
+        buf = reader.take(e.name)  # read and sha256-verified, or CorruptWeights
+        self.stats.bytes_from_original += e.length
         t = buf.view(torch_dtype(e.dtype)).view(e.shape)
-        if cuda:
-            t = t.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            t = t.to(self.device, non_blocking=True)  # from a pinned buffer
         return t.to(self.config.torch_dtype) if t.dtype != self.config.torch_dtype else t
 
-    def _from_snapshot(self, snap: MappedSnapshot, name: str) -> torch.Tensor:
-        t = snap.tensor(name)
+    def _from_snapshot(self, snap: MappedSnapshot, name: str, check: Future[None]) -> torch.Tensor:
+        check.result()  # its crc32c, or CorruptSnapshot
+        t = snap.tensor(name, verify=False)
         self.stats.bytes_from_snapshot += t.numel() * t.element_size()
-        self._advance(self._entries[name].length)
         if self.device.type == "cuda":
             t = t.to(self.device, non_blocking=False)
         return t
@@ -455,5 +467,16 @@ def load_full(model_dir: str | Path, device: str | torch.device = "auto", dtype:
             raise CorruptWeights(name, "missing from model.safetensors")
         if tuple(t.shape) != tuple(shape):
             raise CorruptWeights(name, f"shape {list(t.shape)} != config shape {list(shape)}")
-        model.set_tensor(name, t.to(cfg.torch_dtype))
+        t = t.to(cfg.torch_dtype)
+        if t.device.type == "cpu":
+            _fault_in(t)
+        model.set_tensor(name, t)
     return model
+
+
+def _fault_in(t: torch.Tensor) -> None:
+    """Read one byte of every page under a CPU tensor, so a lazily mapped tensor is really in memory."""
+    if t.numel() == 0:
+        return
+    u = t.detach().reshape(-1).view(torch.uint8)
+    int(u[:: mmap.PAGESIZE].sum()) + int(u[-1])
