@@ -102,6 +102,14 @@ def last_forecast(model: str) -> str:
     return f"{PREFIX}:forecast:{model}"
 
 
+#: Sorted set of past p50 forecasts of a model: member "bucket_start:rps", score bucket start.
+#: Joined with the observed rates to export the forecast error; trimmed to FORECAST_LOG_S.
+def forecast_log(model: str) -> str:
+    return f"{PREFIX}:forecastlog:{model}"
+
+
+FORECAST_LOG_S = 3600
+
 #: Hash of the planner's state per model (carried between `plan` calls).
 def planner_state(model: str) -> str:
     return f"{PREFIX}:plannerstate:{model}"

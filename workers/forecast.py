@@ -154,6 +154,11 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     ctx.metrics.forecast_timestamp.labels(spec.name).set(now)
     if len(y):
         ctx.metrics.actual_requests.labels(spec.name).set(float(y.iloc[-1]))
+    error = _forecast_error(ctx, spec.name, fc, y, now=now)
+    if error is not None:
+        ctx.metrics.forecast_error.labels(spec.name).set(error)
+    live = counts["ready"] + counts["loading"] + counts["warm"]
+    ctx.metrics.warmup_cost_ratio.labels(spec.name).set(warm_cost_ratio(live, need_now))
     record: dict[str, Any] = {
         "status": status, "at": repr(now), "revision": spec.revision, "history_buckets": str(len(y)),
         "rps_q0.5": f"{float(first.get('q0.5', float('nan'))):.3f}", f"rps_{col}": f"{float(first[col]):.3f}",
@@ -167,6 +172,37 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
              need_now, len(result.events), len(new), len(result.dropped))
     return ModelPlan(spec.name, status, tuple(ev.event_id for ev in result.events), tuple(new),
                      len(result.dropped), need_now)
+
+
+def warm_cost_ratio(live: int, need_now: int) -> float:
+    """Share of the live replicas beyond the current need: warm pool, early prewarms and holds."""
+    return max(0, live - need_now) / live if live else 0.0
+
+
+def forecast_error(predicted: pd.Series, actual: pd.Series) -> float | None:
+    """Absolute error of p50 forecasts against the observed rates of the same buckets, relative to the
+    larger of the two totals (so a forecast for a silent stretch scores 1.0, not infinity)."""
+    both = pd.concat([predicted.rename("p"), actual.rename("a")], axis=1, join="inner").dropna()
+    if both.empty:
+        return None
+    scale = max(float(both["a"].sum()), float(both["p"].sum()))
+    return float((both["p"] - both["a"]).abs().sum() / scale) if scale > 0 else 0.0
+
+
+def _forecast_error(ctx: WorkerContext, model: str, fc: pd.DataFrame, y: pd.Series, *, now: float) -> float | None:
+    """Log this forecast's first bucket and score the logged ones of the last hour against `y`."""
+    key = keys.forecast_log(model)
+    if "q0.5" in fc.columns and len(fc):
+        start = float(fc.index[0])
+        pipe = ctx.client.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, start, start)  # one prediction per bucket: the latest
+        pipe.zadd(key, {f"{start!r}:{float(fc['q0.5'].iloc[0])!r}": start})
+        pipe.zremrangebyscore(key, "-inf", now - keys.FORECAST_LOG_S)
+        pipe.expire(key, 2 * keys.FORECAST_LOG_S)
+        pipe.execute()
+    logged = [m.rsplit(":", 1) for m in ctx.client.zrange(key, 0, -1)]
+    predicted = pd.Series({float(t): float(v) for t, v in logged}, dtype=float)
+    return forecast_error(predicted, y) if len(y) else None
 
 
 def forecast_and_plan(ctx: WorkerContext, *, now: float) -> list[ModelPlan]:
