@@ -86,6 +86,7 @@ class PlannerParams:
     budget_share: float = 0.12
     bucket_s: float = 60.0
     min_serving: int = 1  # never plan fewer serving replicas than this
+    peak_hold_s: float = 480.0  # the observed peak of this long ago still floors the need (bursts recur)
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
@@ -102,6 +103,7 @@ class PlannerParams:
             budget_share=s.budget_share,
             bucket_s=float(s.bucket_s),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
+            peak_hold_s=float(getattr(s, "peak_hold_s", cls.peak_hold_s)),
         )
 
     @property
@@ -131,6 +133,7 @@ class PlanContext:
     params: PlannerParams = field(default_factory=PlannerParams)
     nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
     cold_start_p95_s: float | None = None  # measured; None: params.default_cold_start_s
+    recent_peak_rps: float = 0.0  # highest observed rate in the last params.peak_hold_s: a floor under demand
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ def _needs(ctx: PlanContext) -> list[BucketNeed]:
     extra = _batch_extra(p, ctx.model, starts, p.bucket_s)
     out = []
     for s, d, b in zip(starts, demand, extra):
+        d = max(d, ctx.recent_peak_rps)  # what just happened may happen again: the peak hold
         n = max(replicas_needed(d, ctx.model.capacity_rps, p.headroom), p.min_serving)
         out.append(BucketNeed(start=s, demand_rps=d, need=n + b, batch=b))
     return out

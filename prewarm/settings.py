@@ -221,6 +221,7 @@ class PlannerSettings(_Group):
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the baseline
     warm_pool_percent: float = Field(10.0, ge=0, le=100)
     budget_share: float = Field(0.12, ge=0, le=1)
+    peak_hold_s: float = Field(480.0, ge=0)  # the observed peak rate of this long ago still floors the plan
     dry_run: bool = False
     models: list[str] = Field(default_factory=list)  # model@revision to plan for; empty: every model seen
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}

@@ -76,6 +76,17 @@ def test_measured_cold_start_sets_lead() -> None:
     assert res.events[0].at == 120.0
 
 
+def test_recent_peak_floors_the_need() -> None:
+    """A burst just seen (and not forecast) keeps capacity for it: the peak hold."""
+    quiet = [5.0, 5.0, 5.0]
+    res, _ = plan(ctx(quiet, now=0.0, ready=1), PlannerState())
+    assert [b.need for b in res.needs] == [1, 1, 1]
+    res, _ = plan(ctx(quiet, now=0.0, ready=1, recent_peak_rps=35.0), PlannerState())
+    assert [b.need for b in res.needs] == [4, 4, 4]
+    ups = [e for e in res.events if e.kind is ScaleEventKind.SCALE_UP]
+    assert [(e.at, e.replicas) for e in ups] == [(0.0, 3)]
+
+
 def test_staircase_ups_are_incremental() -> None:
     res, _ = plan(ctx([5, 15, 25, 35], now=0.0, ready=1), PlannerState())
     assert [(e.at, e.replicas) for e in res.events] == [(30.0, 1), (90.0, 1), (150.0, 1)]

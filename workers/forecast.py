@@ -132,8 +132,10 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     fc, status = forecast(ctx, y, now=now)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
+    recent = y[y.index >= now - params.peak_hold_s] if len(y) else y
     pctx = PlanContext(model=spec, forecast=fc, replicas=ReplicaCounts(**counts), now=now, params=params,
-                       nodes=node_views(ctx), cold_start_p95_s=ctx.registry.load_time_p95(spec.name))
+                       nodes=node_views(ctx), cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
+                       recent_peak_rps=float(recent.max()) if len(recent) else 0.0)
     result, state = plan(pctx, _state_load(ctx, spec.name))
     _state_save(ctx, spec.name, state)
     if p.dry_run:
