@@ -175,6 +175,7 @@ class UpRun:
             "PREWARM_PLANNER_BUCKET_S": "10",
             "PREWARM_PLANNER_HORIZON_S": "60",
             "PREWARM_PLANNER_STABILIZATION_S": "20",
+            "PREWARM_PLANNER_PEAK_HOLD_S": "30",
             "PREWARM_PLANNER_LEAD_MARGIN_S": "3",
             "PREWARM_PLANNER_CAPACITY_RPS": "1.5",
             # Warm latency is compared with the first replica's; on a shared CPU it varies far
