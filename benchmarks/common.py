@@ -68,16 +68,6 @@ def prewarm_process(args: list[str], env: dict[str, str], log: Path | None = Non
         )
 
 
-def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def wait_http(url: str, timeout: float = 30.0) -> None:
     import urllib.error
     import urllib.request

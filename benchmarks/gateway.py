@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 import redis.asyncio as aioredis
 
-from benchmarks.common import parser, percentile, prewarm_process, report, stop, wait_http
+from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
 from prewarm.domain import Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port
+from prewarm.embedded import EmbeddedRedis, free_port, stop_process
 from prewarm.registry import AsyncRegistryReader, ReplicaRegistry
 from prewarm.routing import choose_replica
 
@@ -103,8 +103,8 @@ def main() -> None:
                 direct += timed_posts(up_port, 100, body)
                 via += timed_posts(gw_port, 100, body)
         finally:
-            stop(gateway)
-            stop(upstream)
+            stop_process(gateway)
+            stop_process(upstream)
     lookup_time = sum(lat_lookup)
     ping_time = sum(lat_ping)
     result = {

@@ -63,10 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 
-from benchmarks.common import parser, percentile, prewarm_process, report, stop, wait_http
+from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
 from prewarm.adapters import BuiltinRuntimeAdapter
 from prewarm.domain import Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port
+from prewarm.embedded import EmbeddedRedis, free_port, stop_process
 from prewarm.manifest import load_manifest
 from prewarm.model import make_model
 from prewarm.registry import ReplicaRegistry
@@ -325,7 +325,7 @@ def _stop_all(procs: list[tuple[str, subprocess.Popen[bytes]]], say: Callable[[s
         if proc.poll() is None:
             proc.terminate()
     for _, proc in procs:
-        stop(proc)
+        stop_process(proc)
     if time.monotonic() - began > 3.0:
         say(f"{', '.join(n for n, _ in procs)} took {time.monotonic() - began:.1f}s to stop")
 

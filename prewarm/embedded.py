@@ -24,6 +24,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: "subprocess.Popen[bytes]", timeout_s: float = 10.0) -> int:
+    """SIGTERM a child, SIGKILL it if it has not ended within `timeout_s`; reap it and return its status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
 def redis_binary() -> str:
     found = shutil.which("redis-server")
     if found:
@@ -88,13 +99,7 @@ class EmbeddedRedis:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def restart(self) -> None:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from prewarm.errors import PermanentError
 
@@ -33,6 +33,20 @@ class CorruptWeights(PermanentError):
         super().__init__(f"tensor {tensor!r} is corrupt: {detail}")
         self.tensor = tensor
         self.detail = detail
+
+
+def json_object(text: str, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+    """Parse `text` as a JSON object holding every `required` key; ModelError naming `what` otherwise."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelError(f"{what} must hold an object")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ModelError(f"{what} is missing {', '.join(missing)}")
+    return data
 
 
 @dataclass(frozen=True)
@@ -115,15 +129,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"manifest.json is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ModelError("manifest.json must hold an object")
-        missing = [k for k in ("name", "revision", "dtype", "file", "file_bytes", "total_bytes", "tensors") if k not in data]
-        if missing:
-            raise ModelError(f"manifest.json is missing {', '.join(missing)}")
+        data = json_object(text, MANIFEST_FILE,
+                           ("name", "revision", "dtype", "file", "file_bytes", "total_bytes", "tensors"))
         m = cls(
             name=str(data["name"]),
             revision=str(data["revision"]),

@@ -37,6 +37,7 @@ from prewarm.manifest import (
     Manifest,
     ModelError,
     TensorEntry,
+    json_object,
     load_manifest,
 )
 
@@ -118,16 +119,8 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"config.json is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ModelError("config.json must hold an object")
         fields = set(cls.__dataclass_fields__)
-        missing = sorted(fields - set(data) - {"dtype"})
-        if missing:
-            raise ModelError(f"config.json is missing {', '.join(missing)}")
+        data = json_object(text, CONFIG_FILE, sorted(fields - {"dtype"}))
         return cls(**{k: data[k] for k in fields if k in data})
 
     def with_dtype(self, dtype: str) -> "ModelConfig":

@@ -8,15 +8,24 @@ so a test can read what the worker said and a failure shows it.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
-from prewarm.embedded import free_port
+import pytest
+
+from prewarm import keys
+from prewarm.embedded import free_port, stop_process
+from prewarm.settings import Settings
+
+if TYPE_CHECKING:
+    import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 PREWARM = [sys.executable, "-m", "prewarm.cli"]
@@ -72,6 +81,34 @@ def worker_env(redis_url: str, state_dir: Path, **overrides: str) -> dict[str, s
     return env
 
 
+def settings_from_env(env: Mapping[str, str]) -> Settings:
+    """The `Settings` a worker started with `env` loads: its PREWARM_* variables and nothing else."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k in [k for k in os.environ if k.startswith("PREWARM_")]:
+            mp.delenv(k)
+        for k, v in env.items():
+            if k.startswith("PREWARM_"):
+                mp.setenv(k, v)
+        return Settings.load()
+
+
+def queued_tasks(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]:
+    """The task messages waiting in a Redis-transport queue: (task name, args)."""
+    out = []
+    for raw in client.lrange(queue, 0, -1):
+        msg = json.loads(raw)
+        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
+            else json.loads(msg["body"])
+        out.append({"task": msg["headers"]["task"], "args": body[0]})
+    return out
+
+
+def publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
+    """Write a node's view the way its agent publishes it (`keys.node_info`, with its TTL)."""
+    client.hset(keys.node_info(node), mapping={"name": node, "replica_slots": str(slots), "ready": "1"})
+    client.expire(keys.node_info(node), keys.NODE_INFO_TTL_S)
+
+
 def _port_block(size: int = 8) -> int:
     """A base port with `size` free ports after it (runtime ports are port_base + slot)."""
     for _ in range(50):
@@ -109,12 +146,18 @@ class WorkerProcess:
             self.proc = subprocess.Popen(PREWARM + self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                          stdout=fh, stderr=subprocess.STDOUT)
         if ready_marker:
-            wait_for(lambda: ready_marker in self.log() or self.proc.poll() is not None, timeout,  # type: ignore[union-attr]
-                     f"`prewarm {' '.join(self.args)}` to become ready")
-            if self.proc.poll() is not None:
-                raise AssertionError(f"`prewarm {' '.join(self.args)}` exited with {self.proc.returncode}:\n"
-                                     f"{self.log()[-4000:]}")
+            self.wait_ready(ready_marker, timeout)
         return self
+
+    def wait_ready(self, marker: str = " ready.", timeout: float = 60.0) -> None:
+        """Wait for `marker` in the log since start; fail with the log if the process exits first."""
+        proc = self.proc
+        assert proc is not None, "start() the process first"
+        wait_for(lambda: marker in self.log() or proc.poll() is not None, timeout,
+                 f"`prewarm {' '.join(self.args)}` to become ready")
+        if proc.poll() is not None:
+            raise AssertionError(f"`prewarm {' '.join(self.args)}` exited with {proc.returncode}:\n"
+                                 f"{self.log()[-4000:]}")
 
     def log(self, *, since_start: bool = True) -> str:
         try:
@@ -138,14 +181,7 @@ class WorkerProcess:
         """SIGTERM (Celery's warm shutdown), then SIGKILL if it does not end in time."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def runtime_pids(port: int, *, guards: bool = False) -> list[int]:

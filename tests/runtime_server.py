@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from prewarm.embedded import free_port, wait_for_port
+from prewarm.embedded import free_port, stop_process, wait_for_port
 
 TOKEN = "control-token-for-tests"
 SECRET = "warmup-secret-for-tests"
@@ -36,14 +35,7 @@ class RuntimeProcess:
     log: Path
 
     def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

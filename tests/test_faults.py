@@ -26,7 +26,6 @@ tests/test_faults_fuzz.py and tests/test_history.py.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -42,7 +41,7 @@ from prewarm.domain import ReplicaState
 from prewarm.embedded import EmbeddedRedis, free_port
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import Settings
-from tests.celery_helpers import WorkerProcess, runtime_pids, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
 from workers.app import PREWARM, make_app
 from workers.runtime_client import control_token
 
@@ -96,16 +95,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _settings(env: dict[str, str]) -> Settings:
-    with pytest.MonkeyPatch.context() as mp:
-        for k in [k for k in os.environ if k.startswith("PREWARM_")]:
-            mp.delenv(k)
-        for k, v in env.items():
-            if k.startswith("PREWARM_"):
-                mp.setenv(k, v)
-        return Settings.load()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from prewarm.model import make_model
@@ -122,16 +111,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     gw_env = worker_env(server.url, tmp, **short)
     gateway = WorkerProcess(["gateway", "--port", str(port)], gw_env, tmp / "gateway.log")
     client: "redis.Redis[str]" = redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=2)
-    settings = _settings(envs["n1"])
+    settings = settings_from_env(envs["n1"])
     app = make_app(settings)
     try:
         for a in agents.values():  # both start at once; each waits for Celery's "ready" below
             a.start(ready_marker=None)
         gateway.start(ready_marker="listening on", timeout=30)
         for a in agents.values():
-            wait_for(lambda: " ready." in a.log() or a.proc.poll() is not None, 90,  # type: ignore[union-attr]
-                     "the agents to become ready")
-            assert a.proc is not None and a.proc.poll() is None, a.log()[-3000:]
+            a.wait_ready(timeout=90)
         st = Stack(server, tmp, agents, envs, gateway, f"http://127.0.0.1:{port}", client,
                    ReplicaRegistry(client, settings.registry), settings)
         for rid in REPLICAS.values():

@@ -14,10 +14,8 @@ left the event "dispatched" forever.
 
 from __future__ import annotations
 
-import base64
-import json
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 import redis
@@ -29,20 +27,10 @@ from prewarm.embedded import EmbeddedRedis
 from prewarm.metrics import Metrics
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import RedisSettings, Settings
+from tests.celery_helpers import publish_node, queued_tasks
 from workers.app import APPLY_EVENT, PLANNER_QUEUE, PREWARM, make_app, node_queue
 from workers.context import WorkerContext
 from workers.executor import apply_event, dispatch_due, submit_events
-
-
-def _queued(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]:
-    """The task messages waiting in a Redis-transport queue: (task name, args)."""
-    out = []
-    for raw in client.lrange(queue, 0, -1):
-        msg = json.loads(raw)
-        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
-            else json.loads(msg["body"])
-        out.append({"task": msg["headers"]["task"], "args": body[0]})
-    return out
 
 
 @pytest.fixture()
@@ -62,10 +50,6 @@ def ctx(redis_url: str) -> Iterator[WorkerContext]:
                       metrics=Metrics(CollectorRegistry()))
     yield c
     client.close()
-
-
-def _publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
-    client.hset(keys.node_info(node), mapping={"name": node, "replica_slots": str(slots), "ready": "1"})
 
 
 def _dropped(ctx: WorkerContext, model: str, reason: str) -> float:
@@ -96,7 +80,7 @@ def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_ba
         broker.start()  # same port, empty
         assert dispatch_due(ctx, app, now=now + 4) == ["up-broker"]
         assert dispatch_due(ctx, app, now=now + 6) == []  # leased: not sent twice
-        assert _queued(broker_client, PLANNER_QUEUE) == [{"task": APPLY_EVENT, "args": ["up-broker"]}]
+        assert queued_tasks(broker_client, PLANNER_QUEUE) == [{"task": APPLY_EVENT, "args": ["up-broker"]}]
         assert ctx.client.hget(keys.planned_event("up-broker"), "status") == "dispatched"
     finally:
         broker_client.close()
@@ -108,7 +92,7 @@ def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: Worke
     app = make_app(Settings(redis=RedisSettings(url=broker.url)))
     broker_client: "redis.Redis[str]" = redis.Redis.from_url(broker.url, decode_responses=True)
     try:
-        _publish_node(ctx.client, "n1", 4)
+        publish_node(ctx.client, "n1", 4)
         now = time.time()
         ev = ScaleEvent("up-apply", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=2, nodes=("n1", "n1"))
         submit_events(ctx, [ev])
@@ -128,8 +112,8 @@ def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: Worke
         applied = apply_event(ctx, app, "up-apply")
         assert applied.outcome == "applied" and applied.replica_ids == ("m@r1/n1/0", "m@r1/n1/1")
         assert apply_event(ctx, app, "up-apply").outcome == "already_applied"  # a redelivered apply sends nothing
-        assert sorted(m["args"][0] for m in _queued(broker_client, node_queue("n1"))) == ["m@r1/n1/0", "m@r1/n1/1"]
-        assert {m["task"] for m in _queued(broker_client, node_queue("n1"))} == {PREWARM}
+        assert sorted(m["args"][0] for m in queued_tasks(broker_client, node_queue("n1"))) == ["m@r1/n1/0", "m@r1/n1/1"]
+        assert {m["task"] for m in queued_tasks(broker_client, node_queue("n1"))} == {PREWARM}
         assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-apply") is None  # applied: it left the queue
         assert dispatch_due(ctx, app, now=time.time() + 10_000) == []
     finally:

@@ -74,8 +74,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(redis_server: EmbeddedRedis) -> Iterator[Server]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
+    redis_server.start()  # a no-op unless a test stopped it
     redis.Redis.from_url(redis_server.url).flushall()
     s = Server(redis_server.url)
     try:

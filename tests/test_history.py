@@ -40,7 +40,7 @@ from forecasting.history import (
     redis_models,
 )
 from prewarm import keys
-from prewarm.embedded import free_port
+from prewarm.embedded import free_port, stop_process
 
 DAY = 86400.0
 
@@ -373,12 +373,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
             time.sleep(0.1)
         yield url, start
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

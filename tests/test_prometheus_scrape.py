@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from prewarm.embedded import free_port, wait_for_port
+from prewarm.embedded import free_port, stop_process, wait_for_port
 from prewarm.model import make_model
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import Settings
@@ -99,13 +99,7 @@ class Prometheus:
         return expected
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture()
@@ -124,9 +118,7 @@ def stack(redis_url: str, tmp_path: Path) -> Iterator[tuple[Prometheus, WorkerPr
     prom = Prometheus(tmp_path, {"gateway": gateway_port, "agent": agent_port})
     client: "redis.Redis[str]" = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        wait_for(lambda: " ready." in agent.log() or agent.proc.poll() is not None, 60,  # type: ignore[union-attr]
-                 "the agent to be ready")
-        assert agent.proc is not None and agent.proc.poll() is None, agent.log()[-3000:]
+        agent.wait_ready(timeout=60)
         wait_for_port("127.0.0.1", gateway_port, 30.0, "prewarm gateway")
         prom.wait_ready()
         yield prom, agent, f"http://127.0.0.1:{gateway_port}", ReplicaRegistry(client)

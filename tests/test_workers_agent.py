@@ -28,7 +28,7 @@ from prewarm.embedded import EmbeddedRedis, free_port
 from prewarm.manifest import load_manifest
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import Settings
-from tests.celery_helpers import WorkerProcess, runtime_pids, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
 from workers.app import KEEP_WARM, PREWARM, RECYCLE, RETIRE, make_app, node_queue
 
 pytestmark = pytest.mark.slow
@@ -84,22 +84,11 @@ class World:
                    if f"replica={rid} " in line and "state=failed" in line) == 1
 
 
-def _settings(env: dict[str, str]) -> Settings:
-    with pytest.MonkeyPatch.context() as mp:
-        for k in [k for k in __import__("os").environ if k.startswith("PREWARM_")]:
-            mp.delenv(k)
-        for k, v in env.items():
-            if k.startswith("PREWARM_"):
-                mp.setenv(k, v)
-        return Settings.load()
-
-
 @pytest.fixture(scope="module")
 def world(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     from prewarm.model import make_model
 
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
+    redis_server.start()  # a no-op unless a test stopped it
     tmp = tmp_path_factory.mktemp("agent")
     client: "redis.Redis[str]" = redis.Redis.from_url(redis_server.url, decode_responses=True)
     client.flushall()
@@ -107,7 +96,7 @@ def world(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
     metrics_port = free_port()
     env = worker_env(redis_server.url, tmp, PREWARM_AGENT_NODE=NODE, PREWARM_METRICS_PORT=str(metrics_port))
     agent = WorkerProcess(["agent", "--node", NODE], env, tmp / "agent.log").start()
-    settings = _settings(env)
+    settings = settings_from_env(env)
     app = make_app(settings)
     w = World(tmp, env, agent, app, client, ReplicaRegistry(client, settings.registry), settings, metrics_port,
               Path(tiny))

@@ -9,7 +9,6 @@ consume it. Demand is recorded with the gateway's own function.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import urllib.request
@@ -25,7 +24,7 @@ from prewarm.domain import Replica, ReplicaState
 from prewarm.embedded import EmbeddedRedis, free_port
 from prewarm.registry import ReplicaRegistry
 from prewarm.settings import RedisSettings, RegistrySettings, Settings
-from tests.celery_helpers import WorkerProcess, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
 from prewarm.domain import ScaleEvent, ScaleEventKind
 from workers.app import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
 from workers.context import WorkerContext
@@ -36,8 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def planner(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
+    redis_server.start()  # a no-op unless a test stopped it
     tmp = tmp_path_factory.mktemp("planner")
     client: "redis.Redis[str]" = redis.Redis.from_url(redis_server.url, decode_responses=True)
     client.flushall()
@@ -56,22 +54,6 @@ def planner(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactor
         client.close()
 
 
-def _queued(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]:
-    """The task messages waiting in a Redis-transport queue: (task name, args)."""
-    out = []
-    for raw in client.lrange(queue, 0, -1):
-        msg = json.loads(raw)
-        body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
-            else json.loads(msg["body"])
-        out.append({"task": msg["headers"]["task"], "args": body[0]})
-    return out
-
-
-def _publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
-    client.hset(keys.node_info(node), mapping={"name": node, "replica_slots": str(slots), "ready": "1"})
-    client.expire(keys.node_info(node), keys.NODE_INFO_TTL_S)
-
-
 def _record_demand(url: str, model: str) -> None:
     async def go() -> None:
         c = aioredis.Redis.from_url(url, decode_responses=True)
@@ -85,25 +67,25 @@ def _record_demand(url: str, model: str) -> None:
 
 def test_unmet_demand_scales_from_zero_once(planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
     client = planner["client"]
-    _publish_node(client, "n8", 1)
+    publish_node(client, "n8", 1)
     now = time.time()
     planner["registry"].register(Replica("other", "r1", "n8", 0, state=ReplicaState.PENDING, created_at=now), now=now)
-    _publish_node(client, "n9", 2)  # the node with the most free slots
+    publish_node(client, "n9", 2)  # the node with the most free slots
     _record_demand(redis_server.url, "tiny")
     queue = node_queue("n9")
-    wait_for(lambda: _queued(client, queue), 20, f"a prewarm on {queue} (planner log:\n{planner['proc'].log()})")
+    wait_for(lambda: queued_tasks(client, queue), 20, f"a prewarm on {queue} (planner log:\n{planner['proc'].log()})")
     for _ in range(3):  # the gateway keeps announcing while nothing is ready: still one prewarm
         _record_demand(redis_server.url, "tiny")
     time.sleep(1.5)
-    assert _queued(client, queue) == [{"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
-    assert _queued(client, node_queue("n8")) == []
+    assert queued_tasks(client, queue) == [{"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
+    assert queued_tasks(client, node_queue("n8")) == []
 
 
 def test_demand_for_an_unknown_model_prewarms_nothing(planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
     _record_demand(redis_server.url, "mystery")
     wait_for(lambda: "no revision is known" in planner["proc"].log(), 20, "the planner to report the unknown model")
     assert not any(m["args"][0].startswith("mystery@") for q in ("n8", "n9")
-                   for m in _queued(planner["client"], node_queue(q)))
+                   for m in queued_tasks(planner["client"], node_queue(q)))
 
 
 def test_reap_fails_replicas_whose_heartbeat_expired(planner: dict[str, Any]) -> None:
@@ -152,8 +134,8 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
     client, app = planner["client"], planner["app"]
     ctx = WorkerContext.build(Settings(redis=RedisSettings(url=redis_server.url)))
     reg: ReplicaRegistry = planner["registry"]
-    _publish_node(client, "n7", 3)
-    _publish_node(client, "n6", 2)
+    publish_node(client, "n7", 3)
+    publish_node(client, "n6", 2)
     now = time.time()
     older = _ready_replica(reg, "big", "n6", 0, now - 100)
     newer = _ready_replica(reg, "big", "n6", 1, now - 10)
@@ -169,11 +151,11 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
              and client.hget(keys.planned_event("up-1"), "status") == "applied"
              and client.hget(keys.planned_event("down-1"), "status") == "applied", 20,
              f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
-    assert sorted(_queued(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
+    assert sorted(queued_tasks(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
         {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None]},
         {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None]},
     ]
-    on_n6 = _queued(client, node_queue("n6"))
+    on_n6 = queued_tasks(client, node_queue("n6"))
     assert sorted(m["task"] for m in on_n6) == sorted([RETIRE, KEEP_WARM])
     retire = next(m for m in on_n6 if m["task"] == RETIRE)
     assert retire["args"][0] == newer  # scale down removes the newest replica
@@ -184,7 +166,7 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
 
     app.send_task(DISPATCH_EVENTS)  # nothing is due twice
     time.sleep(1.5)
-    assert len(_queued(client, node_queue("n7"))) == 2
+    assert len(queued_tasks(client, node_queue("n7"))) == 2
     ctx.client.close()
 
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from prewarm.embedded import stop_process
+
 
 def lease_age(path: Path, started: float, now: float) -> float:
     """Seconds since the lease was last touched (since the guard started when it was never written)."""
@@ -29,16 +31,6 @@ def lease_age(path: Path, started: float, now: float) -> float:
         return now - max(path.stat().st_mtime, started)
     except FileNotFoundError:
         return now - started
-
-
-def _stop(proc: "subprocess.Popen[bytes]", grace_s: float = 10.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if age > opts.grace_s:
             print(f"workers.guard: no agent refreshed {opts.lease} for {age:.0f}s (grace {opts.grace_s:.0f}s): "
                   f"stopping the orphaned runtime (pid {proc.pid})", file=sys.stderr, flush=True)
-            _stop(proc)
+            stop_process(proc)
             return 0
 
 
