@@ -48,7 +48,7 @@ from forecasting.traces import (
 __all__ = [
     "HistoryError", "HistoryUnavailable", "RateTrace", "RequestTrace", "TraceFormat",
     "detect_format", "load_trace", "load_requests", "load_rates", "load_file", "load_redis",
-    "redis_models", "load_prometheus", "make_frame", "rate_series", "requests_frame",
+    "redis_models", "load_prometheus", "DEFAULT_PROMETHEUS_QUERY", "make_frame", "rate_series", "requests_frame",
     "rates_frame", "FRAME_COLUMNS",
 ]
 

@@ -7,7 +7,7 @@ CLI does the printing and `forecasting.report` the plotting.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -28,20 +28,6 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray | None, q: float) 
         return float("nan")
     i = int(np.searchsorted(cum, q * cum[-1], side="left"))
     return float(values[order][min(i, values.size - 1)])
-
-
-@dataclass(frozen=True)
-class PolicyScore:
-    ttft_p50_s: float
-    ttft_p99_s: float
-    ttft_p999_s: float
-    cold_start_share: float  # requests that waited more than the threshold for capacity
-    gpu_hours: float
-    gpu_hours_vs_reactive: float | None
-    gpu_hours_vs_oracle: float | None
-    warm_cost_ratio: float  # GPU time above the instant-service need / GPU time
-    cold_starts: int  # replicas started during the replay
-    replay_s: float  # wall time of the replay (machine-dependent)
 
 
 def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.0) -> dict[str, float | int]:

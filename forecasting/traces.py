@@ -66,10 +66,6 @@ class TraceFormat(str, enum.Enum):
     RATE_WINDOWS = "rate_windows"  # window_start_s,rate_req_per_s (ServeGen)
     COUNT_SERIES = "count_series"  # timestamp,requests per regular bucket (NASA)
 
-    @property
-    def is_request_level(self) -> bool:
-        return self in (TraceFormat.REQUEST_CSV, TraceFormat.REQUEST_JSONL)
-
 
 @dataclass(frozen=True, eq=False)
 class RequestTrace:

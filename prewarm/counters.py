@@ -32,10 +32,6 @@ class RequestCounter:
         for res in self.resolutions:
             self._pending[(model, res, bucket_start(now, res))] += n
 
-    @property
-    def pending(self) -> int:
-        return sum(self._pending.values())
-
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
         if not self._pending:

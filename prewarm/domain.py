@@ -58,10 +58,6 @@ LIVE_STATES: frozenset[ReplicaState] = frozenset(
 )
 
 
-def can_transition(current: ReplicaState, target: ReplicaState) -> bool:
-    return target in TRANSITIONS[current]
-
-
 def check_name(value: str, what: str) -> str:
     """Validate a model, revision or node name; they become parts of Redis keys and ids."""
     if not isinstance(value, str) or not _NAME.match(value):

@@ -102,11 +102,6 @@ class EmbeddedRedis:
         stop_process(self.proc)
         self.proc = None
 
-    def restart(self) -> None:
-        """Stop and start on the same port; with no persistence the data is gone."""
-        self.stop()
-        self.start()
-
     def close(self) -> None:
         self.stop()
         self._dir.cleanup()

@@ -141,8 +141,8 @@ class Gateway:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_json_errors])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
-        app.router.add_post("/v1/completions", self.handle_proxy)
-        app.router.add_post("/v1/chat/completions", self.handle_proxy)
+        for path in PROXIED_PATHS:
+            app.router.add_post(path, self.handle_proxy)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/healthz", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -317,7 +317,7 @@ class Gateway:
         to `refused` for the caller to answer with when no replica takes it.
         """
         assert self.session is not None
-        self.state.inflight[rid] = self.state.inflight.get(rid, 0) + 1
+        self._count_inflight(model, rid, +1)
         try:
             try:
                 upstream = await self.session.post(url, data=body, headers=headers)
@@ -362,11 +362,16 @@ class Gateway:
                 await resp.write_eof()
                 return resp
         finally:
-            left = self.state.inflight.get(rid, 1) - 1
-            if left <= 0:
-                self.state.inflight.pop(rid, None)
-            else:
-                self.state.inflight[rid] = left
+            self._count_inflight(model, rid, -1)
+
+    def _count_inflight(self, model: str, rid: str, delta: int) -> None:
+        """Requests in flight to a replica: the routing policy's saturation input and `gateway_inflight_requests`."""
+        n = max(0, self.state.inflight.get(rid, 0) + delta)
+        if n:
+            self.state.inflight[rid] = n
+        else:
+            self.state.inflight.pop(rid, None)
+        self.metrics.inflight.labels(model, rid).set(n)
 
     async def _failed(self, rid: str, why: str) -> None:
         """Count a failure; past the threshold, stop routing to the replica and mark it failed."""

@@ -190,21 +190,6 @@ class ReplicaRegistry:
         return Replica.from_fields(_pairs(flat))
 
     @_wrap_redis_errors
-    def deregister(self, rid: str) -> None:
-        """Remove every trace of a replica but its audit events."""
-        model, _, node, _ = parse_replica_id(rid)
-        ks = self._index_keys(model, node, rid)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(ks[0])
-        pipe.srem(ks[1], rid)
-        pipe.srem(ks[2], rid)
-        for zkey in ks[5:9]:
-            pipe.zrem(zkey, rid)
-        pipe.xadd(keys.EVENTS, {"replica": rid, "from": "", "to": "", "reason": "deregistered", "ts": 0},
-                  maxlen=keys.EVENTS_MAXLEN, approximate=True)
-        pipe.execute()
-
-    @_wrap_redis_errors
     def reap(self, *, now: float) -> list[str]:
         """Fail every live replica whose heartbeat expired; returns their ids."""
         expired = self.client.zrangebyscore(keys.HEARTBEATS, "-inf", now)

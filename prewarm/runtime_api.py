@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -226,8 +226,3 @@ def parse_level(raw: str | None) -> int:
     if raw not in ("1", "2"):
         raise bad_request(f"sleep level must be 1 or 2, got {raw!r}", "level")
     return int(raw)
-
-
-def finite_or_none(values: Sequence[float]) -> list[float | None]:
-    """JSON has no NaN/inf: non-finite numbers travel as null."""
-    return [v if math.isfinite(v) else None for v in values]

@@ -97,9 +97,9 @@ def served_by(resp: tuple[int, dict[str, str], bytes]) -> str:
 
 
 def test_fewest_in_flight_among_ready_serving(gw: Harness) -> None:
-    slow, fast = Upstream("a", delay_s=1.0), Upstream("b")
-    gw.add(0, slow)
-    gw.add(1, fast)
+    slow, fast = Upstream("a", delay_s=2.0), Upstream("b")  # long enough for a request and a scrape meanwhile
+    a = gw.add(0, slow)
+    b = gw.add(1, fast)
     first: list[Any] = []
     t = threading.Thread(target=lambda: first.append(gw.complete()))
     t.start()
@@ -107,8 +107,12 @@ def test_fewest_in_flight_among_ready_serving(gw: Harness) -> None:
     while not slow.received and time.time() < deadline:
         time.sleep(0.01)
     assert served_by(gw.complete()) == "b"  # a has one request in flight
+    metrics = request(gw.url, path="/metrics")[2].decode()
+    assert f'gateway_inflight_requests{{model="m",replica="{a.id}"}} 1.0' in metrics
+    assert f'gateway_inflight_requests{{model="m",replica="{b.id}"}} 0.0' in metrics
     t.join()
     assert served_by(first[0]) == "a"
+    assert f'gateway_inflight_requests{{model="m",replica="{a.id}"}} 0.0' in request(gw.url, path="/metrics")[2].decode()
 
 
 def test_loading_under_threshold_goes_to_warm_pool_then_to_the_loading_replica(gw: Harness) -> None:

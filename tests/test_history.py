@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forecasting.history import (
+    DEFAULT_PROMETHEUS_QUERY,
     HistoryError,
     HistoryUnavailable,
     RateTrace,
@@ -323,7 +324,7 @@ def test_load_redis_unreachable_is_temporary() -> None:
 
 
 # --- Prometheus ----------------------------------------------------------------------------------------------------
-PROM_QUERY = 'sum by (model) (increase(gateway_requests_total{kind="user"}[1m]))'
+PROM_QUERY = DEFAULT_PROMETHEUS_QUERY  # what the gateway's counters give the forecaster
 
 
 @pytest.fixture(scope="module")
