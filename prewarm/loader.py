@@ -189,7 +189,11 @@ class ProgressiveLoader:
         self.on_progress = on_progress
         self.on_phase = on_phase
         self.snapshot_key = SnapshotKey.for_manifest(self.manifest, self.config.dtype, self.model_name)
-        self.model = TransformerLM.skeleton(self.config)
+        # The module tree is built on first use: `start()` builds it on the load thread once the
+        # reads are under way (building costs tens of ms, and the first one in a process imports
+        # torch._dynamo for the meta-device init, seconds), so it overlaps the weights' arrival.
+        self._model: TransformerLM | None = None
+        self._model_lock = threading.Lock()
         self.stats = LoadStats()
         self.mapped: MappedSnapshot | None = None  # the snapshot the live weights map, if any
 
@@ -208,6 +212,17 @@ class ProgressiveLoader:
         self._t0 = 0.0
 
     # -- public state --------------------------------------------------------------------
+    @property
+    def model(self) -> TransformerLM:
+        """The model; its parameters are on the meta device until their weights are in."""
+        model = self._model
+        if model is None:
+            with self._model_lock:
+                if self._model is None:
+                    self._model = TransformerLM.skeleton(self.config)
+                model = self._model
+        return model
+
     @property
     def progress(self) -> float:
         return self._progress
@@ -320,6 +335,10 @@ class ProgressiveLoader:
         used_original = False
         done = 0  # tensors installed, in `order`
         try:
+            if snap is None:
+                fd = self._open_original()
+                reader = self._reader(fd, pool, [self._entries[n] for n in order])
+            model = self.model  # built while the first reads and checks are in flight
             for phase, groups in plan:
                 self._phase = phase
                 t = time.perf_counter()
@@ -342,16 +361,10 @@ class ProgressiveLoader:
                         if tensor is None:
                             if reader is None:
                                 fd = self._open_original()
-                                reader = VerifiedReader(
-                                    fd, [self._entries[n] for n in order[done:]], pool,
-                                    chunk_bytes=self.read_chunk_bytes, mapped=self.device.type == "cpu",
-                                    pin_memory=self.device.type == "cuda",
-                                    read_limit_bps=self.read_limit_bps,
-                                ).start()
-                                self.stats.original_read = "mapped" if self.device.type == "cpu" else "pread"
+                                reader = self._reader(fd, pool, [self._entries[n] for n in order[done:]])
                             tensor = self._from_original(reader, e)
                             used_original = True
-                        self.model.set_tensor(name, tensor)
+                        model.set_tensor(name, tensor)
                         done += 1
                         self._advance(e.length)
                     self._sync_device()
@@ -400,6 +413,12 @@ class ProgressiveLoader:
         except OSError:
             pass
         return fd
+
+    def _reader(self, fd: int, pool: ThreadPoolExecutor, entries: list[TensorEntry]) -> VerifiedReader:
+        mapped = self.device.type == "cpu"
+        self.stats.original_read = "mapped" if mapped else "pread"
+        return VerifiedReader(fd, entries, pool, chunk_bytes=self.read_chunk_bytes, mapped=mapped,
+                              pin_memory=self.device.type == "cuda", read_limit_bps=self.read_limit_bps).start()
 
     def _from_original(self, reader: VerifiedReader, e: TensorEntry) -> torch.Tensor:
         buf = reader.take(e.name)  # read and sha256-verified, or CorruptWeights
