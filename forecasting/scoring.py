@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from forecasting.policies import POLICIES, make_policy
+from forecasting.policies import POLICIES, Prewarm, make_policy
 from forecasting.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 
 
@@ -93,7 +93,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         run = replay(work, policy, params, cb)
         runs[name] = run
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
-        if hasattr(policy, "fit_errors"):
+        if isinstance(policy, Prewarm):
             scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
                              "forecasts_clipped": getattr(policy, "clipped", 0)}
     for name, s in scores.items():

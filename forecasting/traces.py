@@ -386,8 +386,11 @@ def _parse_request_jsonl(path: Path, lines: list[str], first: int, origin: float
         n = i + 1
         try:
             obj = json.loads(line)
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             bad.add([n], f"not JSON ({exc.msg})")
+            continue
+        except ValueError as exc:  # valid syntax json refuses, e.g. an integer past Python's digit limit
+            bad.add([n], f"not JSON ({exc})")
             continue
         if not isinstance(obj, dict):
             bad.add([n], "not a JSON object")

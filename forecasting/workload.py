@@ -120,7 +120,7 @@ def _build(trace: object, params: SimParams) -> Workload:
         notes.append(f"rate scaled x{params.rate_scale:g}")
     source = str(getattr(trace, "source", "trace"))
     if hasattr(trace, "t"):  # a RequestTrace
-        t = np.asarray(trace.t, dtype=np.float64)  # type: ignore[attr-defined]
+        t = np.asarray(trace.t, dtype=np.float64)
         t = (t - t[0]) / params.time_scale
         ctx = getattr(trace, "context_tokens", None)
         gen = getattr(trace, "generated_tokens", None)

@@ -77,8 +77,8 @@ def replica_id(model: str, revision: str, node: str, slot: int) -> str:
     return f"{model}@{revision}/{node}/{slot}"
 
 
-def parse_replica_id(rid: str) -> tuple[str, str, str, int]:
-    """Split `model@revision/node/slot`; raises InvalidPayload naming what is wrong."""
+def parse_replica_id(rid: object) -> tuple[str, str, str, int]:
+    """Split `model@revision/node/slot` (any payload value); raises InvalidPayload naming what is wrong."""
     if not isinstance(rid, str):
         raise InvalidPayload(f"replica_id must be a string, got {type(rid).__name__}")
     head, sep, rest = rid.partition("@")

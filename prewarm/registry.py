@@ -255,7 +255,7 @@ class ReplicaRegistry:
     def _count_rows(self) -> list[tuple[str, str, str, str]]:
         prefix, suffix = _split_template(keys.model_replicas)
         flat = self._counts(keys=[keys.MODELS], args=[prefix, suffix, keys.replica("")])
-        return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]  # type: ignore[misc]
+        return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
 
     def counts(self) -> dict[tuple[str, str, str], int]:
         """Replicas per (model, state, pool), for metrics and the planner."""

@@ -13,7 +13,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection
 
 import aiohttp
 
@@ -74,7 +74,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stats: Rep
 async def replay(
     gateway_url: str,
     model: str,
-    arrivals: Sequence[float],
+    arrivals: Collection[float],
     stats: ReplayStats,
     *,
     time_scale: float = 1.0,

@@ -221,6 +221,8 @@ ATOMS = [
 
 @pytest.mark.parametrize("name, text, outcome", [
     ("huge.jsonl", '{"timestamp": 0}\n{"timestamp": %s}\n' % ("9" * 400), "ok"),
+    # json refuses an integer past Python's 4300-digit limit with a plain ValueError (no .msg)
+    ("digits.jsonl", '{"timestamp": 0}\n{"timestamp": %s}\n' % ("9" * 5000), "ok"),
     ("far.jsonl", '{"timestamp": 0}\n{"timestamp": 1e300}\n', "ok"),
     ("far.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n1e10,1,1\n", "more than"),
     ("inf.csv", "window_start_s,rate_req_per_s\n0,1e308\n600,1\n1200,2\n", "ok"),

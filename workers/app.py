@@ -54,7 +54,7 @@ def node_queue(node: str) -> str:
 
 def route_task(
     name: str, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], task: Any = None,
-    **_: Any,
+    **_extra: Any,
 ) -> dict[str, str]:
     """Node tasks to the queue of the node named in their replica id; everything else to the planner.
 

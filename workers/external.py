@@ -393,7 +393,7 @@ def list_pods(watcher: PodWatcher, selector: str) -> dict[str, Any]:
     what = f"pods (labelSelector {selector}) in namespace {watcher.namespace}"
     listing = call(lambda: watcher.core.list_namespaced_pod(watcher.namespace, label_selector=selector,
                                                              _request_timeout=10), "list", what)
-    return {p.metadata.name: p for p in listing.items or []}
+    return {p.metadata.name: p for p in listing.items or [] if p.metadata is not None and p.metadata.name}
 
 
 @dataclass(frozen=True)
@@ -472,7 +472,7 @@ def run_cli(settings: Settings, api: k8s_client.ApiClient, namespace: str, deplo
     if metrics_port:
         start_http_server(metrics_port, addr="0.0.0.0", registry=ctx.metrics.registry)
     stop = threading.Event()
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())

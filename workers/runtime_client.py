@@ -79,7 +79,7 @@ class RuntimeClient:
 
     def _samples(self, family: str) -> list[tuple[str, Mapping[str, str], float]]:
         text = self._get("/metrics").decode("utf-8", "replace")
-        out = []
+        out: list[tuple[str, Mapping[str, str], float]] = []
         for fam in text_string_to_metric_families(text):
             if fam.name == family:
                 out += [(s.name, s.labels, float(s.value)) for s in fam.samples]

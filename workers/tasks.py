@@ -119,9 +119,9 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
     max_attempts = ctx.settings.agent.max_attempts
     delivery = _delivery_number(ctx, task)
     if delivery > max_attempts:
-        exc = PermanentError(f"{task.name} was delivered {delivery} times without finishing "
-                             f"(agent.max_attempts={max_attempts}); giving up")
-        _fail(ctx, ref, exc, reason="gave_up")
+        gave_up = PermanentError(f"{task.name} was delivered {delivery} times without finishing "
+                                 f"(agent.max_attempts={max_attempts}); giving up")
+        _fail(ctx, ref, gave_up, reason="gave_up")
         _finished(ctx, task, "gave_up")
         return {"replica_id": ref.replica_id, "outcome": "gave_up"}
     deadline = time.monotonic() + ctx.settings.agent.task_time_limit_s
