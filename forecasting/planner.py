@@ -294,6 +294,7 @@ def plan(ctx: PlanContext, state: PlannerState) -> tuple[PlanResult, PlannerStat
     new_state = state
     if need_now < live:
         below_since = state.below_since if state.below_since is not None else now
+        next_since: float | None = below_since
         window_end = now + p.stabilization_s + lead
         in_window = [b for b in upcoming if b.start < window_end]
         future_max = max(b.need for b in in_window)
@@ -311,8 +312,8 @@ def plan(ctx: PlanContext, state: PlannerState) -> tuple[PlanResult, PlannerStat
                       f"(stabilization {p.stabilization_s:.0f} s); no rise above {future_max} within "
                       f"{p.stabilization_s + lead:.0f} s")
             events.append(ev)
-            below_since = None if future_max <= need_now else below_since
-        new_state = replace(state, below_since=below_since)
+            next_since = None if future_max <= need_now else below_since
+        new_state = replace(state, below_since=next_since)
     else:
         new_state = replace(state, below_since=None)
 

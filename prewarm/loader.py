@@ -140,7 +140,7 @@ def _check_safetensors_header(path: Path, manifest: Manifest) -> None:
         begin, end = h.get("data_offsets", (None, None))
         if (base + begin, end - begin) != (e.offset, e.length):
             raise CorruptWeights(e.name, f"safetensors byte range {begin}..{end} disagrees with the manifest")
-        if list(h.get("shape", [])) != list(e.shape) or _SAFETENSORS_CODES.get(h.get("dtype")) != e.dtype:
+        if list(h.get("shape", [])) != list(e.shape) or _SAFETENSORS_CODES.get(str(h.get("dtype"))) != e.dtype:
             raise CorruptWeights(e.name, f"safetensors says {h.get('shape')} {h.get('dtype')}, manifest {list(e.shape)} {e.dtype}")
 
 

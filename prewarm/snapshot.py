@@ -235,7 +235,7 @@ class SnapshotWriter:
             t = t.cpu()
         if tuple(t.shape) != spec.shape or t.dtype != torch_dtype(spec.dtype):
             raise ValueError(f"snapshot tensor {name}: got {tuple(t.shape)} {t.dtype}, expected {spec.shape} {spec.dtype}")
-        raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().data
         done = 0
         while done < len(raw):
             done += os.pwrite(self._fd, raw[done:], spec.offset + done)
