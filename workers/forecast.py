@@ -33,6 +33,8 @@ from forecasting.traces import HistoryError
 from prewarm import keys
 from prewarm.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_name
 from prewarm.errors import InvalidPayload
+from prewarm.errors import PrewarmError
+from workers.cluster import actuator_for, apply_target, cluster_target
 from workers.context import WorkerContext
 from workers.executor import live_counts, node_views, submit_events
 
@@ -156,6 +158,8 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     ctx.metrics.forecast_timestamp.labels(spec.name).set(now)
     if len(y):
         ctx.metrics.actual_requests.labels(spec.name).set(float(y.iloc[-1]))
+    if ctx.settings.kubernetes.enabled:
+        _apply_to_cluster(ctx, spec.name, cluster_target(result, counts["ready"] + counts["loading"], now))
     error = _forecast_error(ctx, spec.name, fc, y, now=now)
     if error is not None:
         ctx.metrics.forecast_error.labels(spec.name).set(error)
@@ -174,6 +178,17 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
              need_now, len(result.events), len(new), len(result.dropped))
     return ModelPlan(spec.name, status, tuple(ev.event_id for ev in result.events), tuple(new),
                      len(result.dropped), need_now)
+
+
+def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
+    """Hand the target to Kubernetes; a refusal is logged and counted, never fatal to the plan."""
+    try:
+        result = apply_target(actuator_for(ctx.settings.kubernetes), ctx.settings.kubernetes, target)
+        log.info("kubernetes %s %s: %d -> %d%s", result.kind.value, result.target, result.before, result.after,
+                 " (dry run)" if result.dry_run else "")
+    except (PrewarmError, ValueError) as exc:
+        log.error("kubernetes target %d for %s not applied: %s", target, model, exc)
+        ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
 
 
 def warm_cost_ratio(live: int, need_now: int) -> float:
