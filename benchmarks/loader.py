@@ -20,7 +20,10 @@ pipelining: the same progressive loader doing the same work, answering after the
 (`ttft_verified_sequential_s`) against answering during it.
 
 The full and progressive paths are alternated `--repeat` times and the snapshot path is
-repeated as often; medians are reported (the machines are shared and noisy).
+repeated as often; medians are reported (the machines are shared and noisy). Torch runs
+one intra-op thread unless `--threads` says otherwise: measured on a shared 2-core machine,
+the 2-thread first-token compute varied 0.4-2.5 s between adjacent runs (one thread:
+within about 10%), enough to put `overlap_efficiency` anywhere from -1 to 1.8.
 
 Figures that depend on the machine are reported as ratios against baselines measured in
 the same run (torch.load, the full safetensors path, a plain sequential read).
@@ -290,11 +293,11 @@ def table(r: dict[str, Any]) -> str:
         f"{r['max_resident_after_drop']:.0%} of a file was still cached after a drop",
         f"medians of {r['repeat']} runs of each path (torch.load: one run)",
         "",
-        f"{'figure':<22} {'value':>10}  {'target':<7} read from",
+        f"{'figure':<27} {'value':>10}  {'target':<7} read from",
     ]
     for key, unit in rows:
         v = r[key]
-        lines.append(f"{key:<22} {v:>10.3f}  {r['targets'].get(key, ''):<7} {r['reads'].get(key, unit)}")
+        lines.append(f"{key:<27} {v:>10.3f}  {r['targets'].get(key, ''):<7} {r['reads'].get(key, unit)}")
     lines.append(f"(progressive first request waited on {r['progressive_layer_waits']} layers)")
     return "\n".join(lines)
 
@@ -307,11 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each path; medians are reported")
     ap.add_argument("--prompt-tokens", type=int, default=320, help="prefill length of the first request")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's); 1 is steadier on a busy shared CPU")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1; 0: torch's default). On a shared CPU a multi-threaded "
+                         "OpenMP forward slows 2-5x whenever another process takes a core, which buries the "
+                         "overlap figures in noise; one thread also leaves the loader a core to hash on")
     ap.add_argument("--workdir", type=Path, help="where to write the model (default: the temp dir)")
     ap.add_argument("--snapshot-dir", type=Path, help="where the node snapshot goes (default: /dev/shm)")
     args = ap.parse_args(argv)
     size = args.size or ("96MB" if args.quick else "512MB")
+    if args.threads < 0:
+        ap.error("--threads must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.repeat < 1:
