@@ -258,7 +258,7 @@ def test_warmup_requests_are_counted_apart(server: RuntimeProcess) -> None:
 def lazy_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeProcess]:
     # reads capped at 2 MB/s: the ~4 MB model takes ~2 s to load, long enough to serve during it
     rp = start_runtime(model_dir, tmp_path_factory.mktemp("lazy"), "--no-autoload", "--model-name", "tiny",
-                       env={"PREWARM_RUNTIME_READ_LIMIT_BPS": "2000000"})
+                       env={"PREWARM_RUNTIME_READ_LIMIT_BPS": "800000"})
     try:
         yield rp
     finally:
