@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,16 +32,29 @@ from prewarm.registry import AsyncRegistryReader, ReplicaRegistry
 from prewarm.routing import choose_replica
 
 
-def populate(url: str, upstream: str) -> None:
+def populate(url: str, upstream: str, stop: threading.Event) -> threading.Thread:
+    """Register six replicas (four ready serving, one loading, one warm) and heartbeat them
+    from a thread, as their agents would, until `stop` is set."""
     reg = ReplicaRegistry(redis.Redis.from_url(url, decode_responses=True))
     now = time.time()
+    hosted = []
     for slot in range(6):
         r = Replica("bench", "r1", f"n{slot % 3}", slot, endpoint=upstream, pool=Pool.WARM if slot == 5 else Pool.SERVING)
         reg.register(r, now=now)
         states = [ReplicaState.LOADING] if slot == 4 else [ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY]
         for s in states:
-            reg.transition(r.id, s, now=now)
-    reg.client.close()
+            r = reg.transition(r.id, s, now=now)
+        hosted.append(r)
+
+    def beat() -> None:
+        while not stop.wait(reg.settings.heartbeat_interval_s):
+            for r in hosted:
+                reg.heartbeat(r, now=time.time())
+        reg.client.close()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
 
 
 async def lookups(url: str, seconds: float) -> tuple[list[float], list[float]]:
@@ -89,10 +103,11 @@ def main() -> None:
             ["gateway", "--port", str(gw_port)],
             {"PREWARM_REDIS_URL": server.url, "PREWARM_GATEWAY_HOST": "127.0.0.1"},
         )
+        beating = threading.Event()
         try:
             wait_http(f"http://127.0.0.1:{up_port}/healthz")
             wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-            populate(server.url, f"http://127.0.0.1:{up_port}")
+            populate(server.url, f"http://127.0.0.1:{up_port}", beating)
             lat_lookup, lat_ping = asyncio.run(lookups(server.url, seconds))
             body = json.dumps({"model": "bench", "prompt": "hello", "max_tokens": 1}).encode()
             timed_posts(gw_port, 200, body)  # warm both paths
@@ -103,6 +118,7 @@ def main() -> None:
                 direct += timed_posts(up_port, 100, body)
                 via += timed_posts(gw_port, 100, body)
         finally:
+            beating.set()
             stop_process(gateway)
             stop_process(upstream)
     lookup_time = sum(lat_lookup)
