@@ -59,3 +59,14 @@ def traces_dir() -> Path:
     if not TRACES.is_dir():
         pytest.fail(f"the shared traces are missing: {TRACES}")
     return TRACES
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Two shared cores: OpenMP threads spinning against other processes slow tiny ops 10-100x."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

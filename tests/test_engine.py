@@ -18,12 +18,7 @@ CPU = torch.device("cpu")
 PROMPT = "An engine answers while its weights are still arriving."
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ PROMPT = list(b"Progressive loading overlaps the first request with the weights'
 SLOW = 12e6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

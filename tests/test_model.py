@@ -28,13 +28,7 @@ from prewarm.tokenizer import ByteTokenizer
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> object:
-    """Two shared cores: OpenMP threads spinning against other processes slow tiny ops 10-100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
