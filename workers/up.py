@@ -270,7 +270,7 @@ class UpRun:
         req.add_row("latency p50 / p99", f"{p50 * 1000:.0f} ms / {p99 * 1000:.0f} ms" if s.latencies else "-")
         req.add_row("slower than 0.5 s", f"{s.waits_over} ({s.waits_over / max(1, s.ok):.1%})")
         req.add_row("warm cost (warm pool / all replica time)", f"{self.warm_s / self.total_s:.1%}" if self.total_s else "-")
-        plan = self.client.hgetall(keys.last_forecast(MODEL)) if self._redis_ok() else {}
+        plan = self._last_plan()
         planner = Table(title="planner (last forecast_and_plan)", expand=True)
         planner.add_column("figure")
         planner.add_column("value", justify="right")
@@ -281,11 +281,12 @@ class UpRun:
         elapsed = time.monotonic() - self.started
         return Group(Panel(f"{phase} — {elapsed:.0f} s — gateway {self.gateway_url}"), grid)
 
-    def _redis_ok(self) -> bool:
+    def _last_plan(self) -> dict[str, str]:
+        """The planner's last record; empty while Redis cannot be read (the view keeps drawing)."""
         try:
-            return bool(self.client.ping())
+            return dict(self.client.hgetall(keys.last_forecast(MODEL)))
         except redis.RedisError:
-            return False
+            return {}
 
     # -- the stages ---------------------------------------------------------------------------
     async def _wait_baseline(self, live: Live, timeout_s: float = 240.0) -> None:
