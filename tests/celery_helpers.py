@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 import pytest
 
 from prewarm import keys
-from prewarm.embedded import free_port, stop_process
+from prewarm.embedded import stop_process
 from prewarm.settings import Settings
 
 if TYPE_CHECKING:
@@ -33,13 +33,17 @@ PREWARM = [sys.executable, "-m", "prewarm.cli"]
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, poll: float = 0.1) -> T:
-    """Poll until `predicate()` is truthy and return it; fail naming `what` after `timeout` seconds."""
+def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], poll: float = 0.1) -> T:
+    """Poll until `predicate()` is truthy and return it; fail naming `what` after `timeout` seconds.
+
+    `what` may be a callable, called only on failure: logs read then show what happened meanwhile.
+    """
     deadline = time.monotonic() + timeout
     last: T = predicate()
     while not last:
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout}s waiting for {said} (last value: {last!r})")
         time.sleep(poll)
         last = predicate()
     return last
@@ -109,13 +113,28 @@ def publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
     client.expire(keys.node_info(node), keys.NODE_INFO_TTL_S)
 
 
+# Runtime port blocks live below the kernel's ephemeral range (32768+ on Linux), where nothing
+# else gets a port by accident: `free_port()` (bind to port 0) and every outgoing connection
+# draw theirs from the ephemeral range, so a block chosen there could be handed to another
+# test's server between the check and the runtime's bind. `prewarm up` uses 20000-29999.
+# Each pytest-xdist worker walks its own share of 30000-32767, so two workers never pick the same block.
+_BLOCKS_FROM, _BLOCKS_TO = 30000, 32760
+_next_block = 0
+
+
 def _port_block(size: int = 8) -> int:
     """A base port with `size` free ports after it (runtime ports are port_base + slot)."""
-    for _ in range(50):
-        base = free_port()
-        if base + size < 65000 and all(_free(base + i) for i in range(size)):
+    global _next_block
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index, count = (int(worker) if worker.isdigit() else 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = (_BLOCKS_TO - _BLOCKS_FROM) // max(count, 1)
+    start = _BLOCKS_FROM + index * share
+    for _ in range(share // size):
+        base = start + (_next_block * size) % (share - size)
+        _next_block += 1
+        if all(_free(base + i) for i in range(size)):
             return base
-    raise RuntimeError("no block of free ports found")
+    raise RuntimeError(f"no block of {size} free ports in {start}..{start + share}")
 
 
 def _free(port: int) -> bool:

@@ -124,7 +124,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for rid in REPLICAS.values():
             app.send_task(PREWARM, args=[rid, "serving", None])
         wait_for(lambda: st.ready_ids() == set(REPLICAS.values()), 120,
-                 f"both replicas to be ready\n{st.logs()}")
+                 lambda: f"both replicas to be ready\n{st.logs()}")
         yield st
     finally:
         gateway.stop()
@@ -165,7 +165,7 @@ def test_redis_restart_without_persistence(stack: Stack) -> None:
             assert body["error"]["code"] == "unavailable", body
 
     # the agents' heartbeats re-create both replicas (record, indexes, model list) from what they host
-    wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 10, f"the replicas to come back\n{stack.logs()}",
+    wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 10, lambda: f"the replicas to come back\n{stack.logs()}",
              poll=0.05)
     took = time.monotonic() - back
     print(f"registry rebuilt {took:.2f}s after Redis came back (heartbeat interval {HEARTBEAT_S}s)")
@@ -208,7 +208,7 @@ def test_failing_replica_is_marked_failed_and_traffic_moves(stack: Stack) -> Non
         rec = stack.registry.get(bad)
         return rec is not None and rec.state is ReplicaState.FAILED
 
-    wait_for(marked_failed, 30, f"the gateway to mark {bad} failed\n{stack.logs()}", poll=0.05)
+    wait_for(marked_failed, 30, lambda: f"the gateway to mark {bad} failed\n{stack.logs()}", poll=0.05)
     rec = stack.registry.get(bad)
     assert rec is not None and "failing requests" in rec.reason, rec
     statuses = [s for s, _, _ in answers]
@@ -240,15 +240,21 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
             answers.append((time.monotonic(), status))
             time.sleep(0.05)
 
+    def runtime_log() -> str:
+        path = Path(stack.envs["n1"]["PREWARM_AGENT_STATE_DIR"]) / "n1" / "slot-1.log"
+        return path.read_text(errors="replace")[-2500:] if path.exists() else "(none)"
+
     app = make_app(stack.settings)
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
         task = app.send_task(PREWARM, args=[rid, "serving", None])
         wait_for(lambda: (r := stack.registry.get(rid)) is not None and r.state is ReplicaState.LOADING, 60,
-                 f"{rid} to start loading\n{stack.logs()}", poll=0.05)
+                 lambda: f"{rid} to start loading\n{stack.logs()}", poll=0.05)
         wait_for(lambda: runtime_pids(port), 30, "its runtime to be spawned", poll=0.05)
-        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 150, "its runtime to answer", poll=0.05)
+        wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 150,
+                 lambda: f"its runtime to answer on port {port}\n{stack.logs()}\n--- runtime\n{runtime_log()}",
+                 poll=0.05)
         agent.kill()  # SIGKILL mid-load: no ack, no cleanup, no more heartbeats
         state = stack.registry.get(rid)
         assert state is not None and state.state in (ReplicaState.LOADING, ReplicaState.WARMING), state
@@ -257,7 +263,7 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
         assert rid not in {r.id for r in stack.registry.view("tiny", now=time.time()).loading}
         agent.start()
         wait_for(lambda: (r := stack.registry.get(rid)) is not None and r.state is ReplicaState.READY, 90,
-                 f"{rid} to be ready\n{stack.logs()}")
+                 lambda: f"{rid} to be ready\n{stack.logs()}")
         wait_for(lambda: stack.ready_ids() == {rid, good}, 10, "both replicas to be routable")
         time.sleep(1.0)  # a few answers after the recovery
     finally:

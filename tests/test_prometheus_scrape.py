@@ -139,7 +139,7 @@ def test_prometheus_scrapes_the_gateway_and_the_agent(
     try:
         app.send_task(PREWARM, args=[RID, "serving", None])
         wait_for(lambda: (rec := registry.get(RID)) is not None and rec.state.value in ("ready", "failed"), 60,
-                 f"{RID} to be ready (agent log: {agent.log()[-2000:]})")
+                 lambda: f"{RID} to be ready (agent log: {agent.log()[-2000:]})")
         rec = registry.get(RID)
         assert rec is not None and rec.state.value == "ready", rec.reason
 

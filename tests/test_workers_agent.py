@@ -53,7 +53,7 @@ class World:
         return rec.state.value if rec else None
 
     def wait_state(self, rid: str, *states: str, timeout: float = 90.0) -> Replica:
-        wait_for(lambda: self.state(rid) in states, timeout, f"{rid} to reach {states} (agent log:\n"
+        wait_for(lambda: self.state(rid) in states, timeout, lambda: f"{rid} to reach {states} (agent log:\n"
                  f"{self.agent.log()[-3000:]})")
         rec = self.registry.get(rid)
         assert rec is not None

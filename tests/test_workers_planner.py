@@ -73,7 +73,7 @@ def test_unmet_demand_scales_from_zero_once(planner: dict[str, Any], redis_serve
     publish_node(client, "n9", 2)  # the node with the most free slots
     _record_demand(redis_server.url, "tiny")
     queue = node_queue("n9")
-    wait_for(lambda: queued_tasks(client, queue), 20, f"a prewarm on {queue} (planner log:\n{planner['proc'].log()})")
+    wait_for(lambda: queued_tasks(client, queue), 20, lambda: f"a prewarm on {queue} (planner log:\n{planner['proc'].log()})")
     for _ in range(3):  # the gateway keeps announcing while nothing is ready: still one prewarm
         _record_demand(redis_server.url, "tiny")
     time.sleep(1.5)
@@ -150,7 +150,7 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
     wait_for(lambda: client.hget(keys.planned_event("hold-1"), "status") == "applied"
              and client.hget(keys.planned_event("up-1"), "status") == "applied"
              and client.hget(keys.planned_event("down-1"), "status") == "applied", 20,
-             f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
+             lambda: f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
     assert sorted(queued_tasks(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
         {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None]},
         {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None]},
@@ -180,7 +180,7 @@ def test_forecast_and_plan_turns_gateway_counters_into_scale_events(planner: dic
     client.sadd(keys.REQUEST_MODELS, "tiny")
     planner["app"].send_task(FORECAST)
     wait_for(lambda: client.hget(keys.last_forecast("tiny"), "status") is not None, 60,
-             f"a forecast for tiny (planner log:\n{planner['proc'].log()[-3000:]})")
+             lambda: f"a forecast for tiny (planner log:\n{planner['proc'].log()[-3000:]})")
     record = client.hgetall(keys.last_forecast("tiny"))
     assert record["status"] == "planned", record
     assert 8.0 < float(record["rps_q0.5"]) < 12.0
