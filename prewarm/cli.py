@@ -85,6 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", default="", help="node label of the loading metrics (default: none)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: runtime.device")
     p.add_argument("--no-autoload", action="store_true", help="wait for POST /load instead of loading at start")
+    p.add_argument("--self-validate", action="store_true",
+                   help="once loaded, run the three validation checks in-process and turn /readyz 200 if they pass "
+                        "(a host with no agent, such as a Kubernetes pod)")
     p.set_defaults(handler=_cmd_serve_model)
 
     p = sub.add_parser("make-model", help="write a random-weight model (config, safetensors, manifest); nothing is downloaded")
@@ -227,6 +230,10 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
 
     from prewarm import runtime_serve as runtime
 
+    if args.self_validate and args.no_autoload:
+        print("prewarm serve-model: --self-validate needs the load to start by itself (drop --no-autoload)",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.device:
         settings.runtime.device = args.device
@@ -244,7 +251,8 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
     def announce(bound: int) -> None:
         print(f"prewarm: serving {host.model_name} on http://{bind}:{bound}", flush=True)
 
-    asyncio.run(runtime.serve(host, bind, port, autoload=not args.no_autoload, on_ready=announce))
+    asyncio.run(runtime.serve(host, bind, port, autoload=not args.no_autoload, self_validate=args.self_validate,
+                              on_ready=announce))
     return 0
 
 

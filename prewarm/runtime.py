@@ -19,7 +19,9 @@ every control call is refused with 403):
   the agent, which owns the latency baseline: it reads `POST /validate/inputs`, runs the
   pure checks of `prewarm.validation`, and posts the verdict to `POST /ready`. For a
   stand-alone host, `POST /validate` runs the same three checks in-process (with an
-  optional `baseline_s`) and marks the host ready when they pass.
+  optional `baseline_s`) and marks the host ready when they pass; `serve-model
+  --self-validate` does that once by itself when the load completes (a pod that
+  Kubernetes starts, with no agent).
 - control: `POST /load` (idempotent), `GET /load` (progress, phase, loaded, error),
   `POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`, `POST /validate/inputs`,
   `POST /validate`, `POST /ready`.
@@ -467,13 +469,19 @@ class ModelHost:
             raise api.bad_request(f"'requests' must be an integer in 1..100, got {n!r}", "requests")
         mark = data.get("mark_ready", True)
         self._require_loaded()
+        return web.json_response(await self.run_validation(float(baseline) if baseline is not None else None, n,
+                                                           mark=bool(mark)))
+
+    async def run_validation(self, baseline_s: float | None, requests: int, *, mark: bool) -> dict[str, Any]:
+        """The three checks in-process (structural, numeric, performance against `baseline_s`);
+        with `mark`, their verdict becomes this host's readiness. Returns the report."""
         inputs = await self._run(probe.validation_inputs, self.engine, self.model_name, probe.PROBE_PROMPT)
         ids = list(self.engine.encode(probe.PROBE_PROMPT))
-        latencies = [await self._run(probe.timed_completion, self.engine, ids, 1) for _ in range(n)]
+        latencies = [await self._run(probe.timed_completion, self.engine, ids, 1) for _ in range(requests)]
         report = ValidationReport((
             check_structural(tensor_specs(inputs["manifest"]), tensor_specs(inputs["tensors"])),
             check_numeric(LogitStats.from_dict(inputs["logits"]), mean_bound=self.mean_bound),
-            check_performance(latencies, float(baseline) if baseline is not None else None, factor=self.latency_factor),
+            check_performance(latencies, baseline_s, factor=self.latency_factor),
         ))
         for c in report.checks:
             self.metrics.validation_results.labels(self.model_name, c.name.value, c.outcome.value).inc()
@@ -481,7 +489,7 @@ class ModelHost:
         if mark:
             self.state.validated = report.passed
             self.state.report = body
-        return web.json_response(body)
+        return body
 
     async def mark_ready(self, request: web.Request) -> web.Response:
         """The agent's verdict: {"passed": bool, "report": {...}}; passed=false withdraws readiness."""

@@ -6,8 +6,10 @@ made in a temporary directory, so the tests exercise the same process a node age
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from prewarm.embedded import free_port, stop_process, wait_for_port
+from prewarm.manifest import Manifest, TensorEntry, load_manifest
 
 TOKEN = "control-token-for-tests"
 SECRET = "warmup-secret-for-tests"
@@ -107,3 +110,17 @@ def wait_loaded(url: str, timeout: float = 60.0) -> dict[str, Any]:
             raise RuntimeError(f"runtime failed to load: {body['error']}")
         time.sleep(0.05)
     raise TimeoutError(f"runtime at {url} did not load within {timeout}s")
+
+
+def poison(model_dir: Path, tensor: str) -> None:
+    """Fill one tensor with NaN and rewrite the manifest to match: bad numbers, intact files."""
+    m = load_manifest(model_dir)
+    entry = m.entry(tensor)
+    assert entry.dtype == "float32"
+    raw = struct.pack("<f", float("nan")) * (entry.length // 4)
+    with open(model_dir / m.file, "r+b") as f:
+        f.seek(entry.offset)
+        f.write(raw)
+    tensors = tuple(TensorEntry(t.name, t.shape, t.dtype, t.offset, t.length, hashlib.sha256(raw).hexdigest())
+                    if t.name == tensor else t for t in m.tensors)
+    (model_dir / "manifest.json").write_text(Manifest(**{**m.__dict__, "tensors": tensors}).to_json())

@@ -9,9 +9,7 @@ API server can run here), whose pods point at the runtimes' loopback addresses.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 import threading
 import time
 import urllib.request
@@ -26,12 +24,11 @@ from prometheus_client import CollectorRegistry
 from prewarm import cli
 from prewarm.domain import Pool, ReplicaState
 from prewarm.k8s_watch import ReadyPod
-from prewarm.manifest import Manifest, TensorEntry, load_manifest
 from prewarm.model import make_model
 from prewarm.settings import Settings
 from tests.celery_helpers import wait_for
 from tests.k8s_double import KubeDouble
-from tests.runtime_server import SECRET, RuntimeProcess, start_runtime, wait_loaded
+from tests.runtime_server import SECRET, RuntimeProcess, poison, start_runtime, wait_loaded
 from workers.context import WorkerContext
 from workers.external import (
     EXTERNAL_SLOT_BASE,
@@ -48,20 +45,6 @@ pytestmark = pytest.mark.timeout(90)
 NS = "inference"
 LABELS = {"app": "llm"}
 TARGET = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=10.0)
-
-
-def poison(model_dir: Path, tensor: str) -> None:
-    """Fill one tensor with NaN and rewrite the manifest to match: bad numbers, intact files."""
-    m = load_manifest(model_dir)
-    entry = m.entry(tensor)
-    assert entry.dtype == "float32"
-    raw = struct.pack("<f", float("nan")) * (entry.length // 4)
-    with open(model_dir / m.file, "r+b") as f:
-        f.seek(entry.offset)
-        f.write(raw)
-    tensors = tuple(TensorEntry(t.name, t.shape, t.dtype, t.offset, t.length, hashlib.sha256(raw).hexdigest())
-                    if t.name == tensor else t for t in m.tensors)
-    (model_dir / "manifest.json").write_text(Manifest(**{**m.__dict__, "tensors": tensors}).to_json())
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from prewarm.model import make_model
 from prewarm.signing import warmup_headers
 from prewarm.validation import LogitStats, tensor_specs, validate
 from prewarm.warmup import COMPLETIONS_PATH
-from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, start_runtime, wait_loaded
+from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, poison, start_runtime, wait_loaded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -310,21 +310,48 @@ def test_serve_model_refuses_a_directory_without_a_model(tmp_path: Path, clean_e
     assert "not a model directory" in capsys.readouterr().err
 
 
-def _poison_head(model_dir: Path) -> None:
-    """Overwrite lm_head.weight with NaN and re-checksum it: weights that load cleanly but compute garbage."""
-    import hashlib
+def _readyz_after_load(rp: RuntimeProcess, marker: str, timeout: float = 60.0) -> tuple[int, Any]:
+    """/readyz once the host's log says its own validation is over (`marker`)."""
+    deadline = time.monotonic() + timeout
+    while marker not in rp.output():
+        assert rp.proc.poll() is None, rp.output()
+        assert time.monotonic() < deadline, f"no {marker!r} in the runtime's log:\n{rp.output()}"
+        time.sleep(0.05)
+    status, body, _ = call(rp.url + "/readyz")
+    return status, body
 
-    from prewarm.manifest import MANIFEST_FILE, WEIGHTS_FILE, Manifest, TensorEntry, load_manifest
 
-    m = load_manifest(model_dir)
-    e = m.entry("lm_head.weight")
-    nan = bytes.fromhex("0000c07f") * (e.length // 4)  # float32 NaN, little-endian
-    with open(model_dir / WEIGHTS_FILE, "r+b") as f:
-        f.seek(e.offset)
-        f.write(nan)
-    fixed = tuple(TensorEntry(t.name, t.shape, t.dtype, t.offset, t.length, hashlib.sha256(nan).hexdigest())
-                  if t.name == e.name else t for t in m.tensors)
-    (model_dir / MANIFEST_FILE).write_text(Manifest(**{**m.__dict__, "tensors": fixed}).to_json())
+def test_self_validate_makes_a_host_ready_with_no_agent(model_dir: Path, tmp_path: Path) -> None:
+    """A pod's runtime: it loads, validates itself, and /readyz turns 200 with no control call."""
+    rp = start_runtime(model_dir, tmp_path, "--model-name", "tiny", "--self-validate")
+    try:
+        status, body = _readyz_after_load(rp, "tiny validated itself")
+        assert (status, body) == (200, {"ready": True, "reason": "loaded and validated"})
+        status, stats, _ = call(rp.url + "/stats")
+        assert status == 200 and stats["user"] == 0  # the checks are not user traffic
+    finally:
+        rp.stop()
+
+
+def test_self_validate_keeps_a_broken_model_unready(tmp_path: Path) -> None:
+    model_dir = make_model(tmp_path / "nan", "tiny", seed=2, name="nan", revision="r1")
+    poison(model_dir, "lm_head.weight")
+    rp = start_runtime(model_dir, tmp_path, "--self-validate")
+    try:
+        status, body = _readyz_after_load(rp, "failed its own validation")
+        assert status == 503 and body["ready"] is False, body
+        assert "numeric" in rp.output() and "not finite" in rp.output(), rp.output()[-2000:]
+        status, _, _ = _complete(rp.url)
+        assert status == 200  # still alive and answering: only readiness is withheld
+    finally:
+        rp.stop()
+
+
+def test_self_validate_needs_the_autoload(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from prewarm.cli import main
+
+    assert main(["serve-model", "--model-dir", str(model_dir), "--no-autoload", "--self-validate"]) == 2
+    assert "--self-validate needs the load to start by itself" in capsys.readouterr().err
 
 
 def test_nan_weights_fail_numeric_validation_end_to_end(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
@@ -338,7 +365,7 @@ def test_nan_weights_fail_numeric_validation_end_to_end(tmp_path: Path, clean_en
     from prewarm.settings import Settings
 
     model_dir = make_model(tmp_path / "nan", "tiny", seed=2, name="nan", revision="r1")
-    _poison_head(model_dir)
+    poison(model_dir, "lm_head.weight")
     clean_env.setenv("PREWARM_RUNTIME_TOKEN", TOKEN)
     clean_env.setenv("PREWARM_RUNTIME_DEVICE", "cpu")
     clean_env.setenv("PREWARM_RUNTIME_SNAPSHOT_DIR", "")
