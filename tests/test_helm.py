@@ -117,6 +117,9 @@ def test_the_schema_refuses_bad_values() -> None:
         {"gateway": {"port": 70000}},
         {"redis": {"url": "http://not-redis"}},
         {"warmupPoolSize": 2},  # a misspelt path (not under autoscaling) is refused, not ignored
+        {"podWarmer": {"pool": "hot"}},
+        {"podWarmer": {"port": 0}},
+        {"podWarmer": {"deploymnet": "vllm"}},
     ):
         with pytest.raises(helm_python.HelmValuesError):
             chart.validate_schema(chart.merge_values(bad))
@@ -180,6 +183,51 @@ def test_runtime_readiness_is_the_runtimes_readyz() -> None:
     assert runtime["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_runtime_validates_itself_and_serves_the_model_it_made() -> None:
+    spec = pod_spec(find(render({"inference": {"model": "llama", "revision": "v2"}}), "Deployment", "-inference"))
+    made = spec["initContainers"][0]["args"]
+    assert made[made.index("--name") + 1] == "llama" and made[made.index("--revision") + 1] == "v2"
+    # no agent validates a pod Kubernetes started: without this its /readyz never turns 200
+    assert "--self-validate" in spec["containers"][0]["args"]
+
+
+def test_pod_warmer_warms_the_inference_pods() -> None:
+    """One watcher (`prewarm k8s prewarm-pods`) per release, on the chart's inference Deployment
+    by default, registering its pods under the model and revision the runtime was made with."""
+    docs = render({"inference": {"model": "llama", "revision": "v2", "port": 8002}})
+    warmer = find(docs, "Deployment", "-pod-warmer")
+    assert warmer["spec"]["replicas"] == 1 and warmer["spec"]["strategy"] == {"type": "Recreate"}
+    args = pod_spec(warmer)["containers"][0]["args"]
+    assert args[:2] == ["k8s", "prewarm-pods"]
+    opts = dict(zip(args[2::2], args[3::2]))
+    assert opts == {"--deployment": find(docs, "Deployment", "-inference")["metadata"]["name"], "--model": "llama",
+                    "--revision": "v2", "--pool": "serving", "--metrics-port": "9400"}
+    env = env_of(warmer)
+    assert env["PREWARM_KUBERNETES_POD_PORT"] == "8002"
+    assert env["PREWARM_KUBERNETES_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert "PREWARM_KUBERNETES_POD_API_KEY" not in env
+
+    # a vLLM Deployment of the operator's instead, with its API key in a Secret
+    vllm = find(render({"inference": {"enabled": False},
+                        "podWarmer": {"deployment": "vllm-llama", "model": "llama3", "revision": "2024-06",
+                                      "servedModel": "meta-llama/Meta-Llama-3-8B-Instruct", "port": 8000,
+                                      "pool": "warm", "sleepMode": True, "apiKeySecret": "vllm-key"}}),
+                "Deployment", "-pod-warmer")
+    args = pod_spec(vllm)["containers"][0]["args"]
+    opts = dict(zip(args[2::2], args[3::2]))
+    assert opts["--deployment"] == "vllm-llama" and opts["--served-model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert opts["--model"] == "llama3" and opts["--revision"] == "2024-06" and opts["--pool"] == "warm"
+    env = env_of(vllm)
+    assert env["PREWARM_KUBERNETES_POD_PORT"] == "8000" and env["PREWARM_KUBERNETES_POD_SLEEP_MODE"] == "true"
+    assert env["PREWARM_KUBERNETES_POD_API_KEY"] == {"secretKeyRef": {"name": "vllm-key", "key": "api-key"}}
+    assert cli_refuses(args) is None
+
+    with pytest.raises(Exception, match="podWarmer.deployment is required when inference.enabled=false"):
+        render({"inference": {"enabled": False}})
+    for off in ({"podWarmer": {"enabled": False}}, {"kubernetes": {"enabled": False}}):
+        assert not [d for d in render(off) if d["metadata"]["name"].endswith("-pod-warmer")]
+
+
 def test_redis_is_optional_with_an_external_url_or_secret() -> None:
     bundled = render()
     assert env_of(find(bundled, "Deployment", "-gateway"))["PREWARM_REDIS_URL"] == "redis://pw-prewarm-redis:6379/0"
@@ -222,10 +270,10 @@ def test_rbac_grants_exactly_the_actuators_calls() -> None:
     want_cluster = {(c.group, c.resource, v) for c in API_CALLS if c.cluster_scoped for v in c.verbs}
     assert namespaced == want_ns
     assert cluster == want_cluster
-    # only the planner runs as the actuator; every other pod has no API token at all
+    # only the planner and the pod warmer run as the actuator; every other pod has no API token at all
     for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
         spec = pod_spec(doc)
-        if doc["metadata"]["name"].endswith("-planner"):
+        if doc["metadata"]["name"].endswith(("-planner", "-pod-warmer")):
             assert spec["serviceAccountName"] == sa
         else:
             assert spec.get("serviceAccountName") != sa and spec.get("automountServiceAccountToken") is False
