@@ -23,7 +23,9 @@ Load generators (Debian packages): `wrk` for saturation (200 connections, 60 s, 
 --quick; `wrk_post.lua` sends POST /v1/completions with a short prompt and max_tokens=1)
 and `hey` for latency at a fixed rate of half the direct path's saturation throughput
 (`-q` per worker × `-c` workers, `-z` duration, `-o csv`: percentiles computed here from
-every request). The latency paths run interleaved in rounds so all see the same machine.
+every request; the workers split over hey processes started a fraction of a tick apart, since
+one hey's workers all fire at once — see `run_hey`). The latency paths run interleaved in
+rounds so all see the same machine.
 
 Keys: `requests`, `errors` (non-2xx + socket errors through the gateway; target 0),
 `throughput_rps`, `direct_throughput_rps` (one replica), `throughput_ratio`; at the fixed
@@ -78,6 +80,7 @@ MODEL = "loadbench"
 NODE = "bench-node"
 CONNECTIONS = 200
 LUA = Path(__file__).with_name("wrk_post.lua")
+PHASES = 5  # hey processes per URL, started a fraction of a tick apart (see run_hey)
 BODY = json.dumps({"model": MODEL, "prompt": "Hello, how are you today?", "max_tokens": 1})
 
 
@@ -234,25 +237,38 @@ def parse_hey_csv(text: str, seconds: float) -> HeyResult:
 def rate_plan(rate: float, parts: int = 1, per_worker: float = 10.0) -> tuple[int, float]:
     """(workers in total, q per worker) for a total rate, workers a multiple of `parts`.
 
-    hey starts its workers together and each waits 1/q between requests, so a run sends
-    bursts of `workers` requests; the same workers and q for every path keeps the burst
-    shape the same whether the gateway spreads it or the client splits it over replicas."""
+    Each hey worker sends one request, waits for the answer, and sleeps until its next tick
+    (1/q), so q is kept low enough that an answer always comes back within a tick; the same
+    workers and q for every path keep the arrivals the same whether the gateway spreads them
+    or the client splits them over replicas."""
     workers = max(4, math.ceil(rate / per_worker))
     workers = parts * math.ceil(workers / parts)
     return workers, rate / workers
 
 
-def run_hey(urls: list[str], seconds: int, workers: int, q: float) -> HeyResult:
-    """`workers` hey workers at `q` requests/s each, split evenly over `urls` (one hey process
-    per URL, run concurrently); `workers` must be a multiple of len(urls)."""
+def run_hey(urls: list[str], seconds: int, workers: int, q: float, phases: int = PHASES) -> HeyResult:
+    """`workers` hey workers at `q` requests/s each, split evenly over `urls`; `workers` must be
+    a multiple of len(urls).
+
+    hey starts its workers together and they tick together: one hey process sends bursts of
+    all its workers at once, which is not a fixed rate. So each URL's workers are split over
+    `phases` hey processes started 1/(q x phases) apart: the same rate, in bursts `phases`
+    times smaller, evenly spaced (the arrivals are the same for every path measured)."""
     if workers % len(urls):
         raise ValueError(f"{workers} workers do not split evenly over {len(urls)} URLs")
     share = workers // len(urls)
+    phases = max(1, min(phases, share))
+    groups = [share // phases + (1 if i < share % phases else 0) for i in range(phases)]
     procs = []
-    for url in urls:
-        cmd = ["hey", "-z", f"{seconds}s", "-c", str(share), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
-               "-T", "application/json", "-d", BODY, "-o", "csv", url]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    began = time.monotonic()
+    for i, group in enumerate(groups):
+        delay = began + i / (q * phases) - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        for url in urls:
+            cmd = ["hey", "-z", f"{seconds}s", "-c", str(group), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
+                   "-T", "application/json", "-d", BODY, "-o", "csv", url]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     latencies: list[float] = []
     statuses: dict[str, int] = {}
     try:
@@ -425,6 +441,7 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         "replica_share": [n / total for n in served],
         "rate_rps": workers * q,
         "hey_workers": workers,
+        "hey_burst": math.ceil(workers / PHASES),
         "achieved_rate_rps": sum(r.rate for r in lat_via) / len(lat_via),
         "direct_achieved_rate_rps": sum(r.rate for r in lat_direct) / len(lat_direct),
         "p50_ms": percentile(v_lat, 50) * 1000,
@@ -479,8 +496,8 @@ def main() -> None:
                                                    f"{result['direct_latency_samples']} requests"),
         ("overhead_p99_ms", result["overhead_p99_ms"], f"target < 5 ms (p50: {result['overhead_p50_ms']:.3g} ms)"),
         ("gateway_cpu_ms_per_request", result["gateway_cpu_ms_per_request"],
-         f"its CPU time at the fixed rate; hey sends bursts of {result['hey_workers']} requests, which its one "
-         "event loop handles one after the other"),
+         f"its CPU time at the fixed rate ({result['hey_workers']} hey workers, arriving in bursts of "
+         f"{result['hey_burst']}, which its one event loop handles one after the other)"),
         ("one_replica_p99_ms", result["one_replica_p99_ms"], f"the whole rate to one replica (p50 "
                                                              f"{result['one_replica_p50_ms']:.4g} ms)"),
         ("latency_errors", result["latency_errors"], f"non-2xx at the fixed rate; direct {result['direct_latency_errors']}"),
