@@ -43,6 +43,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -56,8 +57,9 @@ from prewarm.model import TransformerLM, greedy, load_config, load_manifest, mak
 from prewarm.snapshot import SnapshotStore  # noqa: E402
 
 
-def drop_cache(paths: list[Path]) -> str:
-    """Evict the files from the page cache; returns the method that was used."""
+def drop_cache(paths: list[Path], machine: bool = True) -> str:
+    """Evict the files from the page cache, and with `machine` the whole page cache when
+    /proc/sys/vm/drop_caches is writable; returns the method that was used."""
     method = "posix_fadvise(DONTNEED)"
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -66,6 +68,8 @@ def drop_cache(paths: list[Path]) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if not machine:
+        return method
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -92,10 +96,10 @@ def resident_fraction(path: Path, samples: int = 512) -> float:
     return hit / samples
 
 
-def cold(paths: list[Path]) -> float:
+def cold_files(paths: list[Path], machine: bool = True) -> float:
     """Drop the files from the page cache (after freeing whatever still maps them); what stayed."""
     gc.collect()
-    drop_cache(paths)
+    drop_cache(paths, machine)
     return max(resident_fraction(p) for p in paths)
 
 
@@ -117,8 +121,9 @@ def first_token(model: TransformerLM, prompt: list[int], device: torch.device, h
 
 
 def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, snapdir: Path | None,
-        repeat: int = 3) -> dict[str, Any]:
+        repeat: int = 3, machine_cache: bool = True) -> dict[str, Any]:
     device = resolve_device(device_name)
+    cold = partial(cold_files, machine=machine_cache)
     tmp = Path(tempfile.mkdtemp(prefix="prewarm-bench-", dir=workdir))
     shm = Path(tempfile.mkdtemp(prefix="prewarm-snap-", dir=snapdir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)))
     try:
@@ -142,7 +147,7 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         reads: dict[str, str] = {}
 
         # 1. naive: torch.load a .pt checkpoint, load_state_dict into a freshly built model, move, answer.
-        out["cache_drop"] = drop_cache([pt, weights])
+        out["cache_drop"] = drop_cache([pt, weights], machine_cache)
         resident = [resident_fraction(pt), resident_fraction(weights)]
         t0 = time.perf_counter()
         model = TransformerLM(cfg)
@@ -332,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                          "overlap figures in noise; one thread also leaves the loader a core to hash on")
     ap.add_argument("--workdir", type=Path, help="where to write the model (default: the temp dir)")
     ap.add_argument("--snapshot-dir", type=Path, help="where the node snapshot goes (default: /dev/shm)")
+    ap.add_argument("--files-only", action="store_true",
+                    help="evict only the benchmark's own files (posix_fadvise), never the machine's whole page cache "
+                         "(/proc/sys/vm/drop_caches, used when writable): for running beside other work")
     args = ap.parse_args(argv)
     size = args.size or ("96MB" if args.quick else "512MB")
     if args.threads < 0:
@@ -340,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
-    r = run(size, args.prompt_tokens, args.device, args.workdir, args.snapshot_dir, args.repeat)
+    r = run(size, args.prompt_tokens, args.device, args.workdir, args.snapshot_dir, args.repeat,
+            machine_cache=not args.files_only)
     print(table(r))
     if args.json:
         print(json.dumps(r, sort_keys=True))
