@@ -20,8 +20,8 @@ every control call is refused with 403):
   pure checks of `prewarm.validation`, and posts the verdict to `POST /ready`. For a
   stand-alone host, `POST /validate` runs the same three checks in-process (with an
   optional `baseline_s`) and marks the host ready when they pass; `serve-model
-  --self-validate` does that once by itself when the load completes (a pod that
-  Kubernetes starts, with no agent).
+  --self-validate` does that by itself when the load completes, and again after a wake
+  from level-2 sleep (a pod that Kubernetes starts, with no agent).
 - control: `POST /load` (idempotent), `GET /load` (progress, phase, loaded, error),
   `POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`, `POST /validate/inputs`,
   `POST /validate`, `POST /ready`.
@@ -122,6 +122,8 @@ class ModelHost:
         self._idle = asyncio.Event()
         self._idle.set()
         self._control_lock = asyncio.Lock()
+        self.self_validate = False  # validate itself after each load (no agent: `serve-model --self-validate`)
+        self._self_check: asyncio.Task[dict[str, Any] | None] | None = None
 
     # -- engine facts ------------------------------------------------------------------
     @property
@@ -206,6 +208,8 @@ class ModelHost:
         return guarded
 
     async def _on_shutdown(self, app: web.Application) -> None:
+        if self._self_check is not None:
+            self._self_check.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- probes ------------------------------------------------------------------------
@@ -431,6 +435,8 @@ class ModelHost:
         async with self._control_lock:
             if self.engine.is_sleeping:
                 await self._run(self.engine.wake_up)
+            if self.self_validate and not self.state.validated:
+                self.validate_itself()  # level 2 dropped the weights: what comes back is checked again
         return web.json_response({"is_sleeping": bool(self.engine.is_sleeping), **self._load_body()})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -490,6 +496,28 @@ class ModelHost:
             self.state.validated = report.passed
             self.state.report = body
         return body
+
+    def validate_itself(self) -> None:
+        """From now on, validate after each load without an agent: wait for the current load,
+        run the three checks in-process and make their verdict this host's readiness (needs
+        a running event loop)."""
+        self.self_validate = True
+        if self._self_check is None or self._self_check.done():
+            self._self_check = asyncio.get_running_loop().create_task(self._validate_when_loaded())
+
+    async def _validate_when_loaded(self, requests: int = 5) -> dict[str, Any] | None:
+        """None when the load failed: the host then stays unready, and `/load` says why."""
+        try:
+            await asyncio.to_thread(self.engine.wait_loaded)
+        except Exception as exc:  # noqa: BLE001 - the load's own error, already reported by /load and /health
+            log.error("not validating %s: its load failed: %s", self.model_name, exc)
+            return None
+        report = await self.run_validation(None, requests, mark=True)
+        if report["passed"]:
+            log.info("%s validated itself: ready", self.model_name)
+        else:
+            log.error("%s failed its own validation (%s): it stays unready", self.model_name, report["reason"])
+        return report
 
     async def mark_ready(self, request: web.Request) -> web.Response:
         """The agent's verdict: {"passed": bool, "report": {...}}; passed=false withdraws readiness."""

@@ -74,29 +74,13 @@ def build_host(
     )
 
 
-async def validate_when_loaded(host: ModelHost, requests: int = 5) -> dict[str, Any] | None:
-    """Wait for the load, then run the three checks in-process and make their verdict the
-    host's readiness: what an agent would do, for a host nobody else validates. None when
-    the load failed (the host then stays unready, and `/load` says why)."""
-    try:
-        await asyncio.to_thread(host.engine.wait_loaded)
-    except Exception as exc:  # noqa: BLE001 - the load's own error, already reported by /load and /health
-        log.error("not validating %s: its load failed: %s", host.model_name, exc)
-        return None
-    report = await host.run_validation(None, requests, mark=True)
-    if not report["passed"]:
-        log.error("%s failed its own validation (%s): it stays unready", host.model_name, report["reason"])
-    else:
-        log.info("%s validated itself: ready", host.model_name)
-    return report
-
-
 async def serve(host: ModelHost, bind: str, port: int, *, autoload: bool = True, self_validate: bool = False,
                 on_ready: Callable[[int], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop accepting, finish the shutdown and return.
 
     `autoload` starts loading at once; `self_validate` then validates the host when the load
-    completes, so `/readyz` turns 200 with no agent (a Kubernetes pod's readiness probe)."""
+    completes, and again after each wake from level-2 sleep, so `/readyz` turns 200 with no
+    agent (a Kubernetes pod's readiness probe)."""
     runner = web.AppRunner(host.app(), handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, bind, port)
@@ -112,16 +96,13 @@ async def serve(host: ModelHost, bind: str, port: int, *, autoload: bool = True,
     log.info("serving %s on http://%s:%d (device %s)", host.model_name, bind, bound, host.engine.device)
     if on_ready is not None:
         on_ready(bound)
-    validating: asyncio.Task[dict[str, Any] | None] | None = None
     if autoload:
         host.engine.start_load()
         if self_validate:
-            validating = asyncio.create_task(validate_when_loaded(host))
+            host.validate_itself()
     try:
         await stop.wait()
     finally:
-        if validating is not None:
-            validating.cancel()
         log.info("shutting down %s", host.model_name)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -329,6 +329,15 @@ def test_self_validate_makes_a_host_ready_with_no_agent(model_dir: Path, tmp_pat
         assert (status, body) == (200, {"ready": True, "reason": "loaded and validated"})
         status, stats, _ = call(rp.url + "/stats")
         assert status == 200 and stats["user"] == 0  # the checks are not user traffic
+        # level 2 drops the weights: unready until what comes back has validated itself again
+        assert call(rp.url + "/sleep?level=2", "POST", token=TOKEN)[0] == 200
+        assert call(rp.url + "/readyz")[0] == 503
+        assert call(rp.url + "/wake_up", "POST", token=TOKEN)[0] == 200
+        deadline = time.monotonic() + 30
+        while rp.output().count("tiny validated itself") < 2:
+            assert time.monotonic() < deadline, rp.output()[-2000:]
+            time.sleep(0.05)
+        assert call(rp.url + "/readyz")[:2] == (200, {"ready": True, "reason": "loaded and validated"})
     finally:
         rp.stop()
 
