@@ -512,7 +512,11 @@ class ModelHost:
         except Exception as exc:  # noqa: BLE001 - the load's own error, already reported by /load and /health
             log.error("not validating %s: its load failed: %s", self.model_name, exc)
             return None
-        report = await self.run_validation(None, requests, mark=True)
+        try:
+            report = await self.run_validation(None, requests, mark=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. put to sleep meanwhile: unready until the next load
+            log.error("validation of %s could not run: %s", self.model_name, exc)
+            return None
         if report["passed"]:
             log.info("%s validated itself: ready", self.model_name)
         else:
