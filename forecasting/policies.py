@@ -61,11 +61,6 @@ class PolicyEnv:
     work: Workload
     params: SimParams
 
-    @property
-    def slot_capacity_rps(self) -> float:
-        """Requests/s one replica serves with every slot busy."""
-        return self.params.slots / self.work.mean_service_s
-
     def past_counts(self, now: float) -> np.ndarray:
         """Arrivals per second strictly before `now` (read-only): all a policy may look at."""
         view = self.work.counts[: max(0, int(math.floor(now)))]
@@ -339,7 +334,6 @@ class Prewarm(Policy):
         self.hpa = Reactive(target=target)  # the HPA keeps its own 15 s sync period
         self.target = target
         self.fits = 0
-        self.predicts = 0
         self.fit_errors: list[str] = []
         self.clipped = 0  # forecasts clipped to max_over_seen x the highest bucket seen
         self.max_over_seen = 2.0
@@ -462,7 +456,6 @@ class Prewarm(Policy):
             self.clipped += 1
             frame = frame.clip(upper=bound)
         self.frame = frame
-        self.predicts += 1
         self.forecast_t = now
 
     def _plan(self, now: float) -> None:

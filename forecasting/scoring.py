@@ -95,7 +95,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
         if isinstance(policy, Prewarm):
             scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
-                             "forecasts_clipped": getattr(policy, "clipped", 0)}
+                             "forecasts_clipped": policy.clipped}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")

@@ -116,10 +116,6 @@ class Engine:
     def error(self) -> BaseException | None:
         return self._loader.error
 
-    @property
-    def runtime_dtype(self) -> str:
-        return self.config.dtype
-
     # -- text ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -43,6 +43,7 @@ from prewarm.registry import ReplicaRegistry
 from prewarm.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
 from workers.app import PREWARM, make_app
+from workers.host import RuntimeHost
 from workers.runtime_client import control_token
 
 pytestmark = pytest.mark.slow
@@ -240,10 +241,6 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
             answers.append((time.monotonic(), status))
             time.sleep(0.05)
 
-    def runtime_log() -> str:
-        path = Path(stack.envs["n1"]["PREWARM_AGENT_STATE_DIR"]) / "n1" / "slot-1.log"
-        return path.read_text(errors="replace")[-2500:] if path.exists() else "(none)"
-
     app = make_app(stack.settings)
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -253,7 +250,8 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
                  lambda: f"{rid} to start loading\n{stack.logs()}", poll=0.05)
         wait_for(lambda: runtime_pids(port), 30, "its runtime to be spawned", poll=0.05)
         wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 150,
-                 lambda: f"its runtime to answer on port {port}\n{stack.logs()}\n--- runtime\n{runtime_log()}",
+                 lambda: f"its runtime to answer on port {port}\n{stack.logs()}\n"
+                         f"--- runtime\n{RuntimeHost(stack.settings).log_tail(1, 40)}",
                  poll=0.05)
         agent.kill()  # SIGKILL mid-load: no ack, no cleanup, no more heartbeats
         state = stack.registry.get(rid)
