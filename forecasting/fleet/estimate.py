@@ -6,8 +6,8 @@ quantity behind the hybrid-histogram keep-alive of "Serverless in the Wild" (Sha
 al., ATC'20). Here it is estimated for every model at once (arrays over models, one update
 per step, so 1,000 models cost microseconds):
 
-- an idle-gap histogram per model on geometric bins (1 step to weeks), with censoring of
-  the ongoing gap, shrunk toward the histogram pooled over all models (one shared model for
+- an idle-gap histogram per model (a bin per step up to 10, then geometric bins to weeks),
+  shrunk toward the histogram pooled over all models (one shared model for
   the sparse series: a model seen twice borrows the fleet's shape);
 - for a model that is active now, the chance its run continues (active -> active);
 - a time-of-day profile (share of days on which each slot of the day was active) that
@@ -25,10 +25,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: Idle-gap bin edges in steps: 1, 2, ..., growing by ~25% up to ~2 weeks of minutes.
-GAP_EDGES = np.unique(np.round(1.25 ** np.arange(0, 60)).astype(np.int64))
-GAP_EDGES = GAP_EDGES[GAP_EDGES <= 40_000]
-_WIDTH = np.diff(np.append(GAP_EDGES, GAP_EDGES[-1] * 2)).astype(np.float64)
+def gap_edges(exact: int = 10, growth: float = 1.2, top: int = 40_000) -> np.ndarray:
+    """Idle-gap bin edges (steps): one per step up to ``exact``, then growing by ``growth`` up to ``top``.
+
+    Exact bins keep a timer's period; geometric ones smooth the sparse counts of long gaps.
+    """
+    start = max(1, exact)
+    k = int(np.ceil(np.log(top / start) / np.log(growth))) + 1
+    edges = np.concatenate([np.arange(1, start + 1), np.round(start * growth ** np.arange(1, k + 1))])
+    edges = np.unique(edges.astype(np.int64))
+    return edges[edges <= top]
+
+
 #: Look-ahead horizons (steps) over which keeping a model warm is valued.
 LOOKAHEAD = np.unique(np.round(1.5 ** np.arange(0, 22)).astype(np.int64)).astype(np.float64)
 
@@ -52,11 +60,13 @@ class ArrivalEstimator:
     """
 
     def __init__(self, n_models: int, step_s: float, *, slot_s: float = 600.0, day_s: float = 86_400.0,
-                 prior_weight: float = 2.0) -> None:
+                 prior_weight: float = 2.0, exact_bins: int = 10, bin_growth: float = 1.2) -> None:
         self.n = n_models
         self.step_s = float(step_s)
         self.prior_weight = float(prior_weight)
-        nb = GAP_EDGES.size
+        self.edges = gap_edges(exact_bins, bin_growth)
+        self.width = np.diff(np.append(self.edges, self.edges[-1] * 2)).astype(np.float64)
+        nb = self.edges.size
         self.tail = np.zeros((n_models, nb), dtype=np.float64)  # gaps of length >= edge[b]
         self.hist = np.zeros((n_models, nb), dtype=np.float64)
         self.idle = np.full(n_models, -1, dtype=np.int64)  # -1: never active yet
@@ -80,10 +90,10 @@ class ArrivalEstimator:
         ended = active & (self.idle > 0)
         if ended.any():
             gaps = self.idle[ended]
-            b = np.searchsorted(GAP_EDGES, gaps, side="right") - 1
+            b = np.searchsorted(self.edges, gaps, side="right") - 1
             rows = self._rows[ended]
             self.hist[rows, b] += 1.0
-            self.tail[rows] += (np.arange(GAP_EDGES.size)[None, :] <= b[:, None])
+            self.tail[rows] += (np.arange(self.edges.size)[None, :] <= b[:, None])
         self.continued += active & was_active
         self.active_steps += was_active
         starts = active & ~was_active
@@ -103,10 +113,10 @@ class ArrivalEstimator:
     # --- forecasting ------------------------------------------------------------------------
     def _survival(self, x: np.ndarray) -> np.ndarray:
         """Gap counts >= x (own, plus the pooled fleet shape as ``prior_weight`` gaps), per model; x: [m, k]."""
-        nb = GAP_EDGES.size
+        nb = self.edges.size
         xs = np.maximum(x, 1)
-        b = np.clip(np.searchsorted(GAP_EDGES, xs, side="right") - 1, 0, nb - 1)
-        frac = np.clip((GAP_EDGES[b] + _WIDTH[b] - xs) / _WIDTH[b], 0.0, 1.0)
+        b = np.clip(np.searchsorted(self.edges, xs, side="right") - 1, 0, nb - 1)
+        frac = np.clip((self.edges[b] + self.width[b] - xs) / self.width[b], 0.0, 1.0)
         nxt = np.minimum(b + 1, nb - 1)
         rows = self._rows[:, None]
         own = np.where(b + 1 < nb, self.tail[rows, nxt], 0.0) + self.hist[rows, b] * frac

@@ -147,12 +147,14 @@ class FleetPlanner(FleetPolicy):
 
     name = "fleet"
 
-    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, **params: Any) -> None:
+    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, estimator: dict[str, Any] | None = None,
+                 **params: Any) -> None:
         self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
+        self.est_kw = dict(estimator or {})
 
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
-        self.est = ArrivalEstimator(len(env.catalog), env.step_s)
+        self.est = ArrivalEstimator(len(env.catalog), env.step_s, **self.est_kw)
         self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **self.params_kw)
         self.state = FleetState(lam=self.lam0)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))

@@ -61,9 +61,11 @@ class FleetScore:
     peak_warm_gb: float
     loads: int
     wakes: int
+    cold_by_model: tuple[float, ...] = ()
+    warm_gb_h_by_model: tuple[float, ...] = ()
 
     def row(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_by_model")}
 
 
 def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_after_s: float = 0.0,
@@ -88,6 +90,8 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     peak = 0.0
     loads = wakes = 0
     warm_w = np.zeros(m)
+    cold_m = np.zeros(m)
+    gb_s_m = np.zeros(m)
     waits: list[np.ndarray] = []
     weights: list[np.ndarray] = []
     for t in range(trace.n_steps):
@@ -138,6 +142,8 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         peak = max(peak, used)
         waste_s += float(mem[gpu & ~busy].sum()) * dt
         warm_w += c - cold_req
+        cold_m += cold_req
+        gb_s_m += np.where(gpu, mem, 0.0) * dt
         hit = np.flatnonzero(cold_req > 0)
         if hit.size:
             span = np.where(demand[hit], ready_at[hit] - start - first[hit], late[hit])
@@ -156,4 +162,5 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         ttft_p50_s=weighted_quantile(v_all, w_all, 0.5), ttft_p99_s=weighted_quantile(v_all, w_all, 0.99),
         ttft_p999_s=weighted_quantile(v_all, w_all, 0.999),
         warm_gb_h=gb_s / 3600.0, wasted_gb_h=waste_s / 3600.0, avg_warm_gb=gb_s / span_s, peak_warm_gb=peak,
-        loads=loads, wakes=wakes)
+        loads=loads, wakes=wakes, cold_by_model=tuple(cold_m.tolist()),
+        warm_gb_h_by_model=tuple((gb_s_m / 3600.0).tolist()))
