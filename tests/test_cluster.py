@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
-from prewarm.domain import ModelSpec
-from prewarm.k8s import KubeActuator
-from prewarm.settings import KubernetesSettings
+from prewarm.core.domain import ModelSpec
+from prewarm.adapters.k8s import KubeActuator
+from prewarm.core.settings import KubernetesSettings
 from tests.k8s_double import KubeDouble
-from workers.cluster import apply_target, cluster_target
+from workers.planning.kubernetes import apply_target, cluster_target
 
 NS = "inference"
 

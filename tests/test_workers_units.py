@@ -7,16 +7,16 @@ from typing import Any
 import pytest
 import redis
 
-from prewarm.domain import Pool
-from prewarm.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError
-from prewarm.manifest import CorruptWeights
-from prewarm.settings import AgentSettings, RedisSettings, Settings
+from prewarm.core.domain import Pool
+from prewarm.core.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError
+from prewarm.runtime.manifest import CorruptWeights
+from prewarm.core.settings import AgentSettings, RedisSettings, Settings
 from workers import payload
 from workers.beat import BeatLock
 from workers.app import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, make_app, route_task
-from workers.host import RuntimeExited
-from workers.pipeline import DeadlineExceeded, failure_reason
-from workers.planner import NodeSlots, choose_placement, resolve_revision
+from workers.node.supervision import RuntimeExited
+from workers.node.bringup import DeadlineExceeded, failure_reason
+from workers.planning.tasks import NodeSlots, choose_placement, resolve_revision
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_worker_processes_never_import_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, workers.agent, workers.tasks, workers.pipeline, workers.operations, workers.executor, "
+    code = ("import sys, workers.node.agent, workers.node.tasks, workers.node.bringup, workers.node.operations, workers.planning.executor, "
             "workers.beat; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

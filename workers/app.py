@@ -2,7 +2,7 @@
 
 - JSON only (never pickle): tasks carry replica ids and small scalars, nothing else.
 - `task_acks_late` + `task_reject_on_worker_lost`: a task whose worker dies is delivered
-  again, and an attempt cap (a delivery counter in Redis, see `workers.tasks`) gives up
+  again, and an attempt cap (a delivery counter in Redis, see `workers.node.tasks`) gives up
   on a task that kills its worker every time.
 - The broker's `visibility_timeout` is longer than the longest task time limit, so a task
   that still runs is never handed to a second worker; after a crash the message comes back
@@ -23,10 +23,10 @@ from typing import Any, Mapping, Sequence
 
 from celery import Celery
 
-from prewarm.domain import parse_replica_id
-from prewarm.errors import InvalidPayload
-from prewarm.redisconn import broker_url
-from prewarm.settings import Settings
+from prewarm.core.domain import parse_replica_id
+from prewarm.core.errors import InvalidPayload
+from prewarm.registry.connection import broker_url
+from prewarm.core.settings import Settings
 
 PLANNER_QUEUE = "prewarm.planner"
 NODE_QUEUE_PREFIX = "prewarm.node."
@@ -106,7 +106,8 @@ def make_app(settings: Settings) -> Celery:
     )
     app.conf.prewarm_settings = settings  # the tasks read their settings from the app they run in
 
-    from workers import beat, tasks
+    from workers import beat
+    from workers.node import tasks
 
     tasks.register(app)
     app.conf.beat_schedule = beat.schedule(settings)

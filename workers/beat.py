@@ -19,9 +19,9 @@ from typing import Any
 
 import redis
 
-from prewarm import keys
-from prewarm.redisconn import sync_client
-from prewarm.settings import Settings
+from prewarm.core import keys
+from prewarm.registry.connection import sync_client
+from prewarm.core.settings import Settings
 from workers import app as app_mod
 
 log = logging.getLogger("prewarm.beat")
