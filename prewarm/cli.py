@@ -197,7 +197,7 @@ def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.node.agent import run_planner
+    from workers.planning.worker import run_planner
 
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: the planner needs the shared Redis")
@@ -205,7 +205,7 @@ def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_beat(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.node.agent import setup_logging
+    from workers.process import setup_logging
     from workers.beat import run_beat
 
     if not settings.redis.url:

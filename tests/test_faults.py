@@ -42,7 +42,8 @@ from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
-from workers.app import PREWARM, make_app
+from workers.app import make_app
+from workers.names import PREWARM
 from workers.node.supervision import RuntimeHost
 from workers.node.runtime_client import control_token
 

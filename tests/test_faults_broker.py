@@ -28,7 +28,8 @@ from prewarm.core.metrics import Metrics
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import RedisSettings, Settings
 from tests.celery_helpers import publish_node, queued_tasks
-from workers.app import APPLY_EVENT, PLANNER_QUEUE, PREWARM, make_app, node_queue
+from workers.app import make_app
+from workers.names import APPLY_EVENT, PLANNER_QUEUE, PREWARM, node_queue
 from workers.context import WorkerContext
 from workers.planning.executor import apply_event, dispatch_due, submit_events
 

@@ -28,7 +28,8 @@ from prewarm.runtime.model import make_model
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, wait_for, worker_env
-from workers.app import PREWARM, RECYCLE, make_app
+from workers.app import make_app
+from workers.names import PREWARM, RECYCLE
 
 pytestmark = pytest.mark.timeout(120)
 

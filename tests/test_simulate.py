@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from forecasting.forecast.models import QuantileForecaster
-from forecasting.sim.policies import POLICIES, Policy, PolicyEnv, Prewarm, make_policy
+from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.scoring import run_backtest, weighted_quantile
-from forecasting.sim.simulate import Observation, SimParams, build_workload, replay
+from forecasting.sim.simulate import SimParams, build_workload, replay
 from forecasting.data.traces import RateTrace, RequestTrace
 from prewarm.cli import main
 

@@ -29,7 +29,8 @@ from prewarm.runtime.manifest import load_manifest
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
-from workers.app import KEEP_WARM, PREWARM, RECYCLE, RETIRE, make_app, node_queue
+from workers.app import make_app
+from workers.names import KEEP_WARM, PREWARM, RECYCLE, RETIRE, node_queue
 
 pytestmark = pytest.mark.slow
 

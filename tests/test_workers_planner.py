@@ -26,7 +26,8 @@ from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import RedisSettings, RegistrySettings, Settings
 from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
 from prewarm.core.domain import ScaleEvent, ScaleEventKind
-from workers.app import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
+from workers.app import make_app
+from workers.names import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, node_queue
 from workers.context import WorkerContext
 from workers.planning.executor import submit_events
 

@@ -38,7 +38,6 @@ which is handed the future on purpose: it is the reference, not a contender.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -48,42 +47,11 @@ import pandas as pd
 from threadpoolctl import threadpool_limits
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
-from forecasting.sim.simulate import Observation, SimParams, Workload
+from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.workload import SimParams, Workload
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
-
-
-@dataclass(frozen=True, eq=False)
-class PolicyEnv:
-    """What a policy knows before the replay: the replica model, and the past on request."""
-
-    work: Workload
-    params: SimParams
-
-    def past_counts(self, now: float) -> np.ndarray:
-        """Arrivals per second strictly before `now` (read-only): all a policy may look at."""
-        view = self.work.counts[: max(0, int(math.floor(now)))]
-        view.flags.writeable = False
-        return view
-
-    def initial_load(self) -> float:
-        """Busy slots in the first minute: every policy starts as if it had been running."""
-        head = self.work.counts[:60]
-        return float(head.mean() * self.work.mean_service_s) if head.size else 0.0
-
-
-class Policy(ABC):
-    name: str = "policy"
-    period_s: float = 15.0
-
-    @abstractmethod
-    def start(self, env: PolicyEnv) -> int:
-        """Replicas ready at time 0."""
-
-    @abstractmethod
-    def decide(self, obs: Observation) -> int:
-        """Live replicas wanted now."""
 
 
 class Reactive(Policy):

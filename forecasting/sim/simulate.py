@@ -29,10 +29,11 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
+from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.workload import (  # noqa: F401  (re-exported: the replay's inputs)
     AZURE_CODE_MEAN_CONTEXT,
     AZURE_CODE_MEAN_GENERATED,
@@ -40,22 +41,6 @@ from forecasting.sim.workload import (  # noqa: F401  (re-exported: the replay's
     Workload,
     build_workload,
 )
-
-if TYPE_CHECKING:
-    from forecasting.sim.policies import Policy
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What a policy sees at a decision: only the past and present."""
-
-    now: float
-    ready: int
-    loading: int
-    load_mean: float  # mean busy slots + queued requests since the policy's last decision
-    arrivals: float  # requests that arrived since the last decision
-    period_s: float
-
 
 @dataclass(frozen=True, eq=False)
 class PolicyRun:
@@ -116,18 +101,16 @@ def _cold_sampler(params: SimParams, rng: np.random.Generator) -> Callable[[], f
     return lambda: float(rng.lognormal(mu, sigma))
 
 
-def replay(work: Workload, policy: "Policy", params: SimParams,
+def replay(work: Workload, policy: Policy, params: SimParams,
            progress: Callable[[float], None] | None = None) -> PolicyRun:
     """Replay the workload under one policy; `progress(fraction)` is called now and then."""
-    from forecasting.sim.policies import PolicyEnv
-
     env = PolicyEnv(work=work, params=params)
     if work.aggregated:
         return _replay_fluid(work, policy, env, params, progress)
     return _replay_exact(work, policy, env, params, progress)
 
 
-def _replay_exact(work: Workload, policy: "Policy", env: object, params: SimParams,
+def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimParams,
                   progress: Callable[[float], None] | None) -> PolicyRun:
     rng = np.random.default_rng(params.seed + 1)
     reps = _Replicas(cold=_cold_sampler(params, rng))
@@ -146,7 +129,7 @@ def _replay_exact(work: Workload, policy: "Policy", env: object, params: SimPara
     live_log_n: list[int] = []
     active, state, serving = reps.active, reps.state, reps.serving
 
-    for _ in range(policy.start(env)):  # type: ignore[arg-type]
+    for _ in range(policy.start(env)):
         reps.new(0.0, True)
     live_log_n.append(reps.live)
     period = policy.period_s
@@ -261,7 +244,7 @@ def _replay_exact(work: Workload, policy: "Policy", env: object, params: SimPara
     return PolicyRun(policy.name, ttft, wait, None, reps.gpu_s, live_arr, reps.starts)
 
 
-def _replay_fluid(work: Workload, policy: "Policy", env: object, params: SimParams,
+def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimParams,
                   progress: Callable[[float], None] | None) -> PolicyRun:
     rng = np.random.default_rng(params.seed + 1)
     cold = _cold_sampler(params, rng)
@@ -278,7 +261,7 @@ def _replay_fluid(work: Workload, policy: "Policy", env: object, params: SimPara
     gpu = 0.0
     draining_until: list[float] = []
     starts = 0
-    for _ in range(policy.start(env)):  # type: ignore[arg-type]
+    for _ in range(policy.start(env)):
         ready_starts.append(0.0)
     period = policy.period_s
     next_tick = 0.0

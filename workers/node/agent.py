@@ -40,8 +40,10 @@ from prewarm.core.metrics import RegistryCollector
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
-from workers.app import PLANNER_QUEUE, PREWARM, make_app, node_queue
+from workers.app import make_app
+from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
+from workers.process import serve_metrics, setup_logging
 
 log = logging.getLogger("prewarm.agent")
 
@@ -52,19 +54,6 @@ TERMINAL = (ReplicaState.FAILED, ReplicaState.RETIRED)
 class ReconcileReport:
     adopted: tuple[str, ...]  # runtimes of a previous agent taken over
     failed: tuple[str, ...]  # replicas the registry placed here that nothing hosts
-
-
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def _serve_metrics(ctx: WorkerContext, port: int | None) -> Any:
-    if not port:
-        return None
-    server = start_http_server(port, addr="0.0.0.0", registry=ctx.metrics.registry)
-    log.info("metrics on :%d/metrics", port)
-    return server
 
 
 class Agent:
@@ -86,7 +75,7 @@ class Agent:
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> ReconcileReport:
         context.install(self.ctx)
-        self._metrics_server = _serve_metrics(self.ctx, self.metrics_port)
+        self._metrics_server = serve_metrics(self.ctx, self.metrics_port)
         report = self.reconcile()
         self.heartbeat_once()
         for name, target in (("heartbeat", self._heartbeat_loop), ("keeper", self._keeper_loop)):
@@ -245,41 +234,4 @@ def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int |
         return int(exc.code or 0)
     finally:
         agent.stop()
-    return 0
-
-
-def run_planner(settings: Settings, *, loglevel: str = "INFO", metrics_port: int | None = None) -> int:
-    """`prewarm planner`: the planner-queue worker, a listener for unmet demand, and replica counts on /metrics."""
-    setup_logging(loglevel)
-    ctx = WorkerContext.build(settings)
-    context.install(ctx)
-    ctx.metrics.registry.register(RegistryCollector(ctx.registry.counts))
-    port = settings.metrics.port if metrics_port is None else metrics_port
-    _serve_metrics(ctx, port)
-    app = make_app(settings)
-    stop = threading.Event()
-
-    def listen() -> None:
-        """Scale from zero as soon as the gateway announces unmet demand (the beat's scan is the safety net)."""
-        while not stop.is_set():
-            try:
-                pubsub = ctx.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(keys.DEMAND_CHANNEL)
-                while not stop.is_set():
-                    msg = pubsub.get_message(timeout=1.0)
-                    if msg and isinstance(msg.get("data"), str):
-                        app.send_task("prewarm.handle_demand", args=[msg["data"]])
-            except redis.RedisError as exc:
-                log.warning("demand listener: %s; reconnecting", exc)
-                stop.wait(1.0)
-
-    threading.Thread(target=listen, name="demand-listener", daemon=True).start()
-    argv = ["worker", "-Q", PLANNER_QUEUE, "-P", "threads", "-c", "2", "-n", "planner@%h",
-            f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
-    try:
-        app.worker_main(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    finally:
-        stop.set()
     return 0

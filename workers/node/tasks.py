@@ -31,7 +31,7 @@ from celery.exceptions import Retry
 
 from prewarm.core import keys
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError
-from workers import app as app_mod
+from workers import names
 from workers import context, payload
 from workers.node import operations
 from workers.context import WorkerContext
@@ -204,7 +204,7 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
             log.warning("replica %s: %s", rid, reason)
             operations.retire(ctx, payload.RetireRequest(req.replica, reason),
                               owner=owner_token(self.request.id or "?"), deadline=deadline)
-            self.app.send_task(app_mod.PREWARM, args=[rid, pool, model_dir])
+            self.app.send_task(names.PREWARM, args=[rid, pool, model_dir])
         return {"replica_id": rid, "fragmentation": decision.fragmentation, "recycled": decision.recycle}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("recycle_if_fragmented", a, k),
@@ -212,13 +212,8 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 
 def register(app: Celery) -> None:
-    """Register every prewarm task on `app` (node tasks here, planner tasks in workers.planning.tasks)."""
-    common: dict[str, Any] = {"bind": True, "typing": False, "acks_late": True, "reject_on_worker_lost": True,
-                              "ignore_result": True, "throws": (InvalidPayload,)}
-    app.task(name=app_mod.PREWARM, **common)(prewarm_replica)
-    app.task(name=app_mod.RETIRE, **common)(retire_replica)
-    app.task(name=app_mod.KEEP_WARM, **common)(keep_warm)
-    app.task(name=app_mod.RECYCLE, **common)(recycle_if_fragmented)
-    from workers.planning import tasks as planner
-
-    planner.register(app, common)
+    """Register the node tasks on `app` (the planner's are in `workers.planning.tasks`)."""
+    app.task(name=names.PREWARM, **names.TASK_OPTIONS)(prewarm_replica)
+    app.task(name=names.RETIRE, **names.TASK_OPTIONS)(retire_replica)
+    app.task(name=names.KEEP_WARM, **names.TASK_OPTIONS)(keep_warm)
+    app.task(name=names.RECYCLE, **names.TASK_OPTIONS)(recycle_if_fragmented)

@@ -37,9 +37,9 @@ from kombu.exceptions import OperationalError
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, NodeView, Replica, ReplicaState, ScaleEvent, ScaleEventKind, replica_id
 from prewarm.core.errors import InvalidPayload
-from workers import app as app_mod
+from workers import names
 from workers.context import WorkerContext
-from workers.planning.tasks import NodeSlots, choose_placement, live_nodes
+from workers.planning.nodes import NodeSlots, choose_placement, live_nodes
 
 log = logging.getLogger("prewarm.planner.executor")
 
@@ -114,7 +114,7 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
         if claim(keys=[keys.PLANNED_EVENTS, keys.planned_event(event_id)], args=[event_id, now, now + _lease_s(ctx)]) != 1:
             continue  # another dispatcher claimed it
         try:
-            app.send_task(app_mod.APPLY_EVENT, args=[event_id])
+            app.send_task(names.APPLY_EVENT, args=[event_id])
         except ENQUEUE_ERRORS as exc:
             _requeue(ctx, event_id, now=now, error=exc)
             break
@@ -186,11 +186,11 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
     try:
         for rid in chosen:  # the same ids again on a re-apply: each task is idempotent
             if ev.kind is ScaleEventKind.SCALE_UP:
-                app.send_task(app_mod.PREWARM, args=[rid, ev.pool.value, None])
+                app.send_task(names.PREWARM, args=[rid, ev.pool.value, None])
             elif ev.kind is ScaleEventKind.SCALE_DOWN:
-                app.send_task(app_mod.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]])
+                app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]])
             else:
-                app.send_task(app_mod.KEEP_WARM, args=[rid, hold_until(ctx, ev)])
+                app.send_task(names.KEEP_WARM, args=[rid, hold_until(ctx, ev)])
     except ENQUEUE_ERRORS as exc:
         _requeue(ctx, event_id, now=ctx.clock(), error=exc)
         return Applied(event_id, ev.kind, tuple(chosen), "enqueue_failed")

@@ -11,23 +11,24 @@
   events when they are due (see `workers.planning.executor`).
 - `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`).
 
-Placement reads the node views agents publish (`keys.node_info`); the choice itself is
-the pure `choose_placement` below.
+Placement reads the node views agents publish (`workers.planning.nodes`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from celery import Celery, Task
 
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
-from workers import app as app_mod
+from workers import names
 from workers import context, payload
 from workers.context import WorkerContext
+from workers.planning.executor import apply_event, dispatch_due
+from workers.planning.nodes import choose_placement, live_nodes
+from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
 
 log = logging.getLogger("prewarm.planner.tasks")
 
@@ -35,23 +36,6 @@ log = logging.getLogger("prewarm.planner.tasks")
 DEMAND_FRESH_S = 120.0
 #: How long a scale-from-zero claim suppresses repeats (the prewarm is idempotent anyway).
 DEMAND_CLAIM_S = 30
-
-
-@dataclass(frozen=True)
-class NodeSlots:
-    node: str
-    slots: int
-    used: frozenset[int]
-
-    @property
-    def free(self) -> list[int]:
-        return [s for s in range(self.slots) if s not in self.used]
-
-
-def choose_placement(nodes: Iterable[NodeSlots]) -> tuple[str, int] | None:
-    """The node with the most free slots (ties: by name) and its lowest free slot; None when all are full."""
-    best = sorted((n for n in nodes if n.free), key=lambda n: (-len(n.free), n.node))
-    return (best[0].node, best[0].free[0]) if best else None
 
 
 def resolve_revision(model: str, configured: Iterable[str], known: Iterable[tuple[str, float]]) -> str | None:
@@ -62,22 +46,6 @@ def resolve_revision(model: str, configured: Iterable[str], known: Iterable[tupl
             return rev
     recent = sorted(known, key=lambda rv: rv[1], reverse=True)
     return recent[0][0] if recent else None
-
-
-def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:
-    out = []
-    for node in sorted(ctx.client.smembers(keys.NODES) | _published_nodes(ctx)):
-        info: Mapping[str, str] = ctx.client.hgetall(keys.node_info(node))
-        if not info or info.get("ready") != "1":
-            continue  # no live agent publishes this node
-        used = frozenset(r.slot for r in ctx.registry.live_on_node(node))
-        out.append(NodeSlots(node, int(info.get("replica_slots", "1")), used))
-    return out
-
-
-def _published_nodes(ctx: WorkerContext) -> set[str]:
-    prefix = keys.node_info("")
-    return {k[len(prefix):] for k in ctx.client.scan_iter(match=prefix + "*", count=200)}
 
 
 def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, Any]:
@@ -102,7 +70,7 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         return {"model": model, "outcome": "no_capacity"}
     node, slot = placement
     rid = replica_id(model, revision, node, slot)
-    app.send_task(app_mod.PREWARM, args=[rid, Pool.SERVING.value, None])
+    app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
     log.info("scale from zero: unmet demand for %s -> prewarm %s", model, rid)
     return {"model": model, "outcome": "prewarm", "replica_id": rid}
 
@@ -146,7 +114,7 @@ def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
     for model in ctx.registry.models():
         for rec in ctx.registry.replicas_of(model):
             if rec.state is ReplicaState.READY:
-                self.app.send_task(app_mod.RECYCLE, args=[rec.id])
+                self.app.send_task(names.RECYCLE, args=[rec.id])
                 sent.append(rec.id)
     return {"checked": sent}
 
@@ -174,14 +142,16 @@ def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
 
     ctx = _ctx(self)
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
-                        "new_events": list(m.new_events), "dropped": m.dropped} for m in run(ctx, now=ctx.clock())]}
+                        "new_events": list(m.new_events), "dropped": m.dropped} for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
 
 
-def register(app: Celery, common: Mapping[str, Any]) -> None:
-    app.task(name=app_mod.REAP, **common)(reap)
-    app.task(name=app_mod.HANDLE_DEMAND, **common)(handle_demand)
-    app.task(name=app_mod.SCAN_DEMAND, **common)(scan_demand)
-    app.task(name=app_mod.SWEEP_FRAGMENTATION, **common)(sweep_fragmentation)
-    app.task(name=app_mod.DISPATCH_EVENTS, **common)(dispatch_due_events)
-    app.task(name=app_mod.APPLY_EVENT, **common)(apply_scale_event)
-    app.task(name=app_mod.FORECAST, **common)(forecast_and_plan)
+def register(app: Celery) -> None:
+    """Register the cluster-wide tasks on `app`."""
+    common = names.TASK_OPTIONS
+    app.task(name=names.REAP, **common)(reap)
+    app.task(name=names.HANDLE_DEMAND, **common)(handle_demand)
+    app.task(name=names.SCAN_DEMAND, **common)(scan_demand)
+    app.task(name=names.SWEEP_FRAGMENTATION, **common)(sweep_fragmentation)
+    app.task(name=names.DISPATCH_EVENTS, **common)(dispatch_due_events)
+    app.task(name=names.APPLY_EVENT, **common)(apply_scale_event)
+    app.task(name=names.FORECAST, **common)(forecast_and_plan)

@@ -11,21 +11,39 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+from rich.console import Console
 from rich.table import Table
 
 from forecasting.sim.report import plot as plot_policies
 from forecasting.sim.scoring import run_backtest
 from forecasting.sim.simulate import SimParams
 from forecasting.data.traces import RequestTrace, TraceFormat
+from prewarm.core.settings import Settings
+from prewarm.registry.replicas import ReplicaRegistry
+from workers.up.supervisor import Supervisor
+from workers.up.traffic import ReplayStats
 
-if TYPE_CHECKING:
-    from workers.up.run import UpRun, Workload
+from workers.up.workload import Timeline, Workload
 
 
-def _plot_timeline(run: "UpRun", path: Path) -> Path:
+class UpRun(Protocol):
+    """What the report reads of a finished run (`workers.up.run.UpRun`)."""
+
+    settings: Settings
+    console: Console
+    run_dir: Path
+    sup: Supervisor
+    registry: ReplicaRegistry
+    timeline: Timeline
+    stats: ReplayStats
+    warm_s: float
+    total_s: float
+
+
+def _plot_timeline(run: UpRun, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +77,7 @@ def _plot_timeline(run: "UpRun", path: Path) -> Path:
     return path
 
 
-def _simulate(run: "UpRun", wl: "Workload", cold_start_s: float) -> tuple[dict[str, Any], Any]:
+def _simulate(run: UpRun, wl: Workload, cold_start_s: float) -> tuple[dict[str, Any], Any]:
     """Replay the same arrivals in the simulator: replicas of the declared capacity, the measured cold start."""
     capacity = run.settings.planner.capacity_rps
     env_capacity = run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS")
@@ -76,7 +94,7 @@ def _simulate(run: "UpRun", wl: "Workload", cold_start_s: float) -> tuple[dict[s
     return out["result"], out
 
 
-def report(run: "UpRun", wl: "Workload") -> dict[str, Any]:
+def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     s = run.stats
     plots = run.run_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
