@@ -15,7 +15,7 @@ from forecasting.fleet.planner import ActionKind, FleetContext, FleetNode, Fleet
 from forecasting.fleet.policies import FleetEnv, HybridHistogram, KeepAlive, Oracle
 from forecasting.fleet.simulate import simulate
 from forecasting.fleet.traces import FleetTrace, is_fleet_trace, load_fleet, read_azure_functions, read_request_log
-from forecasting.traces import HistoryError
+from forecasting.data.traces import HistoryError
 
 FIX = Path(__file__).parent / "fixtures" / "fleet"
 AZURE = [FIX / "azure_functions_d01.csv", FIX / "azure_functions_d02.csv"]

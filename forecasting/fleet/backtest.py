@@ -77,7 +77,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram."""
     trace = resample(trace, setup.step_s)
     if catalog is None:
-        catalog = default_catalog(trace.names, **({"sizes_gb": setup.sizes_gb} if setup.sizes_gb else {}))
+        catalog = default_catalog(trace.names, setup.sizes_gb) if setup.sizes_gb else default_catalog(trace.names)
     env = setup.env(catalog, trace.counts)
     rows: dict[str, FleetScore] = {}
     for name in policies:

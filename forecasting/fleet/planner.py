@@ -183,10 +183,10 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
         return True
 
     # 1. replicas with requests in flight stay, whatever their value
-    for node in ctx.nodes:
-        for model, n in node.in_flight.items():
-            if n > 0 and node.resident.get(model) == Tier.GPU and node.name not in gpu.get(model, []):
-                put(index[model], node.name)
+    for fnode in ctx.nodes:
+        for model, n in fnode.in_flight.items():
+            if n > 0 and fnode.resident.get(model) == Tier.GPU and fnode.name not in gpu.get(model, []):
+                put(index[model], fnode.name)
     # 2. models worth their memory at the price ``lam``, best density first, where they are if possible
     order = np.argsort(-dens, kind="stable")
     keep = order[dens[order] >= state.lam]
@@ -208,13 +208,13 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
             continue
         tiers = by_model.get(name, {})
         cand = tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.GPU, [])
-        node = next((n for n in cand if host_free[n] >= mem[i]), None)
-        if node is None:
-            node = max(host_free, key=lambda n: host_free[n])
-            if host_free[node] < mem[i]:
+        host = next((n for n in cand if host_free[n] >= mem[i]), None)
+        if host is None:
+            host = max(host_free, key=lambda n: host_free[n])
+            if host_free[host] < mem[i]:
                 continue
-        host_free[node] -= mem[i]
-        asleep[name] = node
+        host_free[host] -= mem[i]
+        asleep[name] = host
     # 5. what leaves GPU or host memory
     for model, tiers in by_model.items():
         i = index[model]

@@ -138,7 +138,7 @@ class HybridHistogram(FleetPolicy):
                 self.oob[i] += 1
                 self.oob_log_mean[i] += (math.log(it) - self.oob_log_mean[i]) / self.oob[i]
         for i in np.flatnonzero(~active & (self.idle == 0)):  # going idle: its windows from all it has seen
-            self._windows(i)
+            self._windows(int(i))
         super().observe(t, counts, gpu)
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from forecasting.traces import HistoryError
+from forecasting.data.traces import HistoryError
 
 _MODEL_COLUMNS = ("client", "model", "model_id", "app", "function")
 _MINUTE = re.compile(r"^(?:minute_?)?(\d+)$", re.IGNORECASE)
