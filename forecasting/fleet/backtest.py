@@ -92,7 +92,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
         for _ in range(4):  # the budget is an average the controller tracks: tighten if it overshot
             if fleet.warm_gb_h <= hh.warm_gb_h:
                 break
-            budget *= 0.95 * hh.warm_gb_h / fleet.warm_gb_h
+            budget *= 0.998 * hh.warm_gb_h / fleet.warm_gb_h
             fleet = _run(trace, env, "fleet", budget, setup, progress)
         rows["fleet"] = fleet
         target = {
