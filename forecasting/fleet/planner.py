@@ -66,6 +66,7 @@ class FleetParams:
 
     step_s: float = 60.0
     budget_gb: float | None = None
+    cap_gb: float | None = None  # a hard ceiling on GPU memory per round (in-flight replicas excepted)
     lam0: float = 1e-3
     gain: float = 0.08
     sleep_share: float = 0.75
@@ -155,6 +156,7 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     cards, index, mem = cat.cards, cat.index, cat.mem_array
     dens, host_dens = densities(ctx)
     free = {n.name: n.gpu_gb for n in ctx.nodes}
+    total_gb = sum(free.values())
     host_free = {n.name: n.host_gb * params.sleep_share for n in ctx.nodes}
     by_model = _where(ctx.nodes)
     gpu: dict[str, list[str]] = {}
@@ -173,6 +175,8 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
         tiers = by_model.get(name, {})
         placed = gpu.get(name, [])
         prefer = tiers.get(Tier.GPU, []) + tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.CACHED, [])
+        if params.cap_gb is not None and total_gb - sum(free.values()) + mem[i] > params.cap_gb + 1e-9:
+            return False
         node = next((n for n in prefer if n not in placed and free[n] >= mem[i]), None)
         if node is None:
             fits = [n for n in free if n not in placed and free[n] >= mem[i]]
