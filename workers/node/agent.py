@@ -22,6 +22,7 @@ back after the visibility timeout, and the next agent adopts the orphaned runtim
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -38,6 +39,7 @@ from prewarm.core.errors import PrewarmError
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
+from workers.node.bringup import gpu_used_gb
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
@@ -188,11 +190,19 @@ class Agent:
                 "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
                 "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
                 "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
-                "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
+                "host_memory_gb": repr(self.settings.agent.host_memory_gb),
+                "gpu_used_gb": repr(gpu_used_gb(self.ctx)), "residency": json.dumps(self._residency())}
         pipe = self.ctx.client.pipeline(transaction=True)
         pipe.hset(keys.node_info(self.node), mapping=info)
         pipe.expire(keys.node_info(self.node), keys.NODE_INFO_TTL_S)
         pipe.execute()
+
+    def _residency(self) -> dict[str, str]:
+        """Per-tier residency of this node: model -> gpu (a hosted replica) or cached (its snapshot only)."""
+        out = {snap.partition("@")[0]: "cached" for snap in self._loaded}
+        for h in self.ctx.host.all():
+            out[h.replica.model] = "gpu"
+        return out
 
     def _heartbeat_loop(self) -> None:
         interval = self.settings.registry.heartbeat_interval_s

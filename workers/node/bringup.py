@@ -77,6 +77,16 @@ def resolve_model_dir(ctx: WorkerContext, model: str, revision: str, given: str 
                          + ", ".join(str(c) for c in candidates))
 
 
+def model_footprint_gb(model_dir: str | Path) -> float:
+    """GPU memory one replica of the model in ``model_dir`` holds: its weight files' bytes."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 1e9
+
+
+def gpu_used_gb(ctx: WorkerContext, *, exclude: str = "") -> float:
+    """GPU memory held by the replicas this agent hosts (weights of each, by their model directory)."""
+    return sum(model_footprint_gb(h.model_dir) for h in ctx.host.all() if h.replica.id != exclude)
+
+
 class PrewarmJob:
     """One delivery of `prewarm_replica`: acquire the replica, then step it to ready."""
 
@@ -120,11 +130,23 @@ class PrewarmJob:
             raise InvalidPayload(f"replica {self.rid}: slot {ref.slot} is outside this node's "
                                  f"{self.ctx.settings.agent.replica_slots} replica slots")
         model_dir = resolve_model_dir(self.ctx, ref.model, ref.revision, self.req.model_dir)
+        self._admit(model_dir)
         lock = ReplicaLock(self.ctx.client, self.rid, self.owner, self.ctx.settings.agent.lock_ttl_s)
         if not lock.acquire(deadline=self.deadline, stop_waiting=self._ready_and_hosted):
             return PrewarmResult(self.rid, PrewarmOutcome.ALREADY_READY)
         with lock:
             return self._run_locked(lock, model_dir)
+
+    def _admit(self, model_dir: Path) -> None:
+        """GPU-memory accounting: a new replica must fit beside the ones hosted here (`agent.gpu_memory_gb`)."""
+        budget = self.ctx.settings.agent.gpu_memory_gb
+        if budget <= 0 or self.ctx.host.get(self.rid) is not None:
+            return
+        used = gpu_used_gb(self.ctx, exclude=self.rid)
+        need = model_footprint_gb(model_dir)
+        if used + need > budget + 1e-12:
+            raise TemporaryError(f"replica {self.rid} needs {need:.4g} GB of GPU memory; {used:.4g} of "
+                                 f"{budget:.4g} GB are held by the replicas hosted here", 2.0)
 
     def _run_locked(self, lock: ReplicaLock, model_dir: Path) -> PrewarmResult:
         ctx, ref = self.ctx, self.req.replica
