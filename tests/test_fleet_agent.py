@@ -3,7 +3,9 @@
 The agent has room (`agent.gpu_memory_gb`) for two of three tiny models: two prewarms
 reach ready, the third is refused for memory (not for slots: there are four), its node
 view reports the memory held and each model's tier, and once one replica is retired the
-third fits.
+third fits. A replica put to sleep (level 1) frees its GPU memory, leaves the routing view,
+and a request through the real gateway wakes it: the gateway holds the request, the
+planner worker turns the unmet demand into `wake_replica`, and the request is answered.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.runtime.model import make_model
 from tests.celery_helpers import WorkerProcess, settings_from_env, wait_for, worker_env
 from workers.app import make_app
-from workers.names import PREWARM, RETIRE
+from workers.names import PREWARM, RETIRE, SLEEP
 from workers.node.bringup import model_footprint_gb
 
 pytestmark = pytest.mark.slow
@@ -40,12 +42,13 @@ def agent(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[dict[str, Any
     size = {m: model_footprint_gb(d) for m, d in dirs.items()}
     budget = size["a"] + size["b"] + 0.5 * size["c"]
     env = worker_env(redis_server.url, tmp_path, PREWARM_AGENT_NODE=NODE, PREWARM_AGENT_GPU_MEMORY_GB=repr(budget),
-                     PREWARM_METRICS_PORT="0")
+                     PREWARM_METRICS_PORT="0", PREWARM_PLANNER_MODELS='["a@r1","b@r1","c@r1"]',
+                     PREWARM_GATEWAY_HOLD_TIMEOUT_S="60")
     proc = WorkerProcess(["agent", "--node", NODE], env, tmp_path / "agent.log").start()
     settings = settings_from_env(env)
     app = make_app(settings)
     try:
-        yield {"client": client, "proc": proc, "app": app, "size": size, "budget": budget,
+        yield {"client": client, "proc": proc, "app": app, "size": size, "budget": budget, "env": env, "tmp": tmp_path,
                "registry": ReplicaRegistry(client, settings.registry)}
     finally:
         proc.stop()
@@ -80,3 +83,40 @@ def test_two_models_on_one_agent_under_a_memory_budget(agent: dict[str, Any]) ->
     time.sleep(0.5)
     app.send_task(PREWARM, args=[rc, "serving", None])
     wait_for(lambda: _state(reg, rc) == "ready", 120, lambda: f"c ready after the eviction ({proc.log()[-3000:]})")
+
+
+def test_a_sleeping_replica_is_woken_by_a_request_through_the_gateway(agent: dict[str, Any]) -> None:
+    import urllib.request
+
+    from prewarm.registry.embedded import free_port
+
+    app, reg, client, proc = agent["app"], agent["registry"], agent["client"], agent["proc"]
+    ra = f"a@r1/{NODE}/0"
+    app.send_task(PREWARM, args=[ra, "serving", None])
+    wait_for(lambda: _state(reg, ra) == "ready", 120, lambda: f"a ready ({proc.log()[-2000:]})")
+    app.send_task(SLEEP, args=[ra])
+    wait_for(lambda: _state(reg, ra) == "asleep", 60, lambda: f"a asleep ({proc.log()[-2000:]})")
+    wait_for(lambda: json.loads(client.hget(keys.node_info(NODE), "residency") or "{}").get("a") == "asleep", 30,
+             "the node view to say a is asleep")
+    assert reg.view("a", now=time.time()).serving == ()  # not routable while asleep
+    planner = WorkerProcess(["planner", "--metrics-port", "0"], agent["env"], agent["tmp"] / "planner.log").start()
+    port = free_port()
+    gw = WorkerProcess(["gateway", "--port", str(port)], agent["env"], agent["tmp"] / "gateway.log")
+    gw.start(ready_marker="listening on", timeout=30)
+    try:
+        body = json.dumps({"model": "a", "prompt": "hello", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=90) as resp:  # held by the gateway while a wakes
+            status, answer = resp.status, json.loads(resp.read())
+        waited = time.monotonic() - t0
+    finally:
+        gw.stop()
+        planner.stop()
+    assert status == 200 and answer["choices"], answer
+    assert _state(reg, ra) == "ready"
+    moves = [(f.get("from"), f.get("to")) for _, f in reg.events() if f.get("replica") == ra]
+    assert ("ready", "asleep") in moves and ("asleep", "ready") in moves
+    assert client.llen("prewarm:wake_times:a") >= 1
+    assert waited < 90

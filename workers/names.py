@@ -29,9 +29,11 @@ SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
 DISPATCH_EVENTS = "prewarm.dispatch_due_events"
 APPLY_EVENT = "prewarm.apply_scale_event"
 FORECAST = "prewarm.forecast_and_plan"
+SLEEP = "prewarm.sleep_replica"
+WAKE = "prewarm.wake_replica"
 
 #: Tasks that act on one replica and run on the replica's node.
-NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})
+NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE, SLEEP, WAKE})
 
 
 def node_queue(node: str) -> str:

@@ -22,6 +22,7 @@ class ReplicaState(str, Enum):
     LOADING = "loading"
     WARMING = "warming"
     READY = "ready"
+    ASLEEP = "asleep"  # engine level-1 sleep: weights in host memory, GPU freed; not routable, woken on demand
     DRAINING = "draining"
     RETIRED = "retired"
     FAILED = "failed"
@@ -47,7 +48,8 @@ TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.PENDING: frozenset({ReplicaState.LOADING, ReplicaState.FAILED, ReplicaState.RETIRED}),
     ReplicaState.LOADING: frozenset({ReplicaState.WARMING, ReplicaState.FAILED}),
     ReplicaState.WARMING: frozenset({ReplicaState.READY, ReplicaState.FAILED}),
-    ReplicaState.READY: frozenset({ReplicaState.DRAINING, ReplicaState.FAILED}),
+    ReplicaState.READY: frozenset({ReplicaState.DRAINING, ReplicaState.FAILED, ReplicaState.ASLEEP}),
+    ReplicaState.ASLEEP: frozenset({ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.FAILED}),
     ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.FAILED}),
     ReplicaState.RETIRED: frozenset(),
     ReplicaState.FAILED: frozenset(),

@@ -39,7 +39,7 @@ from prewarm.core.errors import PrewarmError
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
-from workers.node.bringup import gpu_used_gb
+from workers.node.supervision import gpu_used_gb
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
@@ -201,7 +201,7 @@ class Agent:
         """Per-tier residency of this node: model -> gpu (a hosted replica) or cached (its snapshot only)."""
         out = {snap.partition("@")[0]: "cached" for snap in self._loaded}
         for h in self.ctx.host.all():
-            out[h.replica.model] = "gpu"
+            out[h.replica.model] = "asleep" if h.replica.state is ReplicaState.ASLEEP else "gpu"
         return out
 
     def _heartbeat_loop(self) -> None:

@@ -25,7 +25,7 @@ from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
-from workers.node.supervision import HostedRuntime, RuntimeExited
+from workers.node.supervision import HostedRuntime, RuntimeExited, gpu_used_gb, model_footprint_gb
 from workers.node.lock import ReplicaLock
 from workers.payload import PrewarmRequest
 from workers.node.runtime_client import RuntimeClient, make_client
@@ -75,16 +75,6 @@ def resolve_model_dir(ctx: WorkerContext, model: str, revision: str, given: str 
             return cand.resolve()
     raise PermanentError(f"no model directory with a {MANIFEST_FILE} for {model}@{revision}: looked at "
                          + ", ".join(str(c) for c in candidates))
-
-
-def model_footprint_gb(model_dir: str | Path) -> float:
-    """GPU memory one replica of the model in ``model_dir`` holds: its weight files' bytes."""
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 1e9
-
-
-def gpu_used_gb(ctx: WorkerContext, *, exclude: str = "") -> float:
-    """GPU memory held by the replicas this agent hosts (weights of each, by their model directory)."""
-    return sum(model_footprint_gb(h.model_dir) for h in ctx.host.all() if h.replica.id != exclude)
 
 
 class PrewarmJob:

@@ -24,9 +24,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from prewarm.core.domain import Replica
+from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
 
@@ -104,6 +104,17 @@ def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def model_footprint_gb(model_dir: str | Path) -> float:
+    """GPU memory one replica of the model in ``model_dir`` holds: its weight files' bytes."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 1e9
+
+
+def gpu_used_gb(ctx: Any, *, exclude: str = "") -> float:
+    """GPU memory held by the replicas this agent hosts awake (a replica asleep holds host memory instead)."""
+    return sum(model_footprint_gb(h.model_dir) for h in ctx.host.all()
+               if h.replica.id != exclude and h.replica.state is not ReplicaState.ASLEEP)
 
 
 class RuntimeHost:

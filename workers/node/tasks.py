@@ -33,7 +33,7 @@ from prewarm.core import keys
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError
 from workers import names
 from workers import context, payload
-from workers.node import operations
+from workers.node import operations, tiers
 from workers.context import WorkerContext
 from workers.payload import ReplicaRef
 from prewarm.core.errors import failure_reason
@@ -212,9 +212,33 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
                          lambda r: r.replica, work, args, kwargs)
 
 
+def sleep_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Put a ready replica to sleep (level 1: weights to host memory, GPU freed) after its in-flight requests."""
+
+    def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
+        outcome = tiers.sleep(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        return {"replica_id": req.replica.replica_id, "outcome": outcome}
+
+    return _replica_task(self, lambda a, k: payload.parse_replica_only("sleep_replica", a, k),
+                         lambda r: r.replica, work, args, kwargs)
+
+
+def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Wake a sleeping replica back to ready (no load, no new validation)."""
+
+    def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
+        outcome, woke_s = tiers.wake(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        return {"replica_id": req.replica.replica_id, "outcome": outcome, "wake_s": woke_s}
+
+    return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),
+                         lambda r: r.replica, work, args, kwargs)
+
+
 def register(app: Celery) -> None:
     """Register the node tasks on `app` (the planner's are in `workers.planning.tasks`)."""
     app.task(name=names.PREWARM, **names.TASK_OPTIONS)(prewarm_replica)
     app.task(name=names.RETIRE, **names.TASK_OPTIONS)(retire_replica)
     app.task(name=names.KEEP_WARM, **names.TASK_OPTIONS)(keep_warm)
     app.task(name=names.RECYCLE, **names.TASK_OPTIONS)(recycle_if_fragmented)
+    app.task(name=names.SLEEP, **names.TASK_OPTIONS)(sleep_replica)
+    app.task(name=names.WAKE, **names.TASK_OPTIONS)(wake_replica)

@@ -11,9 +11,10 @@ model alone:
    counts as in flight there, so the planner never evicts it;
 4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
    models' own forecasters on a slower cadence, the fleet planner);
-5. act: a LOAD or WAKE becomes `prewarm_replica` on the chosen node's queue; an EVICT or a
-   SLEEP retires the model's replicas there (the weights stay in the node's snapshot:
-   the cached tier). The plan is written to `keys.FLEET_PLAN` for the live view.
+5. act: a LOAD becomes `prewarm_replica` on the chosen node's queue, a WAKE `wake_replica`
+   of the replica asleep there, a SLEEP `sleep_replica` (engine level-1 sleep: weights to
+   host memory), an EVICT retires the model's replicas there (the weights stay in the
+   node's snapshot: the cached tier). The plan is written to `keys.FLEET_PLAN` for the live view.
 The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
 live in this process (a restarted planner refits them, staggered).
 """
@@ -72,7 +73,9 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
         resident: dict[str, Tier] = {}
         for r in ctx.registry.live_on_node(ns.node):
             if r.model in catalog.index and r.state in LIVE_STATES:
-                resident[r.model] = Tier.GPU
+                tier = Tier.ASLEEP if r.state is ReplicaState.ASLEEP else Tier.GPU
+                if resident.get(r.model) is not Tier.GPU:
+                    resident[r.model] = tier
         for snap in (s for s in info.get("snapshots", "").split(",") if s):
             resident.setdefault(snap.partition("@")[0], Tier.CACHED)
         resident = {m: t for m, t in resident.items() if m in catalog.index}
@@ -128,6 +131,23 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
     for action in plan.actions:
         spec = specs[action.model]
+        here = [r for r in ctx.registry.live_on_node(action.node) if r.model == action.model]
+        sleeping = [r for r in here if r.state is ReplicaState.ASLEEP]
+        if action.kind is ActionKind.WAKE and sleeping:
+            if p.dry_run:
+                log.info("dry run: would wake %s", sleeping[0].id)
+            else:
+                app.send_task(names.WAKE, args=[sleeping[0].id])
+            sent[action.model].append(sleeping[0].id)
+            continue
+        if action.kind is ActionKind.SLEEP:
+            for r in here:
+                if r.state is ReplicaState.READY:
+                    if p.dry_run:
+                        log.info("dry run: would put %s to sleep", r.id)
+                    else:
+                        app.send_task(names.SLEEP, args=[r.id])
+            continue
         if action.kind in (ActionKind.LOAD, ActionKind.WAKE):
             free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
             if not free:
@@ -141,8 +161,8 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
                 app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
             sent[action.model].append(rid)
         else:
-            for r in ctx.registry.live_on_node(action.node):
-                if r.model == action.model and r.state is ReplicaState.READY:
+            for r in here:
+                if r.state in (ReplicaState.READY, ReplicaState.ASLEEP):
                     if p.dry_run:
                         log.info("dry run: would retire %s (%s)", r.id, action.kind.value)
                     else:

@@ -54,6 +54,13 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
     if view.serving or view.warm or view.loading:
         return {"model": model, "outcome": "covered"}
     replicas = ctx.registry.replicas_of(model)
+    asleep = sorted((r for r in replicas if r.state is ReplicaState.ASLEEP), key=lambda r: -r.updated_at)
+    if asleep:  # wake on demand: a sleeping replica is a fraction of a load away
+        if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
+            return {"model": model, "outcome": "claimed"}
+        app.send_task(names.WAKE, args=[asleep[0].id])
+        log.info("unmet demand for %s -> wake %s", model, asleep[0].id)
+        return {"model": model, "outcome": "wake", "replica_id": asleep[0].id}
     if any(r.state in LIVE_STATES for r in replicas):
         return {"model": model, "outcome": "starting"}
     if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
