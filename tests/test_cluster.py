@@ -16,7 +16,7 @@ from prewarm.core.domain import ModelSpec
 from prewarm.adapters.k8s import KubeActuator
 from prewarm.core.settings import KubernetesSettings
 from tests.k8s_double import KubeDouble
-from workers.planning.kubernetes import apply_target, cluster_target
+from workers.planning.kubernetes import apply_target, cluster_target, target_for
 
 NS = "inference"
 
@@ -56,3 +56,17 @@ def test_cluster_target_counts_due_scale_ups_and_the_pool() -> None:
     result, _ = plan(PlanContext(model, fc, ReplicaCounts(ready=1), now=0.0, params=params), PlannerState())
     assert cluster_target(result, 1, now=0.0) == 1 + 1  # the rise at 120 s is not due yet; the pool is
     assert cluster_target(result, 1, now=90.0) == 4 + 1  # due at 120 - 30 s lead
+
+
+def test_one_target_per_models_deployment(double: KubeDouble) -> None:
+    """Several models: each model's target goes to its own Deployment, never to a shared one."""
+    double.add_deployment(NS, "llm-b", replicas=1)
+    act = KubeActuator(double.api_client(), NS, printer=lambda _s: None)
+    cfg = KubernetesSettings(enabled=True, namespace=NS, deployment="llm", deployments={"a": "llm", "b": "llm-b"})
+    apply_target(act, cfg, 4, "a")
+    apply_target(act, cfg, 3, "b")
+    assert double.replicas(NS, "llm") == 4 and double.replicas(NS, "llm-b") == 3
+    assert target_for(cfg, "c") is None  # a model without its own Deployment does not touch another's
+    with pytest.raises(ValueError, match="no Deployment"):
+        apply_target(act, cfg, 9, "c")
+    assert double.replicas(NS, "llm") == 4

@@ -132,6 +132,8 @@ class KubernetesSettings(_Group):
     namespace: str = "default"
     deployment: str | None = None  # inference Deployment to scale
     hpa: str | None = None  # HPA whose minReplicas is raised ahead of a peak
+    deployments: dict[str, str] = Field(default_factory=dict)  # model -> its own Deployment (one target per model)
+    hpas: dict[str, str] = Field(default_factory=dict)  # model -> its own HPA
     kubeconfig: str | None = None  # default: in-cluster config, then ~/.kube/config
     dry_run: bool = False
     node_selector: str = "gpu.feature/preload=true"

@@ -34,7 +34,7 @@ from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_name
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.errors import PrewarmError
-from workers.planning.kubernetes import actuator_for, apply_target, cluster_target
+from workers.planning.kubernetes import actuator_for, apply_target, cluster_target, target_for
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
 
@@ -183,7 +183,10 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
 def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
     """Hand the target to Kubernetes; a refusal is logged and counted, never fatal to the plan."""
     try:
-        result = apply_target(actuator_for(ctx.settings.kubernetes), ctx.settings.kubernetes, target)
+        if target_for(ctx.settings.kubernetes, model) is None:
+            log.info("kubernetes: no Deployment or HPA is configured for %s; its target %d is not applied", model, target)
+            return
+        result = apply_target(actuator_for(ctx.settings.kubernetes), ctx.settings.kubernetes, target, model)
         log.info("kubernetes %s %s: %d -> %d%s", result.kind.value, result.target, result.before, result.after,
                  " (dry run)" if result.dry_run else "")
     except (PrewarmError, ValueError) as exc:

@@ -26,13 +26,33 @@ def cluster_target(result: PlanResult, live_serving: int, now: float) -> int:
     return max(1, result.serving_target(live_serving, now) + result.pool_target)
 
 
-def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, target: int) -> PatchResult:
-    """Set the HPA floor (or, without an HPA, the Deployment's replicas) to `target`."""
+def target_for(cfg: KubernetesSettings, model: str | None) -> tuple[str, str] | None:
+    """("hpa" | "deployment", name) that carries ``model``'s target: its own (`kubernetes.hpas` /
+    `kubernetes.deployments`) first; the global one only when no model has its own (else
+    every model would overwrite one Deployment in turn); None when the model has none."""
+    if model is not None and model in cfg.hpas:
+        return "hpa", cfg.hpas[model]
+    if model is not None and model in cfg.deployments:
+        return "deployment", cfg.deployments[model]
+    if cfg.hpas or cfg.deployments:
+        return None
     if cfg.hpa:
-        return actuator.raise_min_replicas(cfg.hpa, max(1, target), dry_run=cfg.dry_run)
+        return "hpa", cfg.hpa
     if cfg.deployment:
-        return actuator.scale(cfg.deployment, max(0, target), dry_run=cfg.dry_run)
-    raise ValueError("kubernetes.enabled needs PREWARM_KUBERNETES_HPA or PREWARM_KUBERNETES_DEPLOYMENT")
+        return "deployment", cfg.deployment
+    raise ValueError("kubernetes.enabled needs PREWARM_KUBERNETES_HPA or PREWARM_KUBERNETES_DEPLOYMENT "
+                     "(or per model: PREWARM_KUBERNETES_HPAS / PREWARM_KUBERNETES_DEPLOYMENTS)")
+
+
+def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, target: int, model: str | None = None) -> PatchResult:
+    """Set the model's HPA floor (or, without an HPA, its Deployment's replicas) to `target`."""
+    chosen = target_for(cfg, model)
+    if chosen is None:
+        raise ValueError(f"no Deployment or HPA is configured for {model} (kubernetes.deployments / kubernetes.hpas)")
+    kind, name = chosen
+    if kind == "hpa":
+        return actuator.raise_min_replicas(name, max(1, target), dry_run=cfg.dry_run)
+    return actuator.scale(name, max(0, target), dry_run=cfg.dry_run)
 
 
 def actuator_for(cfg: KubernetesSettings) -> KubeActuator:
