@@ -100,6 +100,8 @@ def test_a_sleeping_replica_is_woken_by_a_request_through_the_gateway(agent: dic
              "the node view to say a is asleep")
     assert reg.view("a", now=time.time()).serving == ()  # not routable while asleep
     planner = WorkerProcess(["planner", "--metrics-port", "0"], agent["env"], agent["tmp"] / "planner.log").start()
+    wait_for(lambda: dict(client.pubsub_numsub(keys.DEMAND_CHANNEL)).get(keys.DEMAND_CHANNEL, 0) >= 1, 30,
+             "the planner's demand listener to subscribe")
     port = free_port()
     gw = WorkerProcess(["gateway", "--port", str(port)], agent["env"], agent["tmp"] / "gateway.log")
     gw.start(ready_marker="listening on", timeout=30)
@@ -118,5 +120,5 @@ def test_a_sleeping_replica_is_woken_by_a_request_through_the_gateway(agent: dic
     assert _state(reg, ra) == "ready"
     moves = [(f.get("from"), f.get("to")) for _, f in reg.events() if f.get("replica") == ra]
     assert ("ready", "asleep") in moves and ("asleep", "ready") in moves
-    assert client.llen("prewarm:wake_times:a") >= 1
+    assert client.llen(keys.wake_times("a")) >= 1  # the measured wake time: the catalog's asleep tier
     assert waited < 90

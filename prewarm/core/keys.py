@@ -83,6 +83,11 @@ def load_times(model: str) -> str:
     return f"{PREFIX}:loadtimes:{model}"
 
 
+def wake_times(model: str) -> str:
+    """Seconds each wake from level-1 sleep took (list, newest last): the catalog's asleep tier."""
+    return f"{PREFIX}:waketimes:{model}"
+
+
 LOADTIMES_KEEP = 200
 
 #: Marker that a planned scale event was enqueued (idempotency of re-plans); kept EVENT_TTL_S.
@@ -122,9 +127,9 @@ def node_info(node: str) -> str:
 
 NODE_INFO_TTL_S = 60
 #: The fleet planner's last round (JSON: every model's tier and nodes, the memory price): the live view.
-FLEET_PLAN = "prewarm:fleet:plan"
+FLEET_PLAN = f"{PREFIX}:fleet:plan"
 #: The fleet planner's carried state (hash: the memory price, budget spent, seconds planned).
-FLEET_STATE = "prewarm:fleet:state"
+FLEET_STATE = f"{PREFIX}:fleet:state"
 
 # --- the Celery pipeline (workers/) ---------------------------------------------------------
 #: Counter of deliveries of one task message (task id and retry number): the redelivery cap.

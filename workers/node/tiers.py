@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from prewarm.core import keys
 from prewarm.core.domain import ReplicaState
 from prewarm.core.errors import PermanentError, TemporaryError
 from workers.context import WorkerContext
@@ -80,7 +81,7 @@ def wake(ctx: WorkerContext, req: ReplicaOnlyRequest, *, owner: str, deadline: f
         rec = ctx.registry.transition(rid, ReplicaState.READY, now=ctx.clock(), reason=f"woken in {woke_s:.2f}s",
                                       expected=ReplicaState.ASLEEP)
         ctx.host.update(rec)
-        ctx.client.rpush(f"prewarm:wake_times:{rec.model}", repr(woke_s))
-        ctx.client.ltrim(f"prewarm:wake_times:{rec.model}", -100, -1)
+        ctx.client.rpush(keys.wake_times(rec.model), repr(woke_s))
+        ctx.client.ltrim(keys.wake_times(rec.model), -keys.LOADTIMES_KEEP, -1)
         log.info("replica %s woken in %.2fs", rid, woke_s)
         return "woken", woke_s

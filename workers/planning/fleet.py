@@ -58,6 +58,9 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
         if measured is not None:
             ready[Tier.CACHED] = measured
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
+        wakes = sorted(float(v) for v in ctx.client.lrange(keys.wake_times(name), 0, -1))
+        if wakes:
+            ready[Tier.ASLEEP] = wakes[min(len(wakes) - 1, int(0.95 * len(wakes)))]
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
                                priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
     return Catalog(tuple(cards))
