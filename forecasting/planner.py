@@ -104,6 +104,7 @@ class PlannerParams:
             bucket_s=float(s.bucket_s),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
             peak_hold_s=float(getattr(s, "peak_hold_s", cls.peak_hold_s)),
+            min_serving=int(getattr(s, "min_serving", cls.min_serving)),
         )
 
     @property
