@@ -35,7 +35,7 @@ from prewarm.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_name
 from prewarm.errors import InvalidPayload
 from prewarm.errors import PrewarmError
 from prewarm.replica_target import schedule_fields
-from workers.cluster import actuator_for, apply_target, events_for_executor, target_schedule
+from workers.cluster import actuator_for, apply_target, events_for_executor, owns_replicas, target_schedule
 from workers.context import WorkerContext
 from workers.executor import live_counts, node_views, submit_events
 
@@ -137,7 +137,8 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     recent = y[y.index >= now - params.peak_hold_s] if len(y) else y
     pctx = PlanContext(model=spec, forecast=fc, replicas=ReplicaCounts(**counts), now=now, params=params,
-                       nodes=node_views(ctx), cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
+                       nodes=None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx),  # the scheduler places pods
+                       cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
                        recent_peak_rps=float(recent.max()) if len(recent) else 0.0)
     result, state = plan(pctx, _state_load(ctx, spec.name))
     _state_save(ctx, spec.name, state)
