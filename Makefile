@@ -39,7 +39,7 @@ bench: $(STAMP)
 
 # The KEDA external scaler's gRPC modules are checked in; this regenerates them from the .proto.
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. prewarm/kedaproto/externalscaler.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. prewarm/gateway/kedaproto/externalscaler.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

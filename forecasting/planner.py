@@ -33,8 +33,8 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 from croniter import croniter
 
-from prewarm.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
-from prewarm.errors import InvalidPayload
+from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
+from prewarm.core.errors import InvalidPayload
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class BatchJob:
 
 @dataclass(frozen=True)
 class PlannerParams:
-    """Mirror of `prewarm.settings.PlannerSettings` (the fields the pure planner reads)."""
+    """Mirror of `prewarm.core.settings.PlannerSettings` (the fields the pure planner reads)."""
 
     quantile: float = 0.9
     headroom: float = 0.1

@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import redis
 
-from prewarm.embedded import EmbeddedRedis
+from prewarm.registry.embedded import EmbeddedRedis
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 

@@ -17,15 +17,15 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
-from prewarm.domain import ModelSpec, Pool, ScaleEvent, ScaleEventKind
-from prewarm import keys
-from prewarm.k8s import KubeActuator
-from prewarm.replica_target import read_target
-from prewarm.settings import KubernetesSettings, Settings
+from prewarm.core.domain import ModelSpec, Pool, ScaleEvent, ScaleEventKind
+from prewarm.core import keys
+from prewarm.adapters.k8s import KubeActuator
+from prewarm.registry.targets import read_target
+from prewarm.core.settings import KubernetesSettings, Settings
 from tests.k8s_double import KubeDouble
-from workers.cluster import apply_target, cluster_target, events_for_executor
+from workers.planning.kubernetes import apply_target, cluster_target, events_for_executor
 from workers.context import WorkerContext
-from workers.forecast import forecast_and_plan
+from workers.planning.forecast import forecast_and_plan
 
 NS = "inference"
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prewarm.domain import LoadPhase
-from prewarm.engine import Engine, EngineNotLoaded, EngineSleeping
-from prewarm.loader import load_full
-from prewarm.model import CorruptWeights, ModelConfig, greedy, last_logits, make_model
-from prewarm.snapshot import SnapshotStore
+from prewarm.core.domain import LoadPhase
+from prewarm.runtime.engine import Engine, EngineNotLoaded, EngineSleeping
+from prewarm.runtime.loader import load_full
+from prewarm.runtime.model import CorruptWeights, ModelConfig, greedy, last_logits, make_model
+from prewarm.runtime.snapshot import SnapshotStore
 
 CPU = torch.device("cpu")
 PROMPT = "An engine answers while its weights are still arriving."

@@ -1,7 +1,7 @@
 """The planner's target reaches KEDA: planner record in Redis → external scaler (gRPC) → replica count.
 
 What runs for real: Redis (conftest), the planner step (`forecasting.planner.plan`) and the
-record writer `plan_model` uses, the gRPC server of `prewarm.keda_scaler` and a gRPC client
+record writer `plan_model` uses, the gRPC server of `prewarm.gateway.keda` and a gRPC client
 made from the same `externalscaler.proto` KEDA is built from, the CLI subprocess
 `prewarm keda-scaler`, and the Prometheus endpoint. What stands in for KEDA and the HPA it
 manages is `keda_replicas` below: their documented arithmetic (KEDA's activation and
@@ -28,14 +28,14 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
-from prewarm import keys
-from prewarm.domain import ModelSpec
-from prewarm.embedded import free_port
-from prewarm.keda_scaler import TARGET_METRIC, TargetScaler, build_server, metric_name, run
-from prewarm.kedaproto import externalscaler_pb2 as pb
-from prewarm.kedaproto import externalscaler_pb2_grpc as pb_grpc
-from prewarm.replica_target import schedule_fields
-from workers.cluster import target_schedule
+from prewarm.core import keys
+from prewarm.core.domain import ModelSpec
+from prewarm.registry.embedded import free_port
+from prewarm.gateway.keda import TARGET_METRIC, TargetScaler, build_server, metric_name, run
+from prewarm.gateway.kedaproto import externalscaler_pb2 as pb
+from prewarm.gateway.kedaproto import externalscaler_pb2_grpc as pb_grpc
+from prewarm.registry.targets import schedule_fields
+from workers.planning.kubernetes import target_schedule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -227,12 +227,12 @@ def test_prewarm_keda_scaler_command_serves_keda(redis_url: str, redis_client: "
 def test_checked_in_modules_are_what_grpc_tools_generates(tmp_path: Path) -> None:
     from grpc_tools import protoc
 
-    proto = "prewarm/kedaproto/externalscaler.proto"
-    (tmp_path / "prewarm" / "kedaproto").mkdir(parents=True)
+    proto = "prewarm/gateway/kedaproto/externalscaler.proto"
+    (tmp_path / proto).parent.mkdir(parents=True)
     (tmp_path / proto).write_text((ROOT / proto).read_text())
     args = ["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
             f"--grpc_python_out={tmp_path}", str(tmp_path / proto)]
     assert protoc.main(args) == 0
     for name in ("externalscaler_pb2.py", "externalscaler_pb2.pyi", "externalscaler_pb2_grpc.py"):
-        assert (tmp_path / "prewarm" / "kedaproto" / name).read_text() == \
-            (ROOT / "prewarm" / "kedaproto" / name).read_text(), f"{name} is stale: run `make proto`"
+        assert (tmp_path / proto).with_name(name).read_text() == (ROOT / proto).with_name(name).read_text(), \
+            f"{name} is stale: run `make proto`"

@@ -17,9 +17,9 @@ from forecasting.planner import (
     plan,
     replicas_needed,
 )
-from prewarm.domain import ModelSpec, NodeView, Pool, ScaleEventKind
-from prewarm.errors import InvalidPayload
-from prewarm.settings import PlannerSettings
+from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEventKind
+from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import PlannerSettings
 
 MODEL = ModelSpec(name="m", revision="r1", weights_uri="", capacity_rps=10.0)
 # no pool, no budget limit: isolate the serving rules

@@ -8,11 +8,11 @@ import time
 import pytest
 import redis
 
-from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis
-from prewarm.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import RegistrySettings
+from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis
+from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import RegistrySettings
 
 SETTINGS = RegistrySettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=3.0)
 

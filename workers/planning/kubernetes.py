@@ -1,0 +1,75 @@
+"""Carry the plan to Kubernetes, when `kubernetes.enabled`: one owner of the replica count.
+
+In a cluster the Deployment's replica count has exactly one owner, chosen by
+`kubernetes.autoscaling`:
+
+- `keda`: KEDA's external scaler (`prewarm keda-scaler`) serves the planner's target;
+- `hpa`: the HPA scales on the External metric `prewarm_planner_target_replicas`;
+- `none`: the planner sets the Deployment's replicas through the scale subresource.
+
+Either way the planner only computes and records a target schedule (`target_schedule`,
+written into its Redis record through `prewarm.registry.targets`); with `none` it also
+patches the Deployment. The planner's own SCALE_UP / SCALE_DOWN events are not sent to
+the node agents then (`events_for_executor`): Kubernetes starts and stops the pods, and
+the pod warmer warms, validates and registers each one, so a planned rise creates each
+pod once. HOLD events still go out: they keep ready replicas (pods included) warm.
+`kubernetes.dry_run` prints the patches and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from forecasting.planner import PlanResult
+from prewarm.core.domain import Pool, ScaleEvent, ScaleEventKind
+from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
+from prewarm.core.settings import KubernetesSettings
+
+log = logging.getLogger("prewarm.planner.cluster")
+
+
+def cluster_target(result: PlanResult, live_serving: int, now: float) -> int:
+    """Replicas the cluster should run at `now`: the serving target then plus the warm pool (0 is allowed)."""
+    return max(0, result.serving_target(live_serving, now) + result.pool_target)
+
+
+def target_schedule(result: PlanResult, live_serving: int, now: float) -> list[tuple[float, int]]:
+    """The target now, then the target at each later serving event's due time (scale-ups are due a lead
+    ahead of the need): what the scaler and the metric read between two planning rounds."""
+    times = sorted({ev.at for ev in result.events if ev.pool is Pool.SERVING and ev.at > now})
+    return [(now, cluster_target(result, live_serving, now))] + \
+        [(t, cluster_target(result, live_serving, t)) for t in times]
+
+
+def owns_replicas(cfg: KubernetesSettings) -> bool:
+    """True when Kubernetes, not the node agents, owns the planned model's replica count."""
+    return cfg.enabled
+
+
+def events_for_executor(cfg: KubernetesSettings, events: Iterable[ScaleEvent]) -> list[ScaleEvent]:
+    """The events the executor carries out: all of them without a cluster; only HOLDs (keep-warm) with one."""
+    if not owns_replicas(cfg):
+        return list(events)
+    return [ev for ev in events if ev.kind is ScaleEventKind.HOLD]
+
+
+def deployment_for(cfg: KubernetesSettings, model: str) -> str | None:
+    """The Deployment serving `model`: `kubernetes.deployments[model]`, else `kubernetes.deployment`."""
+    return cfg.deployments.get(model) or cfg.deployment
+
+
+def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, model: str, target: int) -> PatchResult | None:
+    """With `autoscaling: none`, set the model's Deployment to `target` replicas; with KEDA or the HPA,
+    nothing (they read the recorded target) and None is returned."""
+    if cfg.autoscaling != "none":
+        return None
+    deployment = deployment_for(cfg, model)
+    if not deployment:
+        raise ValueError(f"kubernetes.autoscaling=none needs the Deployment of {model}: set "
+                         "PREWARM_KUBERNETES_DEPLOYMENT (or PREWARM_KUBERNETES_DEPLOYMENTS)")
+    return actuator.scale(deployment, max(0, target), dry_run=cfg.dry_run)
+
+
+def actuator_for(cfg: KubernetesSettings) -> KubeActuator:
+    return KubeActuator(api_client_from_settings(cfg.kubeconfig), cfg.namespace, printer=log.info)
