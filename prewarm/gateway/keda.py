@@ -21,6 +21,10 @@ errors and, after `fallback.failureThreshold` of them, holds `fallback.replicas`
 `TargetCollector` exports the same number as `prewarm_planner_target_replicas{model}` for
 prometheus-adapter (the HPA's `External` metric) or KEDA's Prometheus scaler; it reads the
 record at scrape time, so the value is the one for the scrape's `now`.
+
+It lives beside the HTTP gateway: both are servers answering outsiders from the registry
+(import-linter keeps `prewarm.registry` and `prewarm.adapters` independent, so a reader of
+the registry that serves clients sits one layer above them).
 """
 
 from __future__ import annotations
