@@ -136,6 +136,11 @@ def json_patch(target: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, A
     return doc
 
 
+def _rfc3339(epoch_s: float) -> str:
+    """A creationTimestamp as the API server writes it (whole seconds, UTC)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch_s))
+
+
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
@@ -243,7 +248,8 @@ class KubeDouble:
             pod = {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod_name, "namespace": ns, "labels": dict(dep["selector"]),
-                             "uid": str(uuid.uuid4()), "resourceVersion": self._next_rv()},
+                             "uid": str(uuid.uuid4()), "resourceVersion": self._next_rv(),
+                             "creationTimestamp": _rfc3339(time.time())},
                 "spec": {"nodeName": "gpu-1", "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
                 "status": {"phase": "Pending", "podIP": None, "conditions": [{"type": "Ready", "status": "False"}]},
             }
@@ -298,8 +304,9 @@ class KubeDouble:
             }
 
     def put_pod(self, namespace: str, name: str, labels: dict[str, str], *, ready: bool, ip: str = "",
-                node: str = "gpu-1") -> None:
+                node: str = "gpu-1", created_at: float | None = None) -> None:
         """Create or update a pod and emit the watch event (ADDED or MODIFIED)."""
+        created = _rfc3339(created_at) if created_at is not None else None
         with self.lock:
             key = (namespace, name)
             existing = self.state.pods.get(key)
@@ -307,6 +314,8 @@ class KubeDouble:
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
                              "uid": existing["metadata"]["uid"] if existing else str(uuid.uuid4()),
+                             "creationTimestamp": existing["metadata"]["creationTimestamp"] if existing
+                             else created or _rfc3339(time.time()),
                              "resourceVersion": self._next_rv()},
                 "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
                 "status": {"phase": "Running" if ip else "Pending", "podIP": ip or None,

@@ -63,6 +63,7 @@ from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentErro
     TemporaryError
 from prewarm.adapters.k8s import call
 from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod, WatchStats, pod_is_ready
+from prewarm.core import keys
 from prewarm.core.settings import Settings
 from prewarm.policy.validation import CheckName, Outcome, ValidationReport, validate
 from prewarm.policy.warmup import WarmupPlan, generate_requests
@@ -127,6 +128,7 @@ class PodResult:
     replica_id: str
     outcome: PodOutcome
     reason: str = ""
+    cold_start_s: float | None = None  # creation (or re-registration) to validated, for READY
 
 
 class PodValidationFailed(ValidationFailed):
@@ -237,6 +239,10 @@ class PodPrewarmer:
             # Handed over again (it was unready in between: its server may have restarted cold),
             # moved to another IP, or left half-done by a watcher that died: start over.
             self._end(rid, rec, f"pod {pod.name} was handed over again: warming it anew", fail_code="superseded")
+        # Time to ready runs from the pod's creation the first time this pod is seen (scheduling, image
+        # pull, server start and load are all part of a cold start in a cluster); a pod handed over
+        # again (its container restarted) counts from its new registration.
+        first_time = rec is None and pod.created_at is not None
         now = ctx.clock()
         fresh = Replica(model=t.model, revision=t.revision, node=pod.node, slot=pod_slot(pod.namespace, pod.name),
                         endpoint=pod.endpoint, pool=t.pool, state=ReplicaState.PENDING, created_at=now,
@@ -254,9 +260,14 @@ class PodPrewarmer:
         self._check(rid, pod, lock)
         rec = self._step(rid, ReplicaState.READY, ReplicaState.WARMING, report.reason)
         self._track(pod, rec)
-        log.info("[COLDSTART] replica=%s model=%s node=%s pod=%s state=ready warm_s=%.3f endpoint=%s (%s)", rid,
-                 t.model, pod.node, pod.name, time.monotonic() - started, pod.endpoint, report.reason)
-        return PodResult(pod.name, rid, PodOutcome.READY, report.reason)
+        start = pod.created_at if first_time and pod.created_at is not None else now
+        ready_s = max(0.0, ctx.clock() - start)
+        ctx.metrics.cold_start.labels(t.model, pod.node).observe(ready_s)
+        ctx.registry.record_load_time(t.model, ready_s)  # the planner's lead (load_time_p95), as agents record
+        log.info("[COLDSTART] replica=%s model=%s node=%s pod=%s state=ready cold_start_s=%.3f warm_s=%.3f "
+                 "endpoint=%s (%s)", rid, t.model, pod.node, pod.name, ready_s, time.monotonic() - started,
+                 pod.endpoint, report.reason)
+        return PodResult(pod.name, rid, PodOutcome.READY, report.reason, ready_s)
 
     def _step(self, rid: str, to: ReplicaState, expected: ReplicaState, reason: str = "") -> Replica:
         try:
@@ -336,6 +347,32 @@ class PodPrewarmer:
             self._tracked[rec.id] = _Tracked(pod, rec)
 
     # --- while the pods live ------------------------------------------------------------
+    def keepalive_round(self) -> dict[str, int]:
+        """KEEP_WARM for pods: each ready tracked replica the planner holds (`keys.keep_warm(rid)` in the
+        future, set by the executor's HOLD) gets a round of signed synthetic requests, as agents send to
+        theirs. Returns {replica id: requests sent}."""
+        ctx, t = self.ctx, self.target
+        now = ctx.clock()
+        with self._mu:
+            tracked = dict(self._tracked)
+        sent: dict[str, int] = {}
+        for rid, tr in tracked.items():
+            until = ctx.client.get(keys.keep_warm(rid))
+            if until is None or float(until) <= now or tr.replica.state is not ReplicaState.READY:
+                continue
+            wcfg = ctx.settings.warmup
+            plan = WarmupPlan.from_settings(t.served_model, wcfg, count=max(1, min(wcfg.requests, 2)),
+                                            seed=wcfg.seed + int(now))
+            requests = generate_requests(plan, secret=wcfg.require_secret(), now=now)
+            try:
+                self.adapter_factory(tr.pod.endpoint).warmup(requests)
+            except (PrewarmError, OSError) as exc:
+                log.warning("keep-alive of %s (pod %s) failed: %s", rid, tr.pod.name, exc)
+                continue
+            ctx.metrics.warmup_requests.labels(t.model, "keepalive").inc(len(requests))
+            sent[rid] = len(requests)
+        return sent
+
     def sync(self, pods: Mapping[str, Any]) -> dict[str, str]:
         """One heartbeat round over `pods` (name -> pod object as listed): a tracked replica whose
         pod is there and Ready gets a heartbeat; one whose pod is gone or unready is retired.
@@ -433,8 +470,17 @@ def run_pod_prewarmer(
             except Exception as exc:  # noqa: BLE001 - the loop must outlive an API server or Redis blip
                 log.warning("pod heartbeat round failed: %s", exc)
 
+    def keeper() -> None:
+        while not beat_stop.wait(ctx.settings.warmup.keepalive_interval_s):
+            try:
+                prewarmer.keepalive_round()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
+                log.warning("pod keep-alive round failed: %s", exc)
+
     beater = threading.Thread(target=beat, name="pod-heartbeat", daemon=True)
     beater.start()
+    kept = threading.Thread(target=keeper, name="pod-keepalive", daemon=True)
+    kept.start()
     log.info("prewarming the pods of deployments/%s in %s (selector %s) as %s@%s", deployment, namespace, selector,
              target.model, target.revision)
     try:
@@ -444,6 +490,7 @@ def run_pod_prewarmer(
         pool.shutdown(wait=False, cancel_futures=True)
         beat_stop.set()
         beater.join(timeout=5)
+        kept.join(timeout=5)
     return PrewarmPodsStats(stats, tuple(prewarmer.results))
 
 
