@@ -8,6 +8,7 @@ no API server can run here. The planning task itself (`forecast_and_plan`, hence
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +26,9 @@ from prewarm.core.settings import KubernetesSettings, Settings
 from tests.k8s_double import KubeDouble
 from workers.planning.kubernetes import apply_target, cluster_target, events_for_executor
 from workers.context import WorkerContext
+from workers.app import make_app
 from workers.planning.forecast import forecast_and_plan
+from workers.planning.tasks import handle_demand_for
 
 NS = "inference"
 
@@ -147,3 +150,26 @@ def test_with_keda_the_planner_only_records_the_target(redis_url: str, clean_env
         got = read_target(ctx.client, "tiny", now=JOB_AT - 60.0, max_age_s=180.0)
         assert (got.replicas, got.next_replicas) == (0, 3) and got.next_at is not None and got.next_at < JOB_AT
         assert read_target(ctx.client, "tiny", now=JOB_AT, max_age_s=180.0).replicas == 3
+
+
+def test_unmet_demand_brings_a_deployment_back_from_zero_without_an_agent(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Scale from zero in a cluster: the gateway's unmet demand re-plans the model at once with a
+    floor of one replica, which reaches the Deployment's one owner (here the scale subresource)."""
+    with KubeDouble() as double:
+        double.add_deployment(NS, "tiny", replicas=0, labels={"app": "tiny"}, controller=True)
+        ctx = _planner_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "none")
+        app = make_app(ctx.settings)
+        forecast_and_plan(ctx, now=T0)
+        assert double.replicas(NS, "tiny") == 0
+        ctx = dataclasses.replace(ctx, clock=lambda: T0 + 30.0)
+        ctx.client.hset(keys.demand("tiny"), mapping={"count": "3", "last": repr(T0 + 29.0)})  # as the gateway records
+        out = handle_demand_for(ctx, app, "tiny")
+        assert out["outcome"] == "planned"
+        assert double.replicas(NS, "tiny") == 1 and double.created() == ["tiny-1"]
+        assert ctx.client.zcard(keys.PLANNED_EVENTS) == 0  # no agent was asked to prewarm anything
+        assert read_target(ctx.client, "tiny", now=T0 + 60.0, max_age_s=180.0).replicas == 1
+        forecast_and_plan(ctx, now=T0 + 100.0)  # still fresh demand: the floor holds (no flapping to zero)
+        assert double.replicas(NS, "tiny") == 1 and double.created() == ["tiny-1"]
+        forecast_and_plan(ctx, now=T0 + 29.0 + 121.0)  # stale demand, no traffic in the history: back to zero
+        assert double.replicas(NS, "tiny") == 0

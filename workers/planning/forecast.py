@@ -35,7 +35,8 @@ from prewarm.core.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_na
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.errors import PrewarmError
 from prewarm.registry.targets import schedule_fields
-from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, target_schedule
+from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
+    target_schedule, with_demand_floor
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
 
@@ -161,6 +162,9 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     if len(y):
         ctx.metrics.actual_requests.labels(spec.name).set(float(y.iloc[-1]))
     schedule = target_schedule(result, counts["ready"] + counts["loading"], now)
+    if owns_replicas(ctx.settings.kubernetes):
+        last = ctx.client.hget(keys.demand(spec.name), "last")
+        schedule = with_demand_floor(schedule, float(last) if last else None, now)
     if ctx.settings.kubernetes.enabled:
         _apply_to_cluster(ctx, spec.name, schedule[0][1])
     error = _forecast_error(ctx, spec.name, fc, y, now=now)

@@ -12,7 +12,10 @@ written into its Redis record through `prewarm.registry.targets`); with `none` i
 patches the Deployment. The planner's own SCALE_UP / SCALE_DOWN events are not sent to
 the node agents then (`events_for_executor`): Kubernetes starts and stops the pods, and
 the pod warmer warms, validates and registers each one, so a planned rise creates each
-pod once. HOLD events still go out: they keep ready replicas (pods included) warm.
+pod once. HOLD events still go out: they keep ready replicas (pods included) warm. Unmet
+demand for a model with nothing running (scale from zero) re-plans it at once, and fresh
+unmet demand keeps its target at one or more (`with_demand_floor`), instead of a prewarm
+on a node agent.
 `kubernetes.dry_run` prints the patches and changes nothing.
 """
 
@@ -40,6 +43,20 @@ def target_schedule(result: PlanResult, live_serving: int, now: float) -> list[t
     times = sorted({ev.at for ev in result.events if ev.pool is Pool.SERVING and ev.at > now})
     return [(now, cluster_target(result, live_serving, now))] + \
         [(t, cluster_target(result, live_serving, t)) for t in times]
+
+
+#: Unmet demand (the gateway found nothing ready) this recent keeps at least one replica wanted in a
+#: cluster: the gateway's counters reach the forecast only once their bucket is complete.
+DEMAND_FLOOR_S = 120.0
+
+
+def with_demand_floor(schedule: list[tuple[float, int]], demand_last: float | None,
+                      now: float) -> list[tuple[float, int]]:
+    """Scale from zero in a cluster: while unmet demand is fresh, every step until it goes stale is at least 1."""
+    if demand_last is None or demand_last < now - DEMAND_FLOOR_S:
+        return schedule
+    until = demand_last + DEMAND_FLOOR_S
+    return [(t, max(n, 1) if t < until else n) for t, n in schedule]
 
 
 def owns_replicas(cfg: KubernetesSettings) -> bool:
