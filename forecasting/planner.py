@@ -35,6 +35,7 @@ from croniter import croniter
 
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,8 @@ class PlannerParams:
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
-    def from_settings(cls, s: Any) -> "PlannerParams":
-        """Build from a `PlannerSettings` (typed loosely so the planner imports no settings I/O)."""
+    def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
+        """Build from the `planner` settings group."""
         return cls(
             quantile=s.quantile,
             headroom=s.headroom,
@@ -103,8 +104,8 @@ class PlannerParams:
             budget_share=s.budget_share,
             bucket_s=float(s.bucket_s),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            peak_hold_s=float(getattr(s, "peak_hold_s", cls.peak_hold_s)),
-            min_serving=int(getattr(s, "min_serving", cls.min_serving)),
+            peak_hold_s=float(s.peak_hold_s),
+            min_serving=int(s.min_serving),
         )
 
     @property

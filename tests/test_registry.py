@@ -146,7 +146,6 @@ def test_counts_per_model_and_node(redis_client: "redis.Redis[str]") -> None:
         reg.register(_replica(slot, node=node), now=now)
     _to_ready(reg, _replica(0).id, now)
     assert reg.counts() == {("llama", "ready", "serving"): 1, ("llama", "pending", "serving"): 2}
-    assert reg.counts_by_node() == {("llama", "n1"): 2, ("llama", "n2"): 1}
     assert {r.id for r in reg.live_on_node("n1")} == {_replica(0).id, _replica(1).id}
 
 

@@ -9,7 +9,7 @@ import redis
 
 from prewarm.core import keys
 from prewarm.core.domain import Pool
-from prewarm.core.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError
+from prewarm.core.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError, WeightsError
 from prewarm.runtime.manifest import CorruptWeights
 from prewarm.core.settings import AgentSettings, RedisSettings, Settings
 from workers import payload
@@ -17,7 +17,8 @@ from workers.beat import BeatLock
 from workers.app import make_app
 from workers.names import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, route_task
 from workers.node.supervision import RuntimeExited
-from workers.node.bringup import DeadlineExceeded, failure_reason
+from prewarm.core.errors import failure_reason
+from workers.node.bringup import DeadlineExceeded
 from workers.planning.nodes import NodeSlots, choose_placement
 from workers.planning.tasks import resolve_revision
 
@@ -106,7 +107,8 @@ def test_agent_command_needs_a_shared_redis(clean_env: pytest.MonkeyPatch, capsy
     ("exc", "reason"),
     [
         (CorruptWeights("layers.0.w", "sha256 mismatch"), "bad_weights"),
-        (PermanentError("runtime of x failed to load: tensor 'a' is corrupt: sha256 mismatch"), "bad_weights"),
+        (WeightsError("runtime of x failed to load: tensor 'a' is corrupt: sha256 mismatch"), "bad_weights"),
+        (PermanentError("a message that says corrupt and checksum"), "permanent"),  # types decide, never text
         (InvalidPayload("pool"), "invalid_payload"),
         (RuntimeExited("status 1"), "runtime_exited"),
         (DeadlineExceeded("late"), "timeout"),

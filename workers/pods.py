@@ -54,11 +54,9 @@ from kubernetes import client as k8s_client
 
 from prewarm.adapters.runtimes import (
     OpenAICompatibleAdapter,
-    RuntimeRequestError,
-    RuntimeServerError,
     RuntimeUnavailable,
 )
-from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState, check_name, replica_id
+from prewarm.core.domain import TERMINAL_STATES, LoadPhase, Pool, Replica, ReplicaState, check_name, replica_id
 from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
     TemporaryError
 from prewarm.adapters.k8s import call
@@ -69,13 +67,13 @@ from prewarm.policy.validation import CheckName, Outcome, ValidationReport, vali
 from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
-from workers.node.bringup import ValidationFailed, failure_reason, owner_token
+from prewarm.core.errors import failure_reason
+from workers.node.bringup import ValidationFailed, owner_token
 
 log = logging.getLogger("prewarm.external")
 
 EXTERNAL_SLOT_BASE = 1_000_000
 EXTERNAL_SLOT_SPAN = 1_000_000_000
-TERMINAL = (ReplicaState.FAILED, ReplicaState.RETIRED)
 RESULTS_KEPT = 1000
 
 
@@ -140,6 +138,7 @@ class PodValidationFailed(ValidationFailed):
 
 
 class PodGone(PermanentError):
+    reason = "pod_gone"
     """The pod went away (or unready) while it was being warmed."""
 
 
@@ -150,19 +149,6 @@ def required_problems(report: ValidationReport, *, require_logprobs: bool) -> st
     bad = [c for c in report.checks
            if c.outcome is Outcome.FAILED or (c.outcome is Outcome.UNSUPPORTED and c.name not in may_be_unsupported)]
     return "; ".join(f"{c.name.value}: {c.detail}" for c in bad)
-
-
-def _reason_code(exc: BaseException) -> str:
-    """Low-cardinality reason of `model_loading_failures_total` for a pod's failure."""
-    if isinstance(exc, PodGone):
-        return "pod_gone"
-    if isinstance(exc, RuntimeUnavailable):
-        return "unreachable"
-    if isinstance(exc, RuntimeServerError):
-        return "bad_response"
-    if isinstance(exc, RuntimeRequestError):
-        return "refused"
-    return failure_reason(exc)
 
 
 @dataclass
@@ -235,7 +221,7 @@ class PodPrewarmer:
             self._track(pod, rec)
             log.info("pod %s: replica %s is already ready at %s; adopted", pod.name, rid, pod.endpoint)
             return PodResult(pod.name, rid, PodOutcome.ALREADY_READY)
-        if rec is not None and rec.state not in TERMINAL:
+        if rec is not None and rec.state not in TERMINAL_STATES:
             # Handed over again (it was unready in between: its server may have restarted cold),
             # moved to another IP, or left half-done by a watcher that died: start over.
             self._end(rid, rec, f"pod {pod.name} was handed over again: warming it anew", fail_code="superseded")
@@ -274,7 +260,7 @@ class PodPrewarmer:
             return self.ctx.registry.transition(rid, to, now=self.ctx.clock(), expected=expected, reason=reason)
         except IllegalTransition as exc:
             rec = self.ctx.registry.get(rid)
-            if rec is not None and rec.state in TERMINAL:
+            if rec is not None and rec.state in TERMINAL_STATES:
                 raise PodGone(f"replica {rid} became {rec.state.value} while it was warmed: {rec.reason}") from exc
             raise
 
@@ -323,7 +309,7 @@ class PodPrewarmer:
         return report
 
     def _fail(self, rid: str, pod: ReadyPod, exc: BaseException) -> PodResult:
-        code = _reason_code(exc)
+        code = failure_reason(exc)
         detail = f"{code}: {exc}"[:500]
         with self._mu:
             self._tracked.pop(rid, None)
@@ -331,7 +317,7 @@ class PodPrewarmer:
         if rid:
             try:
                 rec = self.ctx.registry.get(rid)
-                if rec is not None and rec.state not in TERMINAL:
+                if rec is not None and rec.state not in TERMINAL_STATES:
                     self.ctx.registry.transition(rid, ReplicaState.FAILED, now=self.ctx.clock(), reason=detail)
                     counted = True
             except (PrewarmError, OSError) as rexc:
@@ -387,7 +373,7 @@ class PodPrewarmer:
             try:
                 if alive:
                     stored = self.ctx.registry.heartbeat(t.replica, now=now)
-                    if stored.state in TERMINAL:
+                    if stored.state in TERMINAL_STATES:
                         self._untrack(rid, t)
                         done[rid] = "dropped"
                     else:
@@ -412,7 +398,7 @@ class PodPrewarmer:
         """Drain and retire a ready replica; fail one still warming; leave a terminal one."""
         now = self.ctx.clock()
         try:
-            if rec is None or rec.state in TERMINAL:
+            if rec is None or rec.state in TERMINAL_STATES:
                 return "dropped"
             if rec.state is ReplicaState.READY:
                 rec = self.ctx.registry.transition(rid, ReplicaState.DRAINING, now=now, reason=why)

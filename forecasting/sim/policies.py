@@ -48,7 +48,6 @@ from threadpoolctl import threadpool_limits
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
-from forecasting.sim.workload import SimParams, Workload
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
@@ -313,7 +312,7 @@ class Prewarm(Policy):
         # "peak": plan the bucket's peak in-flight demand (as req/s) with every slot busy
         util = self.target if self.signal == "mean" else 1.0
         cap = env.params.slots * util / env.work.mean_service_s
-        self.model = ModelSpec(name="trace", revision="replay", weights_uri="", capacity_rps=cap,
+        self.model = ModelSpec(name="trace", revision="replay", capacity_rps=cap,
                                slots=env.params.slots)
         self.rates: list[float] = []  # req/s per full bucket so far
         S = env.work.mean_service_s

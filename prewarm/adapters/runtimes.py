@@ -34,13 +34,19 @@ PROBE_PROMPT = "The quick brown fox jumps over the lazy dog."
 class RuntimeUnavailable(TemporaryError):
     """The runtime cannot be reached or answered 503; retry after `retry_after` seconds."""
 
+    reason = "unreachable"
+
 
 class RuntimeServerError(TemporaryError):
     """The runtime answered with a 5xx other than 503."""
 
+    reason = "bad_response"
+
 
 class RuntimeRequestError(PermanentError):
     """The runtime refused the request (4xx); `status` and the server's message say why."""
+
+    reason = "refused"
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -53,6 +59,7 @@ class LoadStatus:
     phase: LoadPhase
     loaded: bool
     error: str | None = None
+    error_kind: str | None = None  # the failure's reason code (`errors.failure_reason`), e.g. bad_weights
 
 
 @dataclass(frozen=True)
@@ -233,7 +240,7 @@ class BuiltinRuntimeAdapter(_HttpAdapter):
 
     def _status(self, data: Any) -> LoadStatus:
         try:
-            return LoadStatus(float(data["progress"]), LoadPhase(data["phase"]), bool(data["loaded"]), data.get("error"))
+            return LoadStatus(float(data["progress"]), LoadPhase(data["phase"]), bool(data["loaded"]), data.get("error"), data.get("error_kind"))
         except (KeyError, TypeError, ValueError) as exc:
             raise RuntimeServerError(f"/load answered {data!r}: {exc!r}") from exc
 

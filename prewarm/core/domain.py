@@ -53,9 +53,10 @@ TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.FAILED: frozenset(),
 }
 
-LIVE_STATES: frozenset[ReplicaState] = frozenset(
-    s for s in ReplicaState if s not in (ReplicaState.RETIRED, ReplicaState.FAILED)
-)
+#: States a replica never leaves: nothing routes to it and no task works on it any more.
+TERMINAL_STATES: frozenset[ReplicaState] = frozenset({ReplicaState.FAILED, ReplicaState.RETIRED})
+#: Every other state: the replica holds (or is about to hold) a slot.
+LIVE_STATES: frozenset[ReplicaState] = frozenset(ReplicaState) - TERMINAL_STATES
 
 
 def check_name(value: str, what: str) -> str:
@@ -93,12 +94,10 @@ def parse_replica_id(rid: object) -> tuple[str, str, str, int]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load: a model at a revision, where its weights are, and what one replica serves."""
+    """A model at a revision, and what one replica of it serves."""
 
     name: str
     revision: str
-    weights_uri: str  # a local directory holding config.json, model.safetensors, manifest.json
-    size_bytes: int = 0
     capacity_rps: float = 4.0  # sustained requests/s one replica serves within the SLA
     slots: int = 8  # concurrent requests one replica holds
 

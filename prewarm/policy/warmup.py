@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Callable, Mapping, Sequence
 
 from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import WarmupSettings
 from prewarm.core.signing import warmup_headers
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -213,24 +214,23 @@ class WarmupPlan:
             raise InvalidPayload(f"warmup max_tokens must be >= 1, got {self.max_tokens}")
 
     @classmethod
-    def from_settings(cls, model: str, settings: object, *, count: int | None = None, seed: int | None = None) -> "WarmupPlan":
-        """Build from a `WarmupSettings` (duck-typed so this module imports no settings machinery)."""
-        kind = getattr(settings, "prompt_distribution", LengthDistributionKind.GAUSSIAN.value)
+    def from_settings(cls, model: str, settings: WarmupSettings, *, count: int | None = None,
+                      seed: int | None = None) -> "WarmupPlan":
+        """Build from the `warmup` settings group; `count` and `seed` override theirs."""
         return cls(
             model=model,
-            count=int(count if count is not None else getattr(settings, "requests")),
+            count=int(count if count is not None else settings.requests),
             lengths=LengthDistribution(
-                kind=LengthDistributionKind(kind),
-                mean=float(getattr(settings, "prompt_mean_tokens")),
-                sd=float(getattr(settings, "prompt_sd_tokens")),
-                max_tokens=getattr(settings, "prompt_max_tokens", None),
+                kind=LengthDistributionKind(settings.prompt_distribution),
+                mean=float(settings.prompt_mean_tokens),
+                sd=float(settings.prompt_sd_tokens),
+                max_tokens=settings.prompt_max_tokens,
             ),
-            topics=TopicMix.of(getattr(settings, "topics")),
-            max_tokens=int(getattr(settings, "max_tokens")),
-            seed=int(seed if seed is not None else getattr(settings, "seed")),
-            token_unit=TokenUnit(getattr(settings, "prompt_token_unit", TokenUnit.WORD.value)),
+            topics=TopicMix.of(settings.topics),
+            max_tokens=int(settings.max_tokens),
+            seed=int(seed if seed is not None else settings.seed),
+            token_unit=TokenUnit(settings.prompt_token_unit),
         )
-
 
 def make_prompt(
     topic: str, tokens: int, rng: random.Random, count_tokens: Callable[[str], int] | None = None

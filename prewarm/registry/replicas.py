@@ -264,16 +264,6 @@ class ReplicaRegistry:
             out[(model, state, pool)] = out.get((model, state, pool), 0) + 1
         return out
 
-    def counts_by_node(self) -> dict[tuple[str, str], int]:
-        """Live replicas per (model, node)."""
-        live = {s.value for s in LIVE_STATES}
-        out: dict[tuple[str, str], int] = {}
-        for model, state, _pool, node in self._count_rows():
-            if state in live:
-                out[(model, node)] = out.get((model, node), 0) + 1
-        return out
-
-    @_wrap_redis_errors
     def events(self, *, since: str = "-", count: int = 1000) -> list[tuple[str, dict[str, str]]]:
         """Transitions from the audit stream, oldest first, after the stream id `since`."""
         start = since if since == "-" else f"({since}"

@@ -57,7 +57,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prewarm.runtime import api
 from prewarm.runtime import probe
 from prewarm.core.domain import LoadPhase
-from prewarm.core.errors import TemporaryError
+from prewarm.core.errors import TemporaryError, failure_reason
 from prewarm.core.metrics import Metrics
 from prewarm.core.signing import HEADER, is_valid_warmup
 from prewarm.policy.validation import (
@@ -396,6 +396,7 @@ class ModelHost:
             "phase": self._phase().value,
             "loaded": bool(self.engine.loaded),
             "error": None if self.engine.error is None else str(self.engine.error),
+            "error_kind": None if self.engine.error is None else failure_reason(self.engine.error),
             "device": str(self.engine.device),
             "sleeping": bool(self.engine.is_sleeping),
         }

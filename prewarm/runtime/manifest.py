@@ -15,18 +15,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from prewarm.core.errors import PermanentError
+from prewarm.core.errors import WeightsError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
-class ModelError(PermanentError):
+class ModelError(WeightsError):
     """A model directory, config or manifest is wrong; the message names what."""
 
 
-class CorruptWeights(PermanentError):
+class CorruptWeights(WeightsError):
     """A tensor's bytes, shape or dtype do not match the manifest; `tensor` names it."""
 
     def __init__(self, tensor: str, detail: str) -> None:

@@ -31,12 +31,10 @@ from typing import Any
 
 import redis
 from celery import Celery
-from prometheus_client import start_http_server
 
 from prewarm.core import keys
-from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.domain import TERMINAL_STATES, Replica, ReplicaState
 from prewarm.core.errors import PrewarmError
-from prewarm.core.metrics import RegistryCollector
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
@@ -46,8 +44,6 @@ from workers.context import WorkerContext
 from workers.process import serve_metrics, setup_logging
 
 log = logging.getLogger("prewarm.agent")
-
-TERMINAL = (ReplicaState.FAILED, ReplicaState.RETIRED)
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,7 @@ class Agent:
         reason = f"agent of node {self.node} shut down"
         try:
             rec = self.ctx.registry.get(replica.id)
-            if rec is None or rec.state in TERMINAL:
+            if rec is None or rec.state in TERMINAL_STATES:
                 return
             if rec.state is ReplicaState.READY:
                 rec = self.ctx.registry.transition(replica.id, ReplicaState.DRAINING, now=self.ctx.clock(),
@@ -125,7 +121,7 @@ class Agent:
         """Adopt live orphans, stop dead ones, fail registry entries nothing hosts."""
         def keep(replica: Replica) -> Replica | None:
             rec = self.ctx.registry.get(replica.id)
-            return rec if rec is not None and rec.state not in TERMINAL else None
+            return rec if rec is not None and rec.state not in TERMINAL_STATES else None
 
         adopted = self.ctx.host.adopt_orphans(keep)
         hosted = self.ctx.host.hosted_ids()
@@ -176,7 +172,7 @@ class Agent:
                 continue
             stored = self.ctx.registry.heartbeat(hosted.replica, now=now)
             self.ctx.host.update(stored)
-            if stored.state in TERMINAL and self.ctx.client.get(keys.replica_lock(rid)) is None:
+            if stored.state in TERMINAL_STATES and self.ctx.client.get(keys.replica_lock(rid)) is None:
                 log.warning("replica %s is %s in the registry (%s): stopping its runtime", rid, stored.state.value,
                             stored.reason)
                 self.ctx.host.stop(rid)

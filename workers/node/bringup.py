@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from prewarm.core.domain import LoadPhase, Replica, ReplicaState
-from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError
+from prewarm.core.domain import TERMINAL_STATES, LoadPhase, Replica, ReplicaState
+from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError, WeightsError
 from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, generate_requests
@@ -32,11 +32,11 @@ from workers.node.runtime_client import RuntimeClient, make_client
 
 log = logging.getLogger("prewarm.agent.pipeline")
 
-TERMINAL = (ReplicaState.FAILED, ReplicaState.RETIRED)
-
 
 class ValidationFailed(PermanentError):
     """The warm replica failed a validation check; not retried (it would fail again)."""
+
+    reason = "validation_failed"
 
     def __init__(self, rid: str, report: ValidationReport) -> None:
         super().__init__(f"replica {rid} failed validation: {report.reason}")
@@ -45,6 +45,8 @@ class ValidationFailed(PermanentError):
 
 class DeadlineExceeded(TemporaryError):
     """The task ran out of its time limit; a retry resumes from the registry's state."""
+
+    reason = "timeout"
 
 
 class LockLost(TemporaryError):
@@ -73,28 +75,6 @@ def resolve_model_dir(ctx: WorkerContext, model: str, revision: str, given: str 
             return cand.resolve()
     raise PermanentError(f"no model directory with a {MANIFEST_FILE} for {model}@{revision}: looked at "
                          + ", ".join(str(c) for c in candidates))
-
-
-def failure_reason(exc: BaseException) -> str:
-    """A short, low-cardinality reason code for metrics (`model_loading_failures_total{reason}`)."""
-    from prewarm.runtime.manifest import CorruptWeights, ModelError
-
-    text = str(exc).lower()
-    if isinstance(exc, ValidationFailed):
-        return "validation_failed"
-    if isinstance(exc, InvalidPayload):
-        return "invalid_payload"
-    if isinstance(exc, (CorruptWeights, ModelError)) or "corrupt" in text or "checksum" in text:
-        return "bad_weights"
-    if isinstance(exc, RuntimeExited):
-        return "runtime_exited"
-    if isinstance(exc, (DeadlineExceeded, TimeoutError)):
-        return "timeout"
-    if isinstance(exc, PermanentError):
-        return "permanent"
-    if isinstance(exc, TemporaryError):
-        return "temporary"
-    return "internal"
 
 
 class PrewarmJob:
@@ -159,7 +139,7 @@ class PrewarmJob:
         if rec is not None and rec.state is ReplicaState.DRAINING:
             log.info("replica %s is draining: not prewarming it again", self.rid)
             return PrewarmResult(self.rid, PrewarmOutcome.SKIPPED)
-        if rec is None or rec.state in TERMINAL:
+        if rec is None or rec.state in TERMINAL_STATES:
             now = ctx.clock()
             fresh = Replica(model=ref.model, revision=ref.revision, node=ref.node, slot=ref.slot,
                             endpoint=ctx.host.endpoint_of(ref.slot), pool=self.req.pool,
@@ -206,7 +186,8 @@ class PrewarmJob:
             self._check(lock, hosted)
             status = client.load_status()
             if status.error:
-                raise PermanentError(f"runtime of {self.rid} failed to load: {status.error}")
+                kind = WeightsError if status.error_kind == WeightsError.reason else PermanentError
+                raise kind(f"runtime of {self.rid} failed to load: {status.error}")
             if (status.progress, status.phase) != last:
                 ctx.registry.set_progress(self.rid, min(1.0, max(0.0, status.progress)), status.phase,
                                           now=ctx.clock())
@@ -258,5 +239,4 @@ def owner_token(task_id: str) -> str:
     return f"{os.uname().nodename}:{os.getpid()}:{task_id}"
 
 
-__all__ = ["PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ValidationFailed", "failure_reason",
-           "owner_token", "resolve_model_dir"]
+__all__ = ["PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ValidationFailed", "owner_token", "resolve_model_dir"]

@@ -34,6 +34,7 @@ log = logging.getLogger("prewarm.agent.host")
 
 
 class RuntimeExited(TemporaryError):
+    reason = "runtime_exited"
     """The runtime process of a replica ended; the message carries the tail of its log."""
 
 

@@ -36,7 +36,8 @@ from workers import context, payload
 from workers.node import operations
 from workers.context import WorkerContext
 from workers.payload import ReplicaRef
-from workers.node.bringup import LockLost, PrewarmJob, failure_reason, owner_token
+from prewarm.core.errors import failure_reason
+from workers.node.bringup import LockLost, PrewarmJob, owner_token
 
 log = logging.getLogger("prewarm.agent.tasks")
 

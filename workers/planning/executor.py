@@ -122,15 +122,10 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
     return sent
 
 
-def node_slots(ctx: WorkerContext) -> list[NodeSlots]:
-    """Live nodes (their agent publishes `keys.node_info`) with the slots their live replicas use."""
-    return live_nodes(ctx)
-
-
 def node_views(ctx: WorkerContext) -> tuple[NodeView, ...]:
     """The planner's view of the live nodes, for `PlanContext.nodes`."""
     views = []
-    for ns in node_slots(ctx):
+    for ns in live_nodes(ctx):
         info = ctx.client.hgetall(keys.node_info(ns.node))
         snaps = frozenset(s for s in info.get("snapshots", "").split(",") if s)
         views.append(NodeView(name=ns.node, replica_slots=ns.slots, replicas=len(ns.used), snapshots=snaps,
@@ -215,7 +210,7 @@ def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
     if ev.replicas < 0:
         raise InvalidPayload(f"scale event {ev.event_id} asks for {ev.replicas} replicas")
     if ev.kind is ScaleEventKind.SCALE_UP:
-        slots = _pick_slots(node_slots(ctx), ev.nodes, ev.replicas)
+        slots = _pick_slots(live_nodes(ctx), ev.nodes, ev.replicas)
         return [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
     return [r.id for r in _ready_of(ctx, ev)[: ev.replicas]]
 

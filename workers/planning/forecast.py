@@ -61,14 +61,14 @@ def planned_models(ctx: WorkerContext) -> list[ModelSpec]:
         name, sep, rev = entry.partition("@")
         if not sep:
             raise InvalidPayload(f"PREWARM_PLANNER_MODELS entries must be model@revision, got {entry!r}")
-        specs[name] = ModelSpec(check_name(name, "model"), check_name(rev, "revision"), weights_uri="",
+        specs[name] = ModelSpec(check_name(name, "model"), check_name(rev, "revision"),
                                 capacity_rps=cap)
     if specs:
         return list(specs.values())
     for name in ctx.registry.models():
         reps = sorted(ctx.registry.replicas_of(name), key=lambda r: r.updated_at)
         if reps:
-            specs[name] = ModelSpec(name, reps[-1].revision, weights_uri="", capacity_rps=cap)
+            specs[name] = ModelSpec(name, reps[-1].revision, capacity_rps=cap)
     return list(specs.values())
 
 

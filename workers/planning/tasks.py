@@ -17,7 +17,7 @@ Placement reads the node views agents publish (`workers.planning.nodes`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from celery import Celery, Task
 
@@ -134,15 +134,11 @@ def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 def dispatch_due_events(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("dispatch_due_events", args, kwargs)
-    from workers.planning.executor import dispatch_due
-
     ctx = _ctx(self)
     return {"dispatched": dispatch_due(ctx, self.app, now=ctx.clock())}
 
 
 def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
-    from workers.planning.executor import apply_event
-
     bound = payload.parse_event_id("apply_scale_event", args, kwargs)
     applied = apply_event(_ctx(self), self.app, bound)
     return {"event_id": applied.event_id, "kind": applied.kind.value, "replicas": list(applied.replica_ids),
@@ -151,11 +147,10 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("forecast_and_plan", args, kwargs)
-    from workers.planning.forecast import forecast_and_plan as run
-
     ctx = _ctx(self)
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
-                        "new_events": list(m.new_events), "dropped": m.dropped} for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
+                        "new_events": list(m.new_events), "dropped": m.dropped}
+                       for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
 
 
 def register(app: Celery) -> None:

@@ -15,24 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from forecasting.data.synthetic import SyntheticWorkload
-from forecasting.data.traces import RateTrace, RequestTrace, load_trace
 from prewarm.core import keys
 from prewarm.registry.embedded import free_port
 from prewarm.runtime.model import load_manifest, make_model
