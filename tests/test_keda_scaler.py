@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
-SPEC = ModelSpec(MODEL, "r1", weights_uri="", capacity_rps=10.0)
+SPEC = ModelSpec(MODEL, "r1", capacity_rps=10.0)
 #: One rise to 4 replicas (35 req/s at 10 req/s each) between 120 s and 240 s, nothing before or after.
 DEMAND = [0.0, 0.0, 35.0, 35.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 PARAMS = PlannerParams(warm_pool_size=0, budget_share=1.0, default_cold_start_s=20.0, lead_margin_s=10.0,
