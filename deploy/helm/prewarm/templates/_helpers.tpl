@@ -77,6 +77,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds | quote }}
 - name: PREWARM_PLANNER_DRY_RUN
   value: {{ .Values.planner.dryRun | quote }}
+- name: PREWARM_PLANNER_MIN_SERVING
+  value: {{ .Values.planner.minServing | quote }}
 {{- with .Values.planner.models }}
 - name: PREWARM_PLANNER_MODELS
   value: {{ toJson . | quote }}
