@@ -47,8 +47,11 @@ def test_deployment_scaled_through_the_subresource_and_dry_run_changes_nothing(d
     assert res is not None and res.dry_run and not res.applied and double.replicas(NS, "llm") == 2
     apply_target(act, KubernetesSettings(enabled=True, namespace=NS, deployment="llm"), "m", 5)
     assert double.replicas(NS, "llm") == 5
-    apply_target(act, KubernetesSettings(enabled=True, namespace=NS, deployments={"m": "llm"}), "m", 0)
+    many = KubernetesSettings(enabled=True, namespace=NS, deployment="other", deployments={"m": "llm"})
+    apply_target(act, many, "m", 0)
     assert double.replicas(NS, "llm") == 0  # one Deployment per model; zero is a target like any other
+    with pytest.raises(ValueError, match="Deployment of n"):
+        apply_target(act, many, "n", 3)  # a model missing from the map never scales another model's Deployment
     with pytest.raises(ValueError, match="PREWARM_KUBERNETES_DEPLOYMENT"):
         apply_target(act, KubernetesSettings(enabled=True, namespace=NS), "m", 3)
 

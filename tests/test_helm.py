@@ -353,7 +353,8 @@ def test_keda_mode_points_one_scaled_object_per_model_at_the_scaler_service() ->
     assert cli_refuses(args) is None and args[args.index("--port") + 1] == str(grpc_port)
     planner_env = env_of(find(docs, "Deployment", "-planner"))
     assert planner_env["PREWARM_KUBERNETES_AUTOSCALING"] == "keda"
-    assert json.loads(planner_env["PREWARM_KUBERNETES_DEPLOYMENTS"]) == {"llama3": "vllm-llama3", "qwen": "vllm-qwen"}
+    assert json.loads(planner_env["PREWARM_KUBERNETES_DEPLOYMENTS"]) == {
+        "tiny": "pw-prewarm-inference", "llama3": "vllm-llama3", "qwen": "vllm-qwen"}
     assert "replicas" not in find(docs, "Deployment", "-inference")["spec"]  # KEDA's to set, not Helm's
     push = find(render({"autoscaling": {"mode": "keda", "keda": {"push": True}}}), "ScaledObject", "-inference")
     assert push["spec"]["triggers"][0]["type"] == "external-push"  # KEDA then also holds StreamIsActive open

@@ -72,8 +72,11 @@ def events_for_executor(cfg: KubernetesSettings, events: Iterable[ScaleEvent]) -
 
 
 def deployment_for(cfg: KubernetesSettings, model: str) -> str | None:
-    """The Deployment serving `model`: `kubernetes.deployments[model]`, else `kubernetes.deployment`."""
-    return cfg.deployments.get(model) or cfg.deployment
+    """The Deployment serving `model`: its entry in `kubernetes.deployments` when that map is set (a model
+    missing from it has none: never someone else's), else the one `kubernetes.deployment`."""
+    if cfg.deployments:
+        return cfg.deployments.get(model)
+    return cfg.deployment
 
 
 def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, model: str, target: int) -> PatchResult | None:

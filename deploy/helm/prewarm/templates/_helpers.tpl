@@ -97,9 +97,9 @@ prometheus.io/path: /metrics
 {{- end }}
 - name: PREWARM_KUBERNETES_AUTOSCALING
   value: {{ .Values.autoscaling.mode | quote }}
-{{- with .Values.autoscaling.targets }}
+{{- if .Values.autoscaling.targets }}
 {{- $map := dict }}
-{{- range . }}{{- $_ := set $map .model .deployment }}{{- end }}
+{{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- end }}
 - name: PREWARM_KUBERNETES_DEPLOYMENTS
   value: {{ toJson $map | quote }}
 {{- end }}
