@@ -300,7 +300,7 @@ def test_rbac_grants_exactly_the_actuators_calls() -> None:
     # only the planner and the pod warmer run as the actuator; every other pod has no API token at all
     for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
         spec = pod_spec(doc)
-        if doc["metadata"]["name"].endswith(("-planner", "-pod-warmer")):
+        if doc["metadata"]["name"].endswith("-planner") or "-pod-warmer" in doc["metadata"]["name"]:
             assert spec["serviceAccountName"] == sa
         else:
             assert spec.get("serviceAccountName") != sa and spec.get("automountServiceAccountToken") is False
@@ -418,3 +418,24 @@ def test_the_scaled_object_check_refuses_what_keda_does_not_define() -> None:
         node[path[-1]] = value
         with pytest.raises(Exception):
             check_scaled_object(bad)
+
+
+def test_each_target_with_a_revision_gets_its_own_pod_warmer() -> None:
+    """Multi-model: every model's Deployment has one owner of its count and one pod warmer registering its pods."""
+    docs = render({"autoscaling": {"mode": "keda", "targets": [
+        {"model": "llama3", "deployment": "vllm-llama3", "revision": "2024-06", "servedModel": "meta/llama3",
+         "port": 8000},
+        {"model": "qwen", "deployment": "vllm-qwen"}]}})  # no revision: its pods are warmed elsewhere
+    warmers = {dict(zip(a[2::2], a[3::2]))["--deployment"]: (d, a) for d in docs if d["kind"] == "Deployment"
+               and "-pod-warmer" in d["metadata"]["name"] for a in [pod_spec(d)["containers"][0]["args"]]}
+    assert set(warmers) == {"pw-prewarm-inference", "vllm-llama3"}
+    doc, args = warmers["vllm-llama3"]
+    opts = dict(zip(args[2::2], args[3::2]))
+    assert (opts["--model"], opts["--revision"], opts["--served-model"]) == ("llama3", "2024-06", "meta/llama3")
+    assert env_of(doc)["PREWARM_KUBERNETES_POD_PORT"] == "8000" and cli_refuses(args) is None
+    selectors = [json.dumps(d["spec"]["selector"], sort_keys=True) for d, _ in warmers.values()]
+    assert len(set(selectors)) == 2  # no two warmers' Deployments select each other's pods
+    for d, _ in warmers.values():
+        assert pod_spec(d)["serviceAccountName"] == "pw-prewarm-actuator"
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(d, version, strict=True)
