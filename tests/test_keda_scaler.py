@@ -35,6 +35,8 @@ from prewarm.gateway.keda import TARGET_METRIC, TargetScaler, build_server, metr
 from prewarm.gateway.kedaproto import externalscaler_pb2 as pb
 from prewarm.gateway.kedaproto import externalscaler_pb2_grpc as pb_grpc
 from prewarm.registry.targets import schedule_fields
+from tests.test_cluster import JOB_AT, _planner_ctx
+from workers.planning.forecast import forecast_and_plan
 from workers.planning.kubernetes import target_schedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -236,3 +238,29 @@ def test_checked_in_modules_are_what_grpc_tools_generates(tmp_path: Path) -> Non
     for name in ("externalscaler_pb2.py", "externalscaler_pb2.pyi", "externalscaler_pb2_grpc.py"):
         assert (tmp_path / proto).with_name(name).read_text() == (ROOT / proto).with_name(name).read_text(), \
             f"{name} is stale: run `make proto`"
+
+
+def test_the_live_planning_task_drives_keda_through_the_scaler(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The whole path with nothing written by hand: `forecast_and_plan` (the beat's task body) records
+    the target, the scaler serves it over gRPC, and KEDA's rule turns it into replicas."""
+    ctx = _planner_ctx(clean_env, redis_url, tmp_path / "unused-kubeconfig", "keda")
+    clock = Clock(JOB_AT - 60.0)
+    servicer = TargetScaler(ctx.client, max_age_s=180.0, clock=clock)
+    server, port = build_server(servicer, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalScalerStub(channel)
+            forecast_and_plan(ctx, now=clock.t)  # no traffic, min_serving 0: nothing wanted yet
+            replicas = keda_round(stub, 0)
+            assert replicas == 0
+            clock.t = JOB_AT - 5.0  # the batch job's 3 replicas are due one lead (18.7 s) ahead of it
+            replicas = keda_round(stub, replicas)
+            assert replicas == 3
+            clock.t = JOB_AT + 200.0  # the job is over
+            forecast_and_plan(ctx, now=clock.t)
+            assert keda_round(stub, replicas) == 0
+    finally:
+        server.stop(grace=None)
+        ctx.client.close()
