@@ -10,6 +10,7 @@ manages is `keda_replicas` below: their documented arithmetic (KEDA's activation
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -36,7 +37,9 @@ from prewarm.gateway.kedaproto import externalscaler_pb2 as pb
 from prewarm.gateway.kedaproto import externalscaler_pb2_grpc as pb_grpc
 from prewarm.registry.targets import schedule_fields
 from tests.test_cluster import JOB_AT, _planner_ctx
+from workers.app import make_app
 from workers.planning.forecast import forecast_and_plan
+from workers.planning.tasks import handle_demand_for
 from workers.planning.kubernetes import target_schedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -261,6 +264,30 @@ def test_the_live_planning_task_drives_keda_through_the_scaler(
             clock.t = JOB_AT + 200.0  # the job is over
             forecast_and_plan(ctx, now=clock.t)
             assert keda_round(stub, replicas) == 0
+    finally:
+        server.stop(grace=None)
+        ctx.client.close()
+
+
+def test_unmet_demand_activates_keda_from_zero(redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing forecast, nothing running: a request the gateway could not serve re-plans the model at
+    once, and the next IsActive brings the Deployment back from zero (before the demand reaches the
+    forecast, which only sees complete buckets)."""
+    ctx = _planner_ctx(clean_env, redis_url, tmp_path / "unused-kubeconfig", "keda")
+    clock = Clock(JOB_AT - 300.0)
+    ctx = dataclasses.replace(ctx, clock=clock)
+    servicer = TargetScaler(ctx.client, max_age_s=180.0, clock=clock)
+    server, port = build_server(servicer, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalScalerStub(channel)
+            forecast_and_plan(ctx, now=clock.t)
+            assert stub.IsActive(ref(), timeout=5).result is False
+            ctx.client.hset(keys.demand(MODEL), mapping={"count": "1", "last": repr(clock.t)})  # as the gateway does
+            assert handle_demand_for(ctx, make_app(ctx.settings), MODEL)["outcome"] == "planned"
+            assert stub.IsActive(ref(), timeout=5).result is True
+            assert keda_round(stub, 0) == 1
     finally:
         server.stop(grace=None)
         ctx.client.close()
