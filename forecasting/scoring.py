@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from forecasting.planner import warm_cost
 from forecasting.policies import POLICIES, Prewarm, make_policy
 from forecasting.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 
@@ -40,14 +41,13 @@ def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.
         (run.wait > params.wait_threshold_s).sum())
     live = run.live.astype(np.float64)
     need = work.need[: live.size].astype(np.float64)
-    live_sum = float(live.sum())
     return {
         "ttft_p50_s": weighted_quantile(run.ttft, w, 0.5),
         "ttft_p99_s": weighted_quantile(run.ttft, w, 0.99),
         "ttft_p999_s": weighted_quantile(run.ttft, w, 0.999),
         "cold_start_share": hits / total if total else 0.0,
         "gpu_hours": run.gpu_s / 3600.0,
-        "warm_cost_ratio": float(np.maximum(live - need, 0).sum()) / live_sum if live_sum else 0.0,
+        "warm_cost_ratio": warm_cost(live, need),
         "cold_starts": int(run.starts),
     }
 
@@ -94,8 +94,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         runs[name] = run
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
         if isinstance(policy, Prewarm):
-            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
-                             "forecasts_clipped": policy.clipped}
+            scores[name] |= {"planner_modes": dict(policy.modes)}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")

@@ -210,18 +210,19 @@ class PlannerSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_PLANNER_", extra="forbid")
     group: ClassVar[str] = "planner"
 
-    interval_s: float = Field(60.0, gt=0)  # beat period of forecast_and_plan
-    bucket_s: int = Field(60, gt=0)
+    interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
+    bucket_s: int = Field(60, gt=0)  # coarse buckets: the history the seasonal profile is learned from
+    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a gateway counter resolution): what the nowcast reads
     horizon_s: int = Field(3600, gt=0)
     quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
-    headroom: float = Field(0.1, ge=0)
+    headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
     lead_margin_s: float = Field(10.0, ge=0)
     default_cold_start_s: float = Field(8.7, gt=0)
-    stabilization_s: float = Field(300.0, ge=0)
-    warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the baseline
-    warm_pool_percent: float = Field(10.0, ge=0, le=100)
+    stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
+    error_threshold: float = Field(0.25, gt=0)  # recent relative MAE above which scale-downs turn reactive
+    warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
+    warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
-    peak_hold_s: float = Field(480.0, ge=0)  # the observed peak rate of this long ago still floors the plan
     dry_run: bool = False
     models: list[str] = Field(default_factory=list)  # model@revision to plan for; empty: every model seen
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
