@@ -44,9 +44,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from croniter import croniter
 
-from forecasting.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
-from prewarm.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
-from prewarm.errors import InvalidPayload
+from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
+from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
+from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import PlannerSettings
 
 PREDICTIVE = "predictive"
 REACTIVE = "reactive"
@@ -84,7 +85,7 @@ class BatchJob:
 
 @dataclass(frozen=True)
 class PlannerParams:
-    """Mirror of `prewarm.settings.PlannerSettings` (the fields the pure planner reads)."""
+    """Mirror of `prewarm.core.settings.PlannerSettings` (the fields the pure planner reads)."""
 
     quantile: float = 0.9
     headroom: float = 0.0
@@ -107,8 +108,8 @@ class PlannerParams:
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
-    def from_settings(cls, s: Any) -> "PlannerParams":
-        """Build from a `PlannerSettings` (typed loosely so the planner imports no settings I/O)."""
+    def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
+        """Build from the `planner` settings group."""
         return cls(
             quantile=s.quantile, headroom=s.headroom, lead_margin_s=s.lead_margin_s,
             default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,

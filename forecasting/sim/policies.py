@@ -1,0 +1,307 @@
+"""The scaling policies the trace replay compares; each only says how many replicas to keep.
+
+Every policy sees the same `Observation` (the past and the present, never the future) on
+its own decision period and returns the number of live replicas it wants; the engine in
+`forecasting.sim.simulate` carries that out the same way for all. The exception is `oracle`,
+which is handed the future on purpose: it is the reference, not a contender.
+
+- `reactive`: the Kubernetes HPA algorithm on slot utilization (busy + queued requests per
+  slot), target 70%, 15 s sync, 10% tolerance, scale-up at once (paying the cold start),
+  scale-down to the highest recommendation of the last 300 s (the stabilization window).
+- `fixed_pool`: reactive plus a warm pool of 10% of its recommendation (at least one).
+- `keepalive`: the hybrid histogram policy of "Serverless in the Wild" (Shahrad et al.,
+  USENIX ATC'20), adapted from function instances to replica counts: replica level k
+  (the k-th replica) is "invoked" while the HPA recommendation is >= k; each level keeps
+  a histogram of its idle times (1-minute bins over 4 hours). When the histogram is
+  representative (enough samples, bin-count CV >= 2), a level that goes idle is unloaded
+  and loaded again one cold start before the head (5th percentile, -10%) of its idle
+  times, and kept until the tail (99th percentile, +10%); otherwise it is kept alive for
+  a fixed window (the paper's conservative fallback: the histogram range, 4 hours). The
+  paper's ARIMA branch for idle times beyond the range is replaced by that fallback.
+- `prewarm`: the shipped planner (`forecasting.planner.step`), called every `interval_s`
+  with inputs built from the counters a gateway would have recorded by then (requests and
+  peak requests in flight per fine bucket, the coarse rate for the seasonal profile),
+  exactly as the live `forecast_and_plan` builds them. Nothing else: no simulated HPA
+  floor, no peak hold; what the planner decides is what the replay keeps.
+- `oracle`: knows the instant-service need second by second; keeps what is needed within
+  one cold start ahead. A loose lower bound on GPU time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from forecasting.planner import (
+    Decision,
+    PlannerParams,
+    PlannerState,
+    ReplicaCounts,
+    StepInputs,
+    lead_of,
+    observed_from_counts,
+    recent_span_s,
+    refit_due,
+    step,
+)
+from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.workload import SimParams
+from prewarm.core.domain import ModelSpec
+
+POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
+
+
+class Reactive(Policy):
+    """HPA: desired = ceil(load / (slots x target)), tolerance, scale-down stabilization."""
+
+    name = "reactive"
+
+    def __init__(self, target: float = 0.7, sync_s: float = 15.0, stabilization_s: float = 300.0,
+                 tolerance: float = 0.1, min_replicas: int = 1) -> None:
+        self.target, self.period_s, self.stabilization_s = target, sync_s, stabilization_s
+        self.tolerance, self.min_replicas = tolerance, min_replicas
+        self._recs: deque[tuple[float, int]] = deque()
+        self._slots = 8
+
+    def start(self, env: PolicyEnv) -> int:
+        self._slots = env.params.slots
+        self._recs.clear()
+        return self._raw(env.initial_load(), 0)
+
+    def _raw(self, load: float, current: int) -> int:
+        per = self._slots * self.target
+        if current > 0 and abs(load / (current * per) - 1.0) <= self.tolerance:
+            return current
+        return max(self.min_replicas, math.ceil(round(load / per, 9)))
+
+    def recommend(self, obs: Observation, current: int | None = None) -> int:
+        """The HPA's recommendation; `current` defaults to the live replicas."""
+        current = obs.ready + obs.loading if current is None else current
+        rec = self._raw(obs.load_mean, current)
+        self._recs.append((obs.now, rec))
+        while self._recs and self._recs[0][0] < obs.now - self.stabilization_s:
+            self._recs.popleft()
+        if rec >= current:
+            return rec
+        return min(current, max(r for _, r in self._recs))
+
+    def decide(self, obs: Observation) -> int:
+        return self.recommend(obs)
+
+
+class FixedPool(Reactive):
+    """Reactive plus `percent` of its recommendation kept warm (at least `minimum`)."""
+
+    name = "fixed_pool"
+
+    def __init__(self, percent: float = 10.0, minimum: int = 1, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.percent, self.minimum = percent, minimum
+
+    def _pool(self, n: int) -> int:
+        return max(self.minimum, math.ceil(round(self.percent / 100.0 * n, 9)))
+
+    def start(self, env: PolicyEnv) -> int:
+        self._serving = super().start(env)
+        return self._serving + self._pool(self._serving)
+
+    def decide(self, obs: Observation) -> int:
+        # the HPA scales the serving replicas; the pool rides on top
+        self._serving = self.recommend(obs, current=self._serving)
+        return self._serving + self._pool(self._serving)
+
+
+@dataclass
+class _Level:
+    idle_since: float | None = None
+    bins: np.ndarray = field(default_factory=lambda: np.zeros(240))
+    samples: int = 0
+    oob: int = 0
+    window: tuple[float, float] = (0.0, 0.0)  # (load at, keep until), relative to idle_since
+
+
+class KeepAlive(Policy):
+    """Hybrid histogram keep-alive per replica level (see the module docstring)."""
+
+    name = "keepalive"
+
+    def __init__(self, target: float = 0.7, sync_s: float = 15.0, bin_s: float = 60.0, bins: int = 240,
+                 head: float = 0.05, tail: float = 0.99, margin: float = 0.1, min_samples: int = 10,
+                 cv_threshold: float = 2.0, fixed_keepalive_s: float = 4 * 3600.0) -> None:
+        self.target, self.period_s = target, sync_s
+        self.bin_s, self.nbins, self.head, self.tail, self.margin = bin_s, bins, head, tail, margin
+        self.min_samples, self.cv_threshold, self.fixed_keepalive_s = min_samples, cv_threshold, fixed_keepalive_s
+        self.levels: list[_Level] = []
+        self._slots = 8
+        self._cold = 8.7
+
+    def start(self, env: PolicyEnv) -> int:
+        self._slots, self._cold = env.params.slots, env.params.cold_start_s
+        self.levels = []
+        return max(1, math.ceil(round(env.initial_load() / (self._slots * self.target), 9)))
+
+    def windows(self, lv: _Level) -> tuple[float, float]:
+        """(pre-warm load time, keep-alive end) after an idle start, from the level's histogram."""
+        counts = lv.bins
+        representative = lv.samples >= self.min_samples and lv.oob <= lv.samples - lv.oob
+        if representative:
+            mean = counts.mean()
+            representative = mean > 0 and counts.std() / mean >= self.cv_threshold
+        if not representative:
+            return 0.0, self.fixed_keepalive_s
+        cdf = np.cumsum(counts) / counts.sum()
+        head_edge = float(np.searchsorted(cdf, self.head)) * self.bin_s  # lower edge of the head bin
+        tail_edge = float(np.searchsorted(cdf, self.tail) + 1) * self.bin_s  # upper edge of the tail bin
+        prewarm = head_edge * (1 - self.margin)
+        keep_until = tail_edge * (1 + self.margin)
+        if prewarm <= self._cold:
+            return 0.0, keep_until  # too close to unload and reload: keep it
+        return prewarm - self._cold, keep_until
+
+    def decide(self, obs: Observation) -> int:
+        active = max(1, math.ceil(round(obs.load_mean / (self._slots * self.target), 9)))
+        while len(self.levels) < active:
+            self.levels.append(_Level())
+        want = 0
+        for k, lv in enumerate(self.levels, start=1):
+            if k <= active:
+                if lv.idle_since is not None:
+                    idle = obs.now - lv.idle_since
+                    b = int(idle // self.bin_s)
+                    if b < self.nbins:
+                        lv.bins[b] += 1
+                    else:
+                        lv.oob += 1
+                    lv.samples += 1
+                    lv.idle_since = None
+                want += 1
+                continue
+            if lv.idle_since is None:
+                lv.idle_since = obs.now
+                lv.window = self.windows(lv)
+            since = obs.now - lv.idle_since
+            load_at, keep_until = lv.window
+            if load_at == 0.0 and since < keep_until or load_at > 0.0 and load_at <= since < keep_until:
+                want += 1
+        return want
+
+
+class Oracle(Policy):
+    """Knows the future need; keeps the most needed within one cold start (+2 s) ahead."""
+
+    name = "oracle"
+    period_s = 1.0
+
+    def start(self, env: PolicyEnv) -> int:
+        self._need = env.work.need
+        cold = env.params.cold_start_s * (1 + 3 * env.params.cold_start_cv)
+        self._ahead = int(math.ceil(cold)) + 2
+        if not self._need.size:
+            self._want: list[int] = []
+            return 0
+        padded = np.concatenate([self._need, np.zeros(self._ahead - 1, dtype=self._need.dtype)])
+        # the most needed in [t, t + ahead): a sliding maximum, computed once
+        self._want = np.lib.stride_tricks.sliding_window_view(padded, self._ahead).max(axis=1).tolist()
+        return int(self._want[0])
+
+    def decide(self, obs: Observation) -> int:
+        t = int(obs.now)
+        return self._want[t] if t < len(self._want) else 0
+
+
+class Prewarm(Policy):
+    """The shipped planner (`forecasting.planner.step`) on the counters a gateway would have recorded.
+
+    Every `interval_s` (the live beat period) it builds the step's inputs exactly as the
+    live `forecast_and_plan` does (`forecasting.planner.observed_from_counts` over the
+    complete fine buckets before now: requests and peak requests in flight; the coarse
+    request rates for the seasonal profile when a refit is due), with the replica counts
+    the replay has now, and keeps what the decision says: the serving target plus the warm
+    pool. No other floor: no simulated HPA, no peak hold. `record=True` keeps every
+    decision (the equivalence test compares them with the live path's).
+    """
+
+    name = "prewarm"
+
+    def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, record: bool = False,
+                 **overrides: Any) -> None:
+        if planner is None:
+            planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
+        self.params = replace(planner, **overrides) if overrides else planner
+        self.period_s = self.params.interval_s
+        self.record = record
+        self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
+        self.modes: dict[str, int] = {}
+
+    def start(self, env: PolicyEnv) -> int:
+        self.env = env
+        w, p = env.work, self.params
+        fb, cb = int(p.fine_bucket_s), int(p.bucket_s)
+        peak = w.peak if w.peak is not None else w.counts * w.mean_service_s
+        nf = w.counts.size // fb
+        self.fine_req = w.counts[: nf * fb].reshape(nf, fb).sum(axis=1)
+        self.fine_peak = peak[: nf * fb].reshape(nf, fb).max(axis=1)
+        busy = w.busy if w.busy is not None else w.counts * w.mean_service_s
+        self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1)
+        nc = w.counts.size // cb
+        self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
+        self.epoch = w.start_epoch
+        self.slots = env.params.slots
+        self.model = ModelSpec(name="trace", revision="replay", slots=self.slots)
+        self.cold_p95 = cold_start_p95(env.params)
+        self.state = PlannerState()
+        self.pool = 0
+        self.decisions = []
+        self.modes = {}
+        return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
+
+    def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
+        """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
+        p = self.params
+        fb, cb = p.fine_bucket_s, p.bucket_s
+        lead = lead_of(p, self.cold_p95)
+        nb = min(int(now // fb), self.fine_req.size)
+        lo = max(0, nb - int(math.ceil(recent_span_s(self.state, p, lead) / fb)))
+        observed = observed_from_counts(self.epoch + lo * fb, fb, self.fine_req[lo:nb], self.fine_peak[lo:nb],
+                                        self.fine_busy[lo:nb])
+        history = None
+        if refit_due(self.state, self.epoch + now, p):
+            nc = min(int(now // cb), self.coarse_rate.size)
+            lc = max(0, nc - int(p.history_s // cb))
+            history = (self.epoch + lc * cb, cb, self.coarse_rate[lc:nc])
+        live = ready + loading
+        warm = min(self.pool, live)
+        counts = ReplicaCounts(ready=max(0, ready - warm), loading=loading, warm=warm)
+        return StepInputs(self.model, self.epoch + now, observed, counts, p, self.cold_p95, history)
+
+    def decide(self, obs: Observation) -> int:
+        inputs = self.inputs(obs.now, obs.ready, obs.loading)
+        decision, self.state = step(inputs, self.state)
+        self.pool = decision.pool_target
+        self.modes[decision.mode] = self.modes.get(decision.mode, 0) + 1
+        if self.record:
+            self.decisions.append((obs.now, inputs.replicas, decision))
+        return decision.target + decision.pool_target
+
+
+def cold_start_p95(params: SimParams) -> float:
+    """The cold-start p95 of the replay's replica model (what the live registry measures)."""
+    if params.cold_start_cv <= 0:
+        return params.cold_start_s
+    sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))
+    mu = math.log(params.cold_start_s) - sigma**2 / 2
+    return float(math.exp(mu + 1.6448536269514722 * sigma))
+
+
+def make_policy(name: str, **kw: Any) -> Policy:
+    """A fresh policy by name (one of `POLICIES`)."""
+    classes: dict[str, Callable[..., Policy]] = {
+        "reactive": Reactive, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm, "oracle": Oracle,
+    }
+    if name not in classes:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return classes[name](**kw)
