@@ -51,6 +51,7 @@ from prewarm.core.settings import PlannerSettings
 
 PREDICTIVE = "predictive"
 REACTIVE = "reactive"
+MODES = (PREDICTIVE, REACTIVE)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class PlannerParams:
             default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,
             warm_pool_size=s.warm_pool_size, warm_pool_percent=s.warm_pool_percent, budget_share=s.budget_share,
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
-            error_threshold=float(s.error_threshold), history_s=float(s.history_s),
+            error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
         )
 

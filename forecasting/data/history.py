@@ -353,3 +353,30 @@ def _prometheus_error(body: bytes) -> str:
         return f"{doc.get('errorType', 'error')}: {doc.get('error', body[:200])}"
     except ValueError:
         return repr(body[:200])
+
+
+def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
+                       resolution_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
+    request-seconds ended) per bucket whose start lies in [start, end); missing keys are 0.
+
+    What the planner reads every step (`forecasting.planner.observed_from_counts`); the
+    simulator builds the same arrays from a trace. Unreadable values count as 0.
+    """
+    first = math.floor(start / resolution_s) * resolution_s
+    starts = np.arange(first, end, resolution_s, dtype=np.int64) if end > first else np.empty(0, dtype=np.int64)
+    out = []
+    for key_of in (keys.requests, keys.inflight_peak, keys.busy):
+        names = [key_of(model, resolution_s, int(b)) for b in starts]
+        values = np.zeros(starts.size, dtype=np.float64)
+        for lo in range(0, len(names), MGET_CHUNK):
+            got = _redis_call(f"reading counters of {model!r}", client.mget, names[lo:lo + MGET_CHUNK])
+            for j, v in enumerate(got):
+                if v is None:
+                    continue
+                try:
+                    values[lo + j] = max(0.0, float(_text(v)))
+                except ValueError:
+                    continue
+        out.append(values)
+    return float(first), out[0], out[1], out[2]

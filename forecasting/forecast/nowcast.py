@@ -94,35 +94,29 @@ class Forecast:
     errors: tuple[tuple[str, float], ...] = ()  # MAE of every candidate, for the benchmark
 
 
-def _window_max(y: np.ndarray, h: int) -> np.ndarray:
-    """m[i] = max(y[i+1 .. i+h]) for every i with a full window (length n - h)."""
-    n = y.size
-    if n <= h:
-        return np.empty(0)
-    from numpy.lib.stride_tricks import sliding_window_view
-
-    return sliding_window_view(y[1:], h).max(axis=1)[: n - h]
-
-
 def _points(y: np.ndarray, origins: np.ndarray, h: int, start: float, bucket_s: float, level_buckets: int,
             profile: Profile | None, season: int) -> dict[str, np.ndarray]:
     """Each candidate's point forecast of the peak over the ``h`` buckets after each origin."""
     out = {"persistence": y[origins]}
-    cs = np.concatenate([[0.0], np.cumsum(y)])
-    lo = np.clip(origins - level_buckets + 1, 0, None)
-    level = (cs[origins + 1] - cs[lo]) / (origins + 1 - lo)
+    lo = int(max(0, origins.min() - level_buckets + 1))
+    cs = np.concatenate([[0.0], np.cumsum(y[lo: origins.max() + 1])])
+    first = np.clip(origins - level_buckets + 1, lo, None)
+    level = (cs[origins + 1 - lo] - cs[first - lo]) / (origins + 1 - first)
     if profile is not None:
         t_level = start + (origins - (level_buckets - 1) / 2.0 + 0.5) * bucket_s
         t_target = start + (origins + 1 + h / 2.0) * bucket_s
         level = level * profile.at(t_target) / np.maximum(profile.at(t_level), 1e-9)
     out["nowcast"] = level
-    if season > 0 and origins.size and origins.min() - season + 1 >= 0:
-        from numpy.lib.stride_tricks import sliding_window_view
-
-        back = origins - season
-        wins = sliding_window_view(y, h)  # wins[j] = y[j .. j+h-1]
-        out["seasonal_naive"] = wins[back + 1].max(axis=1)
+    if season > 0 and origins.min() - season + 1 >= 0:
+        back = origins - season + 1
+        out["seasonal_naive"] = np.max(np.stack([y[back + j] for j in range(h)]), axis=0)
     return out
+
+
+def _q(x: np.ndarray, q: float) -> float:
+    """The q-quantile (lower order statistic; cheaper than np.quantile, called at every step)."""
+    k = min(x.size - 1, max(0, int(math.ceil(q * x.size)) - 1))
+    return float(np.partition(x, k)[k])
 
 
 def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int, quantile: float,
@@ -141,29 +135,29 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     season = int(round(DAY_S / bucket_s))
     usable = n - h  # origins whose target is fully observed
     k = min(window, max(0, usable))
-    origins = np.arange(usable - k, usable, dtype=np.int64) if k > 0 else np.empty(0, dtype=np.int64)
-    target = _window_max(y, h)[origins] if k > 0 else np.empty(0)
+    if k < min_scored:
+        # too little scored history: the recent peak, flat; quantiles unknown (upper = median)
+        point = float(y[-level_buckets:].max())
+        return Forecast("persistence", point, point, point, None, None, k)
+    origins = np.arange(usable - k, usable, dtype=np.int64)
+    target = np.max(np.stack([y[origins + 1 + j] for j in range(h)]), axis=0)
     now = np.array([n - 1], dtype=np.int64)
     now_pts = _points(y, now, h, start, bucket_s, level_buckets, profile, season)
-    if k < min_scored:
-        # too little scored history: persistence of the recent peak, quantiles unknown (upper = median)
-        point = float(max(y[-level_buckets:].max(), now_pts["persistence"][0]))
-        return Forecast("persistence", point, point, point, None, None, k)
     pts = _points(y, origins, h, start, bucket_s, level_buckets, profile, season)
     maes = {name: float(np.mean(np.abs(target - p))) for name, p in pts.items() if name in now_pts}
     best = min(maes, key=lambda m: (maes[m], m != "persistence"))
-    z = _fwd(target) - _fwd(pts[best])
-    zq = np.quantile(z, [0.5, quantile])
-    base = _fwd(now_pts[best][0])
-    median = float(_inv(base + zq[0]))
-    upper = float(_inv(base + zq[1]))
+    fp = _fwd(pts[best])
+    z = _fwd(target) - fp
+    z_med, z_up = _q(z, 0.5), _q(z, quantile)
+    base = float(_fwd(now_pts[best][0]))
+    median = float(_inv(base + z_med))
+    upper = float(_inv(base + z_up))
     # the next bucket alone: the same point, the residuals of a one-bucket horizon
-    z1 = _fwd(y[origins + 1]) - _fwd(pts[best])
-    next_upper = min(upper, float(_inv(base + np.quantile(z1, quantile))))
-    med_hist = _inv(_fwd(pts[best]) + zq[0])
+    z1 = _fwd(y[origins + 1]) - fp
+    next_upper = min(upper, float(_inv(base + _q(z1, quantile))))
     scale = float(np.mean(target))
-    error = float(np.mean(np.abs(target - med_hist)) / scale) if scale > 0 else 0.0
-    coverage = float(np.mean(target <= _inv(_fwd(pts[best]) + zq[1]) + 1e-9))
+    error = float(np.mean(np.abs(target - _inv(fp + z_med))) / scale) if scale > 0 else 0.0
+    coverage = float(np.mean(target <= _inv(fp + z_up) + 1e-9))
     return Forecast(best, max(0.0, median), max(0.0, upper), max(0.0, next_upper), error, coverage, k,
                     tuple(sorted(maes.items())))
 

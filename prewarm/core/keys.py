@@ -53,6 +53,20 @@ def requests(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:requests:{model}:{resolution_s}:{bucket_start}"
 
 
+#: Peak user requests in flight for a model in one fine bucket (the planner's burst signal).
+def inflight_peak(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:inflight:{model}:{resolution_s}:{bucket_start}"
+
+
+#: Request-seconds of the user requests of a model that ended in one fine bucket (its mean load x bucket).
+def busy(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:busy:{model}:{resolution_s}:{bucket_start}"
+
+
+#: The resolution (seconds) of the in-flight peak and busy-time counters: the planner's fine buckets.
+FINE_RESOLUTION_S = 10
+
+
 #: Set of model names the gateway has counted requests for.
 REQUEST_MODELS = f"{PREFIX}:requests:models"
 

@@ -213,12 +213,12 @@ class PlannerSettings(_Group):
     interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
     bucket_s: int = Field(60, gt=0)  # coarse buckets: the history the seasonal profile is learned from
     fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a gateway counter resolution): what the nowcast reads
-    horizon_s: int = Field(3600, gt=0)
     quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
     headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
     lead_margin_s: float = Field(10.0, ge=0)
     default_cold_start_s: float = Field(8.7, gt=0)
     stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
+    queue_beta: float = Field(1.5, ge=0)  # square-root staffing margin: slots for a mean load a are a + beta sqrt(a)
     error_threshold: float = Field(0.1, gt=0)  # recent relative MAE above which scale-downs turn reactive
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
     warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
@@ -228,7 +228,6 @@ class PlannerSettings(_Group):
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
-    min_history_buckets: int = Field(30, ge=2)  # below this, the forecast is the recent mean (cold start)
 
 
 class MetricsSettings(_Group):

@@ -253,7 +253,13 @@ class Gateway:
                 return _error(404, f"model {model!r} is not served here", "model_not_found")
             if not warmup:
                 self.counter.add(model, time.time())
-            response = await self._route_and_proxy(request, model, body, payload, warmup, started)
+                self.counter.begin(model, time.time())
+                try:
+                    response = await self._route_and_proxy(request, model, body, payload, warmup, started)
+                finally:
+                    self.counter.end(model, time.time(), time.monotonic() - started)
+            else:
+                response = await self._route_and_proxy(request, model, body, payload, warmup, started)
         except RegistryUnavailable as exc:
             self.metrics.routing_decisions.labels(model, "registry_unavailable").inc()
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)

@@ -133,11 +133,11 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 
 def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
-    payload.parse_nothing("forecast_and_plan", args, kwargs)
+    at = payload.parse_forecast(args, kwargs)
     ctx = _ctx(self)
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
-                        "new_events": list(m.new_events), "dropped": m.dropped}
-                       for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
+                        "new_events": list(m.new_events), "dropped": m.dropped, "mode": m.mode}
+                       for m in run_forecast_and_plan(ctx, now=ctx.clock() if at is None else at)]}
 
 
 def register(app: Celery) -> None:
