@@ -298,8 +298,9 @@ def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
 
 # -- the step -----------------------------------------------------------------------------------------------------
 
-def _batch_replicas(params: PlannerParams, model: ModelSpec, lo: float, hi: float) -> int:
-    """The most replicas batch jobs of `model` need at once within [lo, hi)."""
+def _batch_replicas(params: PlannerParams, model: ModelSpec, lo: float, hi: float) -> tuple[int, float]:
+    """The most replicas batch jobs of `model` need at once within [lo, hi), and when the earliest
+    of those runs started (or starts)."""
     spans: list[tuple[float, float, int]] = []
     for job in params.batch_jobs:
         if not job.applies_to(model):
@@ -315,7 +316,7 @@ def _batch_replicas(params: PlannerParams, model: ModelSpec, lo: float, hi: floa
     for s, _, _ in spans:
         t = max(s, lo)
         best = max(best, sum(r for a, b, r in spans if a <= t < b))
-    return best
+    return best, min((s for s, _, _ in spans), default=hi)
 
 
 def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
@@ -338,6 +339,17 @@ def _observed_need(inp: StepInputs, slots: int) -> int | None:
     if obs.peak.size < k or obs.peak.size == 0:
         return None
     return replicas_needed(float(obs.peak[-k:].max()), slots, p.headroom)
+
+
+def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
+    """The replicas the load needed in the last bucket before `before` (a batch run's start): what
+    the run's replicas come on top of. Once the run is visible in the gateway's counters the
+    forecast holds its load, and the planner takes the larger, never the sum."""
+    obs = inp.observed
+    k = min(obs.busy.size, int(math.floor((before - obs.start) / obs.bucket_s)))
+    if k <= 0:
+        return 0
+    return replicas_needed(margin(float(obs.inflight[k - 1])), inp.model.slots, inp.params.headroom)
 
 
 def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None) -> tuple[int, str]:
@@ -446,11 +458,16 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     mode = _mode(fc, p)
     if mode == REACTIVE:
         fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
-    batch_lead = _batch_replicas(p, inp.model, inp.now, inp.now + lead)
-    batch_next = _batch_replicas(p, inp.model, inp.now, inp.now + obs.bucket_s)
+    batch_lead, fired = _batch_replicas(p, inp.model, inp.now, inp.now + lead)
+    batch_next, _ = _batch_replicas(p, inp.model, inp.now, inp.now + obs.bucket_s)
     margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
-    need_lead = replicas_needed(margin(fc.upper), slots, p.headroom) + batch_lead
-    need_next = replicas_needed(margin(fc.next_upper), slots, p.headroom) + batch_next
+    fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
+    fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
+    # a batch job adds its replicas to the load before it starts (the next bucket's forecast),
+    # unless the forecast already covers it: a job the forecaster has learned is not provisioned twice
+    base = _base_need(inp, fired, margin) if batch_lead else 0
+    need_next = max(fc_next, base + batch_next)
+    need_lead = max(fc_lead, need_next, base + batch_lead)
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, slots))
     if batch_lead:
         why += f" (batch jobs {batch_lead})"

@@ -158,8 +158,9 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     scale = float(np.mean(target))
     error = float(np.mean(np.abs(target - _inv(fp + z_med))) / scale) if scale > 0 else 0.0
     coverage = float(np.mean(target <= _inv(fp + z_up) + 1e-9))
-    return Forecast(best, max(0.0, median), max(0.0, upper), max(0.0, next_upper), error, coverage, k,
-                    tuple(sorted(maes.items())))
+    r = lambda v: round(max(0.0, v), 9)  # noqa: E731  (square-root round trips leave float noise)
+    return Forecast(best, r(median), r(upper), r(next_upper), r(error), coverage, k,
+                    tuple(sorted((m, r(v)) for m, v in maes.items())))
 
 
 def _fwd(x: np.ndarray | float) -> np.ndarray:
