@@ -245,8 +245,9 @@ class Prewarm(Policy):
         nf = w.counts.size // fb
         self.fine_req = w.counts[: nf * fb].reshape(nf, fb).sum(axis=1)
         self.fine_peak = peak[: nf * fb].reshape(nf, fb).max(axis=1)
+        # busy seconds per fine bucket: estimated from the arrivals until the replay has observed the bucket
         busy = w.busy if w.busy is not None else w.counts * w.mean_service_s
-        self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1)
+        self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1).astype(np.float64)
         nc = w.counts.size // cb
         self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
         self.epoch = w.start_epoch
@@ -258,6 +259,15 @@ class Prewarm(Policy):
         self.decisions = []
         self.modes = {}
         return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
+
+    def _observe(self, obs: Observation) -> None:
+        """The bucket that just ended, as the gateway counts it: requests in flight include those waiting
+        for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
+        mean of busy + queued requests over the bucket, when decisions fall on the fine buckets."""
+        fb = self.params.fine_bucket_s
+        k = int(round(obs.now / fb)) - 1
+        if abs(obs.period_s - fb) < 1e-9 and abs(obs.now - (k + 1) * fb) < 1e-9 and 0 <= k < self.fine_busy.size:
+            self.fine_busy[k] = obs.load_mean * fb
 
     def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
         """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
@@ -279,6 +289,7 @@ class Prewarm(Policy):
         return StepInputs(self.model, self.epoch + now, observed, counts, p, self.cold_p95, history)
 
     def decide(self, obs: Observation) -> int:
+        self._observe(obs)
         inputs = self.inputs(obs.now, obs.ready, obs.loading)
         decision, self.state = step(inputs, self.state)
         self.pool = decision.pool_target
