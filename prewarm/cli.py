@@ -110,6 +110,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(handler=_cmd_planner)
 
+    p = sub.add_parser("plan", help="run the planner once against the shared Redis and print each model's scale events")
+    p.add_argument("--dry-run", action="store_true",
+                   help="forecast-only: print the events the planner would emit now, per model, and change nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object per model")
+    p.set_defaults(handler=_cmd_plan)
+
     p = sub.add_parser("beat", help="run the one Celery beat (a second one waits as a standby)")
     p.add_argument("--schedule-file", help="beat state file (default: <agent.state_dir>/beat-schedule)")
     p.add_argument("--loglevel", default="INFO")
@@ -202,6 +208,44 @@ def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: the planner needs the shared Redis")
     return run_planner(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
+
+
+def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+    import time
+
+    from workers.context import WorkerContext
+    from workers.planning.forecast import decide, forecast_and_plan
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: the planner reads the gateway's counters in the shared Redis")
+    if args.dry_run:
+        settings.planner.dry_run = True
+    ctx = WorkerContext.build(settings)
+    now = time.time()
+    if not args.dry_run:
+        for m in forecast_and_plan(ctx, now=now):
+            print(json.dumps({"model": m.model, "status": m.status, "mode": m.mode, "events": list(m.events),
+                              "new_events": list(m.new_events), "dropped": m.dropped}))
+        return 0
+    for spec, inp, d in decide(ctx, now=now):
+        fc = d.forecast
+        if args.json:
+            print(json.dumps({"model": spec.name, "revision": spec.revision, "mode": d.mode, "target": d.target,
+                              "live": inp.replicas.live, "lead_s": d.lead_s, "forecast_error": fc.error,
+                              "events": [e.to_payload() for e in d.events],
+                              "dropped": [{"event": x.event.to_payload(), "reason": x.reason} for x in d.dropped]}))
+            continue
+        err = "-" if fc.error is None else f"{fc.error:.1%}"
+        print(f"{spec.name}@{spec.revision}: {d.mode} mode (recent forecast error {err}), live {inp.replicas.live}, "
+              f"target {d.target} (+{d.pool_target} warm), lead {d.lead_s:.1f} s — dry run, nothing done")
+        for e in d.events or ():
+            print(f"  would {e.kind.value} {e.replicas} ({e.pool.value}): {e.reason}")
+        if not d.events:
+            print("  no event")
+        for x in d.dropped:
+            print(f"  dropped {x.event.kind.value} {x.event.replicas}: {x.reason}")
+    return 0
 
 
 def _cmd_beat(args: argparse.Namespace, settings: Settings) -> int:

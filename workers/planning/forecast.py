@@ -8,7 +8,8 @@ one function each:
    rate over `planner.history_s` (`forecasting.data.history`);
 2. `inputs`: the pure planner's `StepInputs`, built with the same function the simulator
    uses (`forecasting.planner.observed_from_counts`), with the registry's replica counts
-   (a warm replica still loading counts as warm), the nodes and the measured cold-start p95;
+   (a warm replica still loading counts as warm), the nodes agents publish (none published:
+   placement is left to the executor or the cluster) and the measured cold-start p95;
 3. `plan`: `forecasting.planner.step(inputs, state)` — the one planner; its state (the
    learned profile, the mode) is carried in `keys.planner_state(model)` as JSON;
 4. `act`: submit the events (deduplicated by id; dispatched when due) and hand the target
@@ -135,7 +136,7 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
-                      ReplicaCounts(**counts), params, p95, coarse, node_views(ctx))
+                      ReplicaCounts(**counts), params, p95, coarse, node_views(ctx) or None)
 
 
 def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision) -> list[str]:
@@ -182,6 +183,19 @@ def _report(ctx: WorkerContext, spec: ModelSpec, inp: StepInputs, decision: Deci
     ctx.client.hset(keys.last_forecast(spec.name), mapping=record)
     log.info("forecast_and_plan %s: %s, %s mode, target %d, %d event(s) (%d new), %d dropped", spec.name, status,
              decision.mode, decision.target, len(decision.events), len(new), len(decision.dropped))
+
+
+def decide(ctx: WorkerContext, *, now: float) -> list[tuple[ModelSpec, StepInputs, Decision]]:
+    """What the planner would decide now for every planned model, read-only (`prewarm plan --dry-run`):
+    the same history, inputs and step as `plan_model`, nothing saved, submitted or patched."""
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    out = []
+    for spec in planned_models(ctx):
+        state = _state_load(ctx, spec.name)
+        inp = inputs(ctx, spec, state, params, now=now)
+        decision, _ = step(inp, state)
+        out.append((spec, inp, decision))
+    return out
 
 
 def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:

@@ -70,6 +70,10 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         return {"model": model, "outcome": "no_capacity"}
     node, slot = placement
     rid = replica_id(model, revision, node, slot)
+    if ctx.settings.planner.dry_run:  # dry-run never acts: say what would have been started
+        log.info("dry run: scale from zero for %s would prewarm %s", model, rid)
+        ctx.client.delete(keys.demand_claim(model))
+        return {"model": model, "outcome": "dry_run", "replica_id": rid}
     app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
     log.info("scale from zero: unmet demand for %s -> prewarm %s", model, rid)
     return {"model": model, "outcome": "prewarm", "replica_id": rid}
@@ -110,7 +114,9 @@ def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
 def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("sweep_fragmentation", args, kwargs)
     ctx = _ctx(self)
-    sent = []
+    sent: list[str] = []
+    if ctx.settings.planner.dry_run:  # a recycle retires a replica: dry-run never acts
+        return {"checked": sent, "dry_run": True}
     for model in ctx.registry.models():
         for rec in ctx.registry.replicas_of(model):
             if rec.state is ReplicaState.READY:
@@ -122,6 +128,8 @@ def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
 def dispatch_due_events(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("dispatch_due_events", args, kwargs)
     ctx = _ctx(self)
+    if ctx.settings.planner.dry_run:  # nothing was submitted; events from before stay queued, not carried out
+        return {"dispatched": [], "dry_run": True}
     return {"dispatched": dispatch_due(ctx, self.app, now=ctx.clock())}
 
 
