@@ -104,6 +104,8 @@ class PlannerParams:
     error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
+    phase_period_s: float = 600.0  # errors recurring at one phase of this period (on the clock) are calibrated apart
+    phase_span_s: float = 6 * 3600.0  # ... over this much history
     profile_refit_s: float = 3600.0
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
     batch_jobs: tuple[BatchJob, ...] = ()
@@ -281,7 +283,7 @@ def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
 def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> float:
     """How much fine history a step reads: the scored window (plus a day while no profile is learned,
     for the seasonal-naive candidate)."""
-    base = params.score_window_s + lead_s + params.level_s + 2 * params.fine_bucket_s
+    base = max(params.score_window_s, params.phase_span_s) + lead_s + params.level_s + 2 * params.fine_bucket_s
     return base + (DAY_S if state.profile is None else 0.0)
 
 
@@ -451,7 +453,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     obs = inp.observed
     h = lead_buckets(lead, obs.bucket_s)
     kw = dict(horizon=h, quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
-              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile)
+              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
+              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s))
     # the mean load in flight is what a replica's slots serve when the forecast of it is good;
     # while it is not (bursts), the peaks are planned and released only reactively
     fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]

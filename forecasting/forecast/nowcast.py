@@ -119,9 +119,29 @@ def _q(x: np.ndarray, q: float) -> float:
     return float(np.partition(x, k)[k])
 
 
+def _phase_quantile(y: np.ndarray, h: int, start: float, bucket_s: float, method: str, level_buckets: int,
+                    profile: Profile | None, season: int, quantile: float, period: int, span: int) -> float | None:
+    """The planning quantile of the residuals of origins at the phase of the period the next origin is
+    at (and its neighbours), over the last `span` buckets: errors that recur on the clock."""
+    n = y.size
+    nxt = n - 1  # the origin of the forecast being made
+    first = max(0, n - h - span)
+    cand = np.arange(nxt - period, first - 1, -period, dtype=np.int64)
+    cand = np.concatenate([cand - 1, cand, cand + 1])
+    cand = cand[(cand >= first) & (cand < n - h)]
+    if cand.size < 10:
+        return None
+    cand.sort()
+    target = np.max(np.stack([y[cand + 1 + j] for j in range(h)]), axis=0)
+    pts = _points(y, cand, h, start, bucket_s, level_buckets, profile, season).get(method)
+    if pts is None:
+        return None
+    return _q(_fwd(target) - _fwd(pts), quantile)
+
+
 def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int, quantile: float,
                   window: int = 360, level_buckets: int = 6, profile: Profile | None = None,
-                  min_scored: int = 12) -> Forecast:
+                  min_scored: int = 12, phase_period: int = 0, phase_span: int = 0) -> Forecast:
     """Forecast the peak of ``y`` (per fine bucket, from epoch ``start``) over the next ``horizon`` buckets.
 
     ``y`` holds complete buckets only, oldest first; the forecast is made at the end of its
@@ -149,6 +169,11 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     fp = _fwd(pts[best])
     z = _fwd(target) - fp
     z_med, z_up = _q(z, 0.5), _q(z, quantile)
+    if phase_period > 0:
+        zp = _phase_quantile(y, h, start, bucket_s, best, level_buckets, profile, season, quantile, phase_period,
+                             phase_span)
+        if zp is not None:
+            z_up = max(z_up, zp)
     base = float(_fwd(now_pts[best][0]))
     median = float(_inv(base + z_med))
     upper = float(_inv(base + z_up))
