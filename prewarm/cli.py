@@ -137,6 +137,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
+                   help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
+                        "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     p.set_defaults(handler=_cmd_backtest)
@@ -412,6 +415,8 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
             cold_start_cv=args.cold_start_cv,
         )
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if args.sweep:
+            return _sweep(args, settings, trace, params, policies)
         with progress_bar() as progress:
             out = run_backtest(trace, params, policies, progress=progress,
                                policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
@@ -427,6 +432,27 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
         print(f"plot written to {path}")
     if args.json:
         print(json.dumps(out["result"], default=float))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: object, policies: list[str]) -> int:
+    import json
+
+    from forecasting.sim.report import plot_sweep, progress_bar
+    from forecasting.sim.scoring import run_sweep
+
+    with progress_bar() as progress:
+        sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
+                          policy_kwargs={"prewarm": {"planner_settings": settings.planner}}, progress=progress)
+    print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
+    for pt in sweep["points"]:
+        knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
+        print(f"  {pt['policy']:<10} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
+              f"p99 {pt['ttft_p99_s']:.3f} s{'  (default)' if pt['default'] else ''}")
+    path = plot_sweep(sweep, args.sweep)
+    print(f"sweep plot written to {path}")
+    if args.json:
+        print(json.dumps(sweep, default=float))
     return 0
 
 

@@ -169,6 +169,8 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     fp = _fwd(pts[best])
     z = _fwd(target) - fp
     z_med, z_up = _q(z, 0.5), _q(z, quantile)
+    if np.mean(np.abs(target - _inv(fp + z_med))) > maes[best]:
+        z_med = 0.0  # the median shift did not pay on the scored window: the point forecast is the median
     if phase_period > 0:
         zp = _phase_quantile(y, h, start, bucket_s, best, level_buckets, profile, season, quantile, phase_period,
                              phase_span)

@@ -112,3 +112,45 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         "policies": scores,
     }
     return {"result": out, "runs": runs, "work": work}
+
+
+#: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
+SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
+    "reactive": ("target", (0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
+    "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
+    "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
+}
+
+
+def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
+              knobs: dict[str, tuple[str, tuple[float, ...], float]] | None = None,
+              policy_kwargs: dict[str, dict[str, Any]] | None = None,
+              progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+    """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
+
+    Returns `{"trace", "reactive_gpu_hours", "points": [{policy, knob, value, default, gpu_hours,
+    gpu_hours_vs_reactive, cold_start_share, ttft_p99_s}]}`; the oracle is one point.
+    """
+    knobs = SWEEP_KNOBS if knobs is None else knobs
+    work = build_workload(trace, params)
+    base_gpu: float | None = None
+    points: list[dict[str, Any]] = []
+    for name in policies:
+        knob, values, default = knobs.get(name, ("", (float("nan"),), float("nan")))
+        for v in values:
+            kw = dict((policy_kwargs or {}).get(name, {}))
+            if knob:
+                kw[knob] = v
+            cb = (lambda f, n=f"{name} {knob}={v:g}": progress(n, f)) if progress is not None else None
+            s = score(replay(work, make_policy(name, **kw), params, cb), work, params)
+            if name == "reactive" and v == default:
+                base_gpu = s["gpu_hours"]
+            points.append({"policy": name, "knob": knob, "value": v, "default": bool(v == default or not knob),
+                           "gpu_hours": s["gpu_hours"], "cold_start_share": s["cold_start_share"],
+                           "ttft_p99_s": s["ttft_p99_s"]})
+    if base_gpu is None:
+        base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
+    for pt in points:
+        pt["gpu_hours_vs_reactive"] = pt["gpu_hours"] / base_gpu if base_gpu else None
+    return {"trace": work.source, "reactive_gpu_hours": base_gpu, "points": points}
