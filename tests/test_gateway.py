@@ -285,6 +285,12 @@ def test_models_health_metrics_and_counters(gw: Harness) -> None:
     assert 0 < gw.reg.client.ttl(minute) <= keys.REQUEST_RESOLUTIONS_S[60] or gw.reg.client.ttl(prev) > 0
     first = float(gw.reg.client.hget(keys.REQUESTS_FIRST, "m") or "nan")
     assert now - 130 <= first <= now  # where the forecaster's history begins
+    # the planner's fine signals: peak requests in flight (one at a time here) and their busy seconds
+    fine = keys.FINE_RESOLUTION_S
+    peaks = [float(gw.reg.client.get(k) or 0) for k in gw.reg.client.scan_iter(keys.inflight_peak("m", fine, 0)[:-1] + "*")]
+    busy = [float(gw.reg.client.get(k) or 0) for k in gw.reg.client.scan_iter(keys.busy("m", fine, 0)[:-1] + "*")]
+    assert peaks and max(peaks) == 1.0
+    assert 0.0 < sum(busy) < 3 * 5.0
     text = request(gw.url, path="/metrics")[2].decode()
     assert 'gateway_requests_total{code="200",kind="user",model="m"} 3.0' in text
     assert 'prewarm_replicas{model="m",pool="serving",state="ready"} 1.0' in text

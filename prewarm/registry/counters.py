@@ -41,7 +41,7 @@ class RequestCounter:
         self._pending: Counter[tuple[str, int, int]] = Counter()
         self.inflight: Counter[str] = Counter()  # user requests in flight per model, now
         self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> peak in flight
-        self._busy: Counter[tuple[str, int]] = Counter()  # (model, fine bucket) -> request-seconds ended
+        self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds ended
 
     def add(self, model: str, now: float, n: int = 1) -> None:
         for res in self.resolutions:
@@ -57,7 +57,7 @@ class RequestCounter:
         """A user request ends after `duration_s` in flight."""
         self.inflight[model] = max(0, self.inflight[model] - 1)
         b = bucket_start(now, keys.FINE_RESOLUTION_S)
-        self._busy[(model, b)] += max(0.0, duration_s)
+        self._busy[(model, b)] = self._busy.get((model, b), 0.0) + max(0.0, duration_s)
         key = (model, b)
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
@@ -67,7 +67,7 @@ class RequestCounter:
             return 0
         batch, self._pending = self._pending, Counter()
         peaks, self._peak = self._peak, {}
-        busy, self._busy = self._busy, Counter()
+        busy, self._busy = self._busy, {}
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
@@ -94,7 +94,8 @@ class RequestCounter:
             await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             self._pending.update(batch)
-            self._busy.update(busy)
+            for k, secs in busy.items():
+                self._busy[k] = self._busy.get(k, 0.0) + secs
             for k, v in peaks.items():
                 self._peak[k] = max(self._peak.get(k, 0), v)
             log.warning("request counters not flushed, kept for retry (%d buckets): %s", len(batch), exc)

@@ -41,7 +41,9 @@ class UpRun(Protocol):
     stats: ReplayStats
     warm_s: float
     total_s: float
-    warm_cost: float
+
+    @property
+    def warm_cost(self) -> float: ...
 
 
 def _plot_timeline(run: UpRun, path: Path) -> Path:
