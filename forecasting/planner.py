@@ -231,6 +231,8 @@ def warm_cost(live: Any, need: Any) -> float:
     Scalars or per-second arrays; used by the planner (planned), the `warmup_cost_ratio`
     gauge and `prewarm up` (live now) and the simulator's scoring (over a replay).
     """
+    if isinstance(live, (int, float)) and isinstance(need, (int, float)):  # one moment: no arrays needed
+        return max(0.0, float(live) - float(need)) / float(live) if live > 0 else 0.0
     lv = np.asarray(live, dtype=np.float64)
     nd = np.broadcast_to(np.asarray(need, dtype=np.float64), lv.shape)
     total = float(lv.sum())

@@ -137,6 +137,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-s", type=float, default=None, metavar="S",
+                   help="replay only the first S seconds of the trace (say so when quoting figures)")
     p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
                    help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
                         "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
@@ -408,7 +410,9 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
     from forecasting.data.traces import HistoryError, load_trace
 
     try:
-        trace = load_trace(args.trace)
+        trace: object = load_trace(args.trace)
+        if args.limit_s is not None:
+            trace = _head(trace, args.limit_s)
         params = SimParams(
             slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
             cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
@@ -433,6 +437,25 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(out["result"], default=float))
     return 0
+
+
+def _head(trace: object, seconds: float) -> object:
+    """The first `seconds` of a trace (request or rate trace), with its source saying so."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    src = f"{getattr(trace, 'source', 'trace')} (first {seconds / 3600:g} h)"
+    if hasattr(trace, "t"):
+        t = np.asarray(trace.t)
+        keep = t - t[0] < seconds
+        ctx, gen = getattr(trace, "context_tokens", None), getattr(trace, "generated_tokens", None)
+        return replace(trace, t=t[keep], source=src,  # type: ignore[type-var]
+                       context_tokens=None if ctx is None else np.asarray(ctx)[keep],
+                       generated_tokens=None if gen is None else np.asarray(gen)[keep])
+    keep = np.asarray(trace.window_start_s) < seconds  # type: ignore[attr-defined]
+    return replace(trace, window_start_s=np.asarray(trace.window_start_s)[keep],  # type: ignore[type-var, attr-defined]
+                   rate=np.asarray(trace.rate)[keep], source=src)  # type: ignore[attr-defined]
 
 
 def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: object, policies: list[str]) -> int:
