@@ -108,6 +108,7 @@ class PlannerParams:
     phase_span_s: float = 6 * 3600.0  # ... over this much history
     profile_refit_s: float = 3600.0
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
+    schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
@@ -120,6 +121,7 @@ class PlannerParams:
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
+            min_serving=int(s.min_serving),
         )
 
     @property
@@ -216,6 +218,7 @@ class Decision:
     mode: str
     forecast: Forecast
     warm_share: float  # planned warm capacity beyond need, as a share (`warm_cost`)
+    schedule: tuple[tuple[float, int], ...] = ()  # later cluster targets already known: (due epoch s, replicas)
 
     @property
     def cluster_target(self) -> int:
@@ -340,7 +343,9 @@ def _observed_need(inp: StepInputs, slots: int) -> int | None:
     """The most replicas needed in the last `stabilization_s` (None: less history than that)."""
     obs, p = inp.observed, inp.params
     k = int(math.ceil(p.stabilization_s / obs.bucket_s))
-    if obs.peak.size < k or obs.peak.size == 0:
+    if k == 0:
+        return 0  # no stabilization window: nothing observed holds capacity
+    if obs.peak.size < k:
         return None
     return replicas_needed(float(obs.peak[-k:].max()), slots, p.headroom)
 
@@ -447,6 +452,27 @@ def _placed(inp: StepInputs, events: list[ScaleEvent]) -> tuple[list[ScaleEvent]
     return out, dropped
 
 
+def _schedule(inp: StepInputs, lead: float, forecast_need: int, base: int, pool: int) -> tuple[tuple[float, int], ...]:
+    """Later targets the planner already knows of: each batch run within the schedule horizon is due one
+    lead ahead of its start and ends with it (the forecast part held as now; the next step re-plans)."""
+    p = inp.params
+    times: set[float] = set()
+    for job in p.batch_jobs:
+        if not job.applies_to(inp.model):
+            continue
+        it = croniter(job.cron, datetime.fromtimestamp(inp.now + lead, tz=timezone.utc))
+        while True:
+            fire = float(it.get_next(float))
+            if fire > inp.now + lead + p.schedule_horizon_s:
+                break
+            times.update((fire - lead, fire + job.duration_s))
+    out = []
+    for t in sorted(times):
+        batch, _ = _batch_replicas(p, inp.model, t, t + lead + 1.0)
+        out.append((t, max(forecast_need, base + batch, p.min_serving) + pool))
+    return tuple(out)
+
+
 def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     """One planning step at `inp.now` (see the module docstring for the order of decisions)."""
     p, slots = inp.params, inp.model.slots
@@ -489,6 +515,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     events, placement_dropped = _placed(inp, events)
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
+    schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, margin), pool) if p.batch_jobs else ()
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
-                        mode, fc, warm_cost(target + pool, max(need_next, p.min_serving)))
+                        mode, fc, warm_cost(target + pool, max(need_next, p.min_serving)), schedule)
     return decision, state

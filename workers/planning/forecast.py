@@ -50,7 +50,9 @@ from prewarm.core.domain import LIVE_STATES, ModelSpec, check_name
 from prewarm.core.errors import InvalidPayload, PrewarmError
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
-from workers.planning.kubernetes import actuator_for, apply_target
+from prewarm.registry.targets import schedule_fields
+from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
+    target_schedule, with_demand_floor
 
 log = logging.getLogger("prewarm.planner.forecast")
 
@@ -135,24 +137,39 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
+    # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
+    nodes = None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx) or None
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
-                      ReplicaCounts(**counts), params, p95, coarse, node_views(ctx) or None)
+                      ReplicaCounts(**counts), params, p95, coarse, nodes)
 
 
-def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision) -> list[str]:
-    """4. Carry the decision out — unless dry-run, which never acts (no event, no Kubernetes patch)."""
+def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:
+    """The cluster target schedule: now, then the steps already known; fresh unmet demand floors it at one
+    in a cluster (scale from zero)."""
+    schedule = target_schedule(decision, now)
+    if owns_replicas(ctx.settings.kubernetes):
+        last = ctx.client.hget(keys.demand(spec.name), "last")
+        schedule = with_demand_floor(schedule, float(last) if last else None, now)
+    return schedule
+
+
+def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision, schedule: list[tuple[float, int]]) -> list[str]:
+    """4. Carry the decision out — unless dry-run, which never acts (no event, no Kubernetes patch).
+
+    With a cluster, Kubernetes starts and stops the pods: only HOLDs reach the executor
+    (`events_for_executor`), and the target goes to the Deployment's one owner."""
     if ctx.settings.planner.dry_run:
         for ev in decision.events:
             log.info("dry run: would submit %s", ev.to_payload())
         return []
-    new = submit_events(ctx, decision.events)
+    new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, decision.events))
     if ctx.settings.kubernetes.enabled:
-        _apply_to_cluster(ctx, spec.name, max(1, decision.cluster_target))
+        _apply_to_cluster(ctx, spec.name, schedule[0][1])
     return new
 
 
 def _report(ctx: WorkerContext, spec: ModelSpec, inp: StepInputs, decision: Decision, new: list[str],
-            status: str) -> None:
+            status: str, schedule: list[tuple[float, int]]) -> None:
     """The decision in the metrics and in `keys.last_forecast` (what alerts and `prewarm up` read)."""
     m, fc, obs = ctx.metrics, decision.forecast, inp.observed
     m.forecast_requests.labels(spec.name, "0.5").set(fc.median)
@@ -174,12 +191,15 @@ def _report(ctx: WorkerContext, spec: ModelSpec, inp: StepInputs, decision: Deci
         "forecast_error": "" if fc.error is None else f"{fc.error:.3f}",
         "coverage": "" if fc.coverage is None else f"{fc.coverage:.3f}",
         "rps_q0.5": f"{fc.median:.3f}", f"rps_{inp.params.column}": f"{fc.upper:.3f}",
-        "need_now": str(decision.need_next), "need_lead": str(decision.need_lead), "target": str(decision.target),
+        "need_now": str(decision.need_next), "need_lead": str(decision.need_lead),
+        "serving_target": str(decision.target),
         "events": str(len(decision.events)), "new_events": str(len(new)), "dropped": str(len(decision.dropped)),
         "pool_target": str(decision.pool_target), "lead_s": f"{decision.lead_s:.1f}",
         "warm_share": f"{decision.warm_share:.3f}",
         "plan": json.dumps([ev.to_payload() for ev in decision.events])[:20000],
     }
+    if not ctx.settings.planner.dry_run:  # the recorded target is what KEDA and the HPA act on: dry-run records none
+        record |= schedule_fields(schedule, planned_at=inp.now)
     ctx.client.hset(keys.last_forecast(spec.name), mapping=record)
     log.info("forecast_and_plan %s: %s, %s mode, target %d, %d event(s) (%d new), %d dropped", spec.name, status,
              decision.mode, decision.target, len(decision.events), len(new), len(decision.dropped))
@@ -205,17 +225,24 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     inp = inputs(ctx, spec, state, params, now=now)
     decision, state = step(inp, state)
     _state_save(ctx, spec.name, state)
-    new = act(ctx, spec, decision)
+    schedule = schedule_of(ctx, spec, decision, now=now)
+    new = act(ctx, spec, decision, schedule)
     status = "dry_run" if ctx.settings.planner.dry_run else "planned"
-    _report(ctx, spec, inp, decision, new, status)
+    _report(ctx, spec, inp, decision, new, status, schedule)
     return ModelPlan(spec.name, status, tuple(ev.event_id for ev in decision.events), tuple(new),
                      len(decision.dropped), decision.need_next, decision.mode)
 
 
 def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
-    """Hand the target to Kubernetes; a refusal is logged and counted, never fatal to the plan."""
+    """Hand the target to Kubernetes (the scale subresource, when the planner owns the count; with KEDA or
+    the HPA they read the recorded target); a refusal is logged and counted, never fatal to the plan."""
+    cfg = ctx.settings.kubernetes
+    if cfg.autoscaling != "none":
+        return
     try:
-        result = apply_target(actuator_for(ctx.settings.kubernetes), ctx.settings.kubernetes, target)
+        result = apply_target(actuator_for(cfg), cfg, model, target)
+        if result is None:
+            return
         log.info("kubernetes %s %s: %d -> %d%s", result.kind.value, result.target, result.before, result.after,
                  " (dry run)" if result.dry_run else "")
     except (PrewarmError, ValueError) as exc:
