@@ -25,7 +25,7 @@ import logging
 from typing import Iterable
 
 from forecasting.planner import Decision
-from prewarm.core.domain import Pool, ScaleEvent, ScaleEventKind
+from prewarm.core.domain import ScaleEvent, ScaleEventKind
 from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
 from prewarm.core.settings import KubernetesSettings
 
