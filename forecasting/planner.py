@@ -39,49 +39,19 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from croniter import croniter
 
+from forecasting.batch import BatchJob, batch_replicas
 from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
-from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import PlannerSettings
 
 PREDICTIVE = "predictive"
 REACTIVE = "reactive"
 MODES = (PREDICTIVE, REACTIVE)
-
-
-@dataclass(frozen=True)
-class BatchJob:
-    """A scheduled batch job: at each cron time it needs `replicas` more for `duration_s`."""
-
-    cron: str
-    model: str  # a model name or a model key (name@revision)
-    replicas: int
-    duration_s: float
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if not croniter.is_valid(self.cron):
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: invalid cron expression {self.cron!r}")
-        if self.replicas <= 0:
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: replicas must be > 0, got {self.replicas}")
-        if self.duration_s <= 0:
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: duration_s must be > 0, got {self.duration_s}")
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "BatchJob":
-        try:
-            return cls(cron=str(data["cron"]), model=str(data["model"]), replicas=int(data["replicas"]),
-                       duration_s=float(data["duration_s"]), name=str(data.get("name", "")))
-        except KeyError as exc:
-            raise InvalidPayload(f"batch job is missing field {exc.args[0]!r}") from exc
-
-    def applies_to(self, model: ModelSpec) -> bool:
-        return self.model in (model.name, model.key)
 
 
 @dataclass(frozen=True)
@@ -305,27 +275,6 @@ def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
 
 # -- the step -----------------------------------------------------------------------------------------------------
 
-def _batch_replicas(params: PlannerParams, model: ModelSpec, lo: float, hi: float) -> tuple[int, float]:
-    """The most replicas batch jobs of `model` need at once within [lo, hi), and when the earliest
-    of those runs started (or starts)."""
-    spans: list[tuple[float, float, int]] = []
-    for job in params.batch_jobs:
-        if not job.applies_to(model):
-            continue
-        it = croniter(job.cron, datetime.fromtimestamp(lo - job.duration_s, tz=timezone.utc))
-        while True:
-            fire = float(it.get_next(float))
-            if fire >= hi:
-                break
-            if fire + job.duration_s > lo:
-                spans.append((fire, fire + job.duration_s, job.replicas))
-    best = 0
-    for s, _, _ in spans:
-        t = max(s, lo)
-        best = max(best, sum(r for a, b, r in spans if a <= t < b))
-    return best, min((s for s, _, _ in spans), default=hi)
-
-
 def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
     p = inp.params
     if not refit_due(state, inp.now, p) or inp.profile_history is None:
@@ -468,7 +417,7 @@ def _schedule(inp: StepInputs, lead: float, forecast_need: int, base: int, pool:
             times.update((fire - lead, fire + job.duration_s))
     out = []
     for t in sorted(times):
-        batch, _ = _batch_replicas(p, inp.model, t, t + lead + 1.0)
+        batch, _ = batch_replicas(p.batch_jobs, inp.model, t, t + lead + 1.0)
         out.append((t, max(forecast_need, base + batch, p.min_serving) + pool))
     return tuple(out)
 
@@ -489,8 +438,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     mode = _mode(fc, p)
     if mode == REACTIVE:
         fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
-    batch_lead, fired = _batch_replicas(p, inp.model, inp.now, inp.now + lead)
-    batch_next, _ = _batch_replicas(p, inp.model, inp.now, inp.now + obs.bucket_s)
+    batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
+    batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
     fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
