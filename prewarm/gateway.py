@@ -108,7 +108,10 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=2.0),
+            # No total: a long generation is fine as long as bytes keep coming. sock_read is the idle
+            # timeout between two reads; connecting is quick or the replica is gone.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                          sock_read=self.cfg.upstream_timeout_s),
             auto_decompress=False,
         )
         self._flusher = asyncio.create_task(self._flush_loop())
@@ -192,11 +195,11 @@ class Gateway:
             return await self._single_flight("models", fetch)
         return self.state.models
 
-    def _route(self, view: RoutingView, warmup: bool) -> RouteDecision:
+    def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
             view.serving, view.warm, view.loading, self.state.inflight,
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
-            exclude=self.state.exclusions(time.monotonic()), replica_concurrency=self.cfg.replica_concurrency,
+            exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
         )
 
     # --- handlers -------------------------------------------------------------------------
@@ -234,6 +237,8 @@ class Gateway:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        except RecursionError:
+            return _error(400, "request body is not valid JSON: nested too deeply", "invalid_json")
         if not isinstance(payload, dict):
             return _error(400, "request body must be a JSON object", "invalid_body")
         model = payload.get("model")
@@ -293,9 +298,7 @@ class Gateway:
                                             model, refused)
             if result is not None:
                 return result
-            decision = self._route(await self._view(model), warmup)
-            if decision.replica is not None and decision.replica.id in tried:
-                break
+            decision = self._route(await self._view(model), warmup, frozenset(tried))
         if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
             return refused[-1]
         return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")
@@ -312,23 +315,27 @@ class Gateway:
     ) -> web.StreamResponse | None:
         """Send the request to one replica. None: it could not be reached or refused it (try another).
 
-        A 503 from a replica is a refusal before any work (asleep, weights unloaded, draining):
-        the request goes to another replica, and the refusal, with a Retry-After, is appended
-        to `refused` for the caller to answer with when no replica takes it.
+        What counts against a replica is only what says it is gone: no connection, or a connection
+        that breaks mid-answer. Any HTTP answer means it is alive — a 500 caused by the request
+        would be the same on every replica, so it is passed through, not counted and not re-sent.
+        A 503 is a refusal before any work (asleep, weights unloaded, draining): the request goes
+        to another replica, and the refusal, with a Retry-After, is appended to `refused` for the
+        caller to answer with when no replica takes it. A replica slower than the idle timeout
+        (`upstream_timeout_s` between two reads) gets 504, not a re-send and not a failure; a
+        client that goes away is the client's doing.
         """
         assert self.session is not None
         self._count_inflight(model, rid, +1)
         try:
             try:
                 upstream = await self.session.post(url, data=body, headers=headers)
+            except aiohttp.SocketTimeoutError:  # connected and sent: the replica is slow, not gone
+                return self._timed_out(rid)
             except _UPSTREAM_ERRORS as exc:
                 await self._failed(rid, f"unreachable: {exc!r}")
                 return None
             async with upstream:
-                if upstream.status >= 500:
-                    await self._failed(rid, f"answered {upstream.status}")
-                else:
-                    self.state.failures.pop(rid, None)
+                self.state.failures.pop(rid, None)  # it answered: whatever the status, it is alive
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if upstream.status == 503 and refused is not None:
                     try:
@@ -346,23 +353,56 @@ class Gateway:
                 if not stream or upstream.status != 200:
                     try:
                         data = await upstream.read()
+                    except aiohttp.SocketTimeoutError:
+                        return self._timed_out(rid)
                     except _UPSTREAM_ERRORS as exc:
                         await self._failed(rid, f"closed mid-response: {exc!r}")
                         return _error(502, f"replica {rid} closed the connection mid-response", "upstream_closed")
                     return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
-                resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-                await resp.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await resp.write(chunk)
-                except _UPSTREAM_ERRORS as exc:
-                    await self._failed(rid, f"closed mid-stream: {exc!r}")
-                    err = {"error": {"message": f"replica {rid} closed the stream", "type": "server_error", "code": "upstream_closed"}}
-                    await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-                await resp.write_eof()
-                return resp
+                return await self._relay_stream(request, upstream, rid, ctype)
         finally:
             self._count_inflight(model, rid, -1)
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, rid: str,
+                            ctype: str) -> web.StreamResponse:
+        """Copy an SSE stream to the client. A replica that breaks the stream is counted; one that
+        stalls past the idle timeout is not (the client gets an error event either way); a client
+        that goes away ends the relay (closing the upstream connection stops the generation)."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            return resp
+        upstream_error: dict[str, Any] | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                try:
+                    await resp.write(chunk)
+                except ConnectionResetError:  # the client went away ("stop generating"): not the replica's fault
+                    upstream.close()
+                    return resp
+        except aiohttp.SocketTimeoutError:
+            log.warning("replica %s sent nothing for %.0fs mid-stream: the stream is ended, the replica is not blamed",
+                        rid, self.cfg.upstream_timeout_s)
+            upstream_error = {"message": f"replica {rid} sent nothing for {self.cfg.upstream_timeout_s:.0f}s",
+                              "type": "server_error", "code": "upstream_timeout"}
+        except _UPSTREAM_ERRORS as exc:
+            await self._failed(rid, f"closed mid-stream: {exc!r}")
+            upstream_error = {"message": f"replica {rid} closed the stream", "type": "server_error",
+                              "code": "upstream_closed"}
+        try:
+            if upstream_error is not None:
+                await resp.write(f"data: {json.dumps({'error': upstream_error})}\n\n".encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+    def _timed_out(self, rid: str) -> web.Response:
+        """The replica took the request and then sent nothing for the idle timeout: a slow answer.
+        It is not re-sent (it may be expensive, and is probably still running) and not counted."""
+        log.warning("replica %s sent nothing for %.0fs: 504, the replica is not blamed", rid, self.cfg.upstream_timeout_s)
+        return _error(504, f"the replica sent nothing for {self.cfg.upstream_timeout_s:.0f}s", "upstream_timeout")
 
     def _count_inflight(self, model: str, rid: str, delta: int) -> None:
         """Requests in flight to a replica: the routing policy's saturation input and `gateway_inflight_requests`."""

@@ -450,7 +450,7 @@ class ModelHost:
         prompt = data.get("prompt", probe.PROBE_PROMPT)
         if not isinstance(prompt, str) or not prompt:
             raise api.bad_request("'prompt' must be a non-empty string", "prompt")
-        return prompt
+        return api.encodable(prompt, "prompt")
 
     def _require_loaded(self) -> None:
         if self.engine.error is not None:

@@ -72,9 +72,21 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # ~1000 nested arrays: the parser's stack, not the server's fault
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def encodable(text: str, param: str) -> str:
+    """`text` unchanged when it is valid Unicode; a 400 when it holds a lone surrogate (`"\\ud800"`),
+    which JSON can carry but UTF-8 cannot encode (the tokenizer would raise: a request fault, not a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"'{param}' is not valid Unicode: {exc.reason} at position {exc.start}", param) from None
+    return text
 
 
 def _is_int(v: object) -> bool:
@@ -91,7 +103,7 @@ def parse_completion(data: Mapping[str, Any], *, vocab_size: int, max_seq_len: i
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
-        parsed: str | tuple[int, ...] = prompt
+        parsed: str | tuple[int, ...] = encodable(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -119,6 +131,8 @@ def parse_completion(data: Mapping[str, Any], *, vocab_size: int, max_seq_len: i
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    if model is not None:
+        encodable(model, "model")
 
     n = data.get("n", 1)
     if n not in (None, 1):

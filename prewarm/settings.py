@@ -73,7 +73,8 @@ class GatewaySettings(_Group):
     hold_timeout_s: float = Field(0.0, ge=0)  # hold a request this long for a replica to become ready; 0: 503 at once
     retry_after_s: int = Field(5, ge=1)  # Retry-After on 503
     max_body_bytes: int = Field(1_048_576, gt=0)
-    upstream_timeout_s: float = Field(120.0, gt=0)
+    upstream_timeout_s: float = Field(120.0, gt=0)  # idle timeout: longest wait for the next bytes of an answer
+    connect_timeout_s: float = Field(2.0, gt=0)  # a replica that does not accept a connection this fast is gone
     refresh_interval_s: float = Field(0.5, gt=0)  # how long a routing view may be reused
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
@@ -188,6 +189,7 @@ class AgentSettings(_Group):
     runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
     drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
     orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
+    health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
 
     @field_validator("visibility_timeout_s")
     @classmethod

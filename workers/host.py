@@ -105,6 +105,24 @@ def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """The runtime's own verdict (`GET /readyz`): (ready, why). A refused connection or a
+    timeout is "not ready" too: the process is up (the caller checked) but does not answer."""
+    try:
+        with urllib.request.urlopen(f"{endpoint}/readyz", timeout=timeout) as resp:
+            return 200 <= resp.status < 300, "ready"
+    except urllib.error.HTTPError as exc:
+        try:
+            reason = str(json.loads(exc.read()).get("reason", exc.code))
+        except (ValueError, AttributeError, OSError):
+            reason = f"status {exc.code}"
+        finally:
+            exc.close()
+        return False, reason
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return False, f"no answer: {exc}"
+
+
 class RuntimeHost:
     """The slot table of one agent: which runtime process serves which replica."""
 
