@@ -74,6 +74,8 @@ class Upstream:
     name: str
     mode: str = "ok"
     delay_s: float = 0.0
+    chunk_delay_s: float = 0.0  # between two stream chunks
+    chunks: int = 3
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -101,7 +103,9 @@ class Upstream:
         if body.get("stream"):
             resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for i in range(3):
+            for i in range(self.chunks):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
                 chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.mode == "close_mid_stream" and i == 1:

@@ -260,6 +260,37 @@ def test_a_replica_answering_500_is_passed_through_not_failed(gw: Harness) -> No
     assert not gw.gateway.state.failures and not gw.gateway.state.excluded
 
 
+def test_a_slow_answer_is_a_504_not_a_dead_replica(redis_url: str) -> None:
+    """Issue 13: the upstream timeout is an idle timeout; a request that outlives it is not re-sent
+    (it may be expensive and is probably still running) and does not count against the replica."""
+    h = Harness(redis_url, upstream_timeout_s=0.5)
+    try:
+        slow, other = Upstream("slow", delay_s=1.5), Upstream("other")
+        r_slow = h.add(0, slow)
+        h.add(1, other)
+        for _ in range(h.settings.gateway.failure_threshold + 1):
+            status, _, body = h.complete()
+            assert status == 504 and json.loads(body)["error"]["code"] == "upstream_timeout", body
+            h.gateway.state.excluded.clear()
+        assert other.received == [], "the timed-out request was re-sent to another replica"
+        stored = h.reg.get(r_slow.id)
+        assert stored is not None and stored.state is ReplicaState.READY, stored
+        assert not h.gateway.state.failures
+    finally:
+        h.close()
+
+
+def test_a_long_stream_is_fine_while_chunks_keep_coming(redis_url: str) -> None:
+    """The whole stream takes 4x the timeout; no gap between chunks reaches it."""
+    h = Harness(redis_url, upstream_timeout_s=0.6)
+    try:
+        h.add(0, Upstream("s", chunk_delay_s=0.2, chunks=12))
+        status, _, body = h.complete(extra={"stream": True})
+        assert status == 200 and body.count(b"data: ") == 13 and body.endswith(b"data: [DONE]\n\n"), body
+    finally:
+        h.close()
+
+
 def test_unreachable_replica_is_marked_failed_and_traffic_moves(gw: Harness) -> None:
     good = Upstream("good")
     dead = Replica("m", "r1", "n1", 0, endpoint="http://127.0.0.1:9")  # nothing listens on the discard port
