@@ -1,6 +1,6 @@
 """Forecast accuracy and cost on the real rate traces: QuantileForecaster vs seasonal naive.
 
-Rolling-origin backtests (`forecasting.backtest.cross_validation`) with an hourly horizon
+Rolling-origin backtests (`forecasting.forecast.backtest.cross_validation`) with an hourly horizon
 on ServeGen m-large (10-minute buckets) and NASA (10-minute and, in the full run, 1-minute
 buckets). Accuracy figures (MAE of the median, under-provision rate at p90, coverage of
 p99, pinball loss) do not depend on the machine. Times do, so they are reported next to
@@ -23,9 +23,9 @@ from sklearn.ensemble import HistGradientBoostingRegressor
 from threadpoolctl import threadpool_limits
 
 from benchmarks.common import ROOT, parser, report
-from forecasting.backtest import cross_validation, scores
-from forecasting.history import load_file, rate_series
-from forecasting.models import QuantileForecaster, SeasonalNaiveForecaster
+from forecasting.forecast.backtest import cross_validation, scores
+from forecasting.data.history import load_file, rate_series
+from forecasting.forecast.models import QuantileForecaster, SeasonalNaiveForecaster
 
 TRACES = ROOT.parent / "shared" / "traces"
 

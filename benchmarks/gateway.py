@@ -26,10 +26,10 @@ import redis
 import redis.asyncio as aioredis
 
 from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
-from prewarm.domain import Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port, stop_process
-from prewarm.registry import AsyncRegistryReader, ReplicaRegistry
-from prewarm.routing import choose_replica
+from prewarm.core.domain import Pool, Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis, free_port, stop_process
+from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry
+from prewarm.policy.routing import choose_replica
 
 
 def populate(url: str, upstream: str, stop: threading.Event) -> threading.Thread:

@@ -12,11 +12,11 @@ random-weight model (CUDA when available), and one `prewarm gateway` routing by 
 registry.
 
 How the replicas come up: NOT through the Celery node agents. This script drives each
-runtime itself, exactly the steps of the agent's pipeline (workers/pipeline.py), so the
+runtime itself, exactly the steps of the agent's pipeline (workers/node/bringup.py), so the
 benchmark measures serving and nothing of the task machinery: register `pending` →
 `loading` (POST /load through `BuiltinRuntimeAdapter`, progress into the registry) →
 `warming` (signed warmup requests, validation inputs, the pure checks of
-`prewarm.validation`) → mark ready on the runtime (`/readyz` 200) → `ready` in the
+`prewarm.policy.validation`) → mark ready on the runtime (`/readyz` 200) → `ready` in the
 registry. A thread heartbeats them while the load runs, as the agent would.
 
 Load generators (Debian packages): `wrk` for saturation (200 connections, 60 s, 10 s with
@@ -66,15 +66,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis
 
 from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
-from prewarm.adapters import BuiltinRuntimeAdapter
-from prewarm.domain import Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port, stop_process
-from prewarm.manifest import load_manifest
-from prewarm.model import make_model
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import Settings
-from prewarm.validation import tensor_specs, validate
-from prewarm.warmup import WarmupPlan, generate_requests
+from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis, free_port, stop_process
+from prewarm.runtime.manifest import load_manifest
+from prewarm.runtime.model import make_model
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import Settings
+from prewarm.policy.validation import tensor_specs, validate
+from prewarm.policy.warmup import WarmupPlan, generate_requests
 
 MODEL = "loadbench"
 NODE = "bench-node"
@@ -89,7 +89,7 @@ BODY = json.dumps({"model": MODEL, "prompt": "Hello, how are you today?", "max_t
 
 def bring_up(reg: ReplicaRegistry, adapter: BuiltinRuntimeAdapter, replica: Replica, model_dir: Path,
              settings: Settings, secret: str, timeout_s: float = 120.0, attempts: int = 3) -> Replica:
-    """pending → loading → warming → validated → ready, as workers/pipeline.py does it.
+    """pending → loading → warming → validated → ready, as workers/node/bringup.py does it.
 
     One difference: a failed validation is warmed and checked again, up to `attempts`
     times, because on a shared machine a noisy neighbour can push one warm batch past the

@@ -52,9 +52,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prewarm.loader import ProgressiveLoader, load_full, resolve_device  # noqa: E402
-from prewarm.model import TransformerLM, greedy, load_config, load_manifest, make_model  # noqa: E402
-from prewarm.snapshot import SnapshotStore  # noqa: E402
+from prewarm.runtime.loader import ProgressiveLoader, load_full, resolve_device  # noqa: E402
+from prewarm.runtime.model import TransformerLM, greedy, load_config, load_manifest, make_model  # noqa: E402
+from prewarm.runtime.snapshot import SnapshotStore  # noqa: E402
 
 
 def drop_cache(paths: list[Path], machine: bool = True) -> str:

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import ROOT, parser, report
-from forecasting.policies import POLICIES, make_policy
-from forecasting.simulate import SimParams, build_workload, replay
-from forecasting.traces import RateTrace, load_trace
+from forecasting.sim.policies import POLICIES, make_policy
+from forecasting.sim.simulate import SimParams, build_workload, replay
+from forecasting.data.traces import RateTrace, load_trace
 
 TRACE = ROOT.parent / "shared" / "traces" / "servegen_m_small_rate.csv"
 

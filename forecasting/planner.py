@@ -33,8 +33,9 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 from croniter import croniter
 
-from prewarm.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
-from prewarm.errors import InvalidPayload
+from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
+from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class BatchJob:
 
 @dataclass(frozen=True)
 class PlannerParams:
-    """Mirror of `prewarm.settings.PlannerSettings` (the fields the pure planner reads)."""
+    """Mirror of `prewarm.core.settings.PlannerSettings` (the fields the pure planner reads)."""
 
     quantile: float = 0.9
     headroom: float = 0.1
@@ -90,8 +91,8 @@ class PlannerParams:
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
-    def from_settings(cls, s: Any) -> "PlannerParams":
-        """Build from a `PlannerSettings` (typed loosely so the planner imports no settings I/O)."""
+    def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
+        """Build from the `planner` settings group."""
         return cls(
             quantile=s.quantile,
             headroom=s.headroom,
@@ -103,7 +104,7 @@ class PlannerParams:
             budget_share=s.budget_share,
             bucket_s=float(s.bucket_s),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            peak_hold_s=float(getattr(s, "peak_hold_s", cls.peak_hold_s)),
+            peak_hold_s=float(s.peak_hold_s),
         )
 
     @property

@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Callable, Iterator
 
-from prewarm.errors import SettingsError
-from prewarm.settings import Settings
+from prewarm.core.errors import SettingsError
+from prewarm.core.settings import Settings
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -147,7 +147,7 @@ def _redis_for(settings: Settings) -> Iterator[str]:
     if settings.redis.url:
         yield settings.redis.url
         return
-    from prewarm.embedded import EmbeddedRedis
+    from prewarm.registry.embedded import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         settings.redis.url = server.url
@@ -163,7 +163,7 @@ def _redis_for(settings: Settings) -> Iterator[str]:
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from pathlib import Path
 
-    from workers import up
+    from workers.up import run as up
 
     opts = up.UpOptions(
         out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
@@ -174,7 +174,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
-    from prewarm import gateway
+    from prewarm.gateway import server as gateway
 
     with _redis_for(settings):
         gateway.run(settings, host=args.host, port=args.port)
@@ -182,9 +182,9 @@ def _cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
-    from prewarm.domain import check_name
-    from prewarm.errors import InvalidPayload
-    from workers.agent import run_agent
+    from prewarm.core.domain import check_name
+    from prewarm.core.errors import InvalidPayload
+    from workers.node.agent import run_agent
 
     if args.node:
         try:
@@ -197,7 +197,7 @@ def _cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.agent import run_planner
+    from workers.planning.worker import run_planner
 
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: the planner needs the shared Redis")
@@ -205,7 +205,7 @@ def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_beat(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.agent import setup_logging
+    from workers.process import setup_logging
     from workers.beat import run_beat
 
     if not settings.redis.url:
@@ -228,7 +228,7 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
     import logging
 
-    from prewarm import runtime_serve as runtime
+    from prewarm.runtime import serve as runtime
 
     if args.self_validate and args.no_autoload:
         print("prewarm serve-model: --self-validate needs the load to start by itself (drop --no-autoload)",
@@ -237,7 +237,7 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.device:
         settings.runtime.device = args.device
-    from prewarm.errors import PermanentError
+    from prewarm.core.errors import PermanentError
 
     try:
         host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
@@ -260,7 +260,7 @@ def _cmd_make_model(args: argparse.Namespace, settings: Settings) -> int:
     import json
     import time
 
-    from prewarm.model import ModelError, load_manifest, make_model
+    from prewarm.runtime.model import ModelError, load_manifest, make_model
 
     t = time.perf_counter()
     try:
@@ -278,7 +278,7 @@ def _cmd_make_model(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_settings(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
-    from prewarm.settings import _GROUPS
+    from prewarm.core.settings import _GROUPS
 
     out = {name: getattr(settings, name).model_dump(mode="json") for name in _GROUPS}
     print(json.dumps(out, indent=2, default=str))
@@ -289,8 +289,8 @@ def _cmd_k8s(args: argparse.Namespace, settings: Settings) -> int:
     import json
     from dataclasses import asdict
 
-    from prewarm.errors import PrewarmError
-    from prewarm.k8s import KubeActuator, PatchResult, api_client_from_settings
+    from prewarm.core.errors import PrewarmError
+    from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
 
     kube = settings.kubernetes
     namespace = args.namespace or kube.namespace
@@ -311,12 +311,12 @@ def _cmd_k8s(args: argparse.Namespace, settings: Settings) -> int:
                 out["snapshots"] = sorted(view.snapshots)
                 print(json.dumps(out, sort_keys=True))
         elif args.k8s_command == "watch":
-            from prewarm.k8s_watch import PodWatcher
+            from prewarm.adapters.k8s_watch import PodWatcher
 
             watcher = PodWatcher(api, namespace, args.deployment, pod_port=kube.pod_port)
             watcher.run(lambda pod: print(json.dumps(asdict(pod), sort_keys=True), flush=True), max_ready=args.count)
         elif args.k8s_command == "prewarm-pods":
-            from workers.external import run_cli, target_from
+            from workers.pods import run_cli, target_from
 
             if not settings.redis.url:
                 raise SettingsError("PREWARM_REDIS_URL is not set: prewarm-pods registers replicas in the shared Redis")
@@ -355,10 +355,10 @@ def main(argv: list[str] | None = None) -> int:
 def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
-    from forecasting.report import print_table, progress_bar
-    from forecasting.scoring import run_backtest
-    from forecasting.simulate import SimParams
-    from forecasting.traces import HistoryError, load_trace
+    from forecasting.sim.report import print_table, progress_bar
+    from forecasting.sim.scoring import run_backtest
+    from forecasting.sim.simulate import SimParams
+    from forecasting.data.traces import HistoryError, load_trace
 
     try:
         trace = load_trace(args.trace)
@@ -377,7 +377,7 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     print_table(out["result"])
     if args.plot:
-        from forecasting.report import plot
+        from forecasting.sim.report import plot
 
         path = plot(out["work"], out["runs"], args.plot, title=out["result"]["trace"])
         print(f"plot written to {path}")

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import pytest
 
-from prewarm import keys
-from prewarm.embedded import stop_process
-from prewarm.settings import Settings
+from prewarm.core import keys
+from prewarm.registry.embedded import stop_process
+from prewarm.core.settings import Settings
 
 if TYPE_CHECKING:
     import redis
@@ -214,7 +214,7 @@ def runtime_pids(port: int, *, guards: bool = False) -> list[int]:
             state = (entry / "stat").read_text().split(")")[-1].split()[0]
         except OSError:
             continue
-        if b"serve-model" in cmd and str(port).encode() in cmd and (b"workers.guard" in cmd) == guards \
+        if b"serve-model" in cmd and str(port).encode() in cmd and (b"workers.node.guard" in cmd) == guards \
                 and state != "Z":
             out.append(int(entry.name))
     return out

@@ -13,8 +13,9 @@ from typing import Iterator
 
 import pytest
 import redis
+import torch
 
-from prewarm.embedded import EmbeddedRedis
+from prewarm.registry.embedded import EmbeddedRedis
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
@@ -70,3 +71,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run only where CUDA is available; elsewhere they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

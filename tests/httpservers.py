@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from prewarm.embedded import free_port
+from prewarm.registry.embedded import free_port
 
 
 class AppThread:

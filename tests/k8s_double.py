@@ -2,8 +2,8 @@
 
 What it stands for, honestly: no Kubernetes API server (or kind/k3s) can run on these
 machines, so this is a small real HTTP server (`http.server` in a thread, on a free
-loopback port) that implements exactly the endpoints `prewarm.k8s` and
-`prewarm.k8s_watch` call, with the semantics those calls rely on:
+loopback port) that implements exactly the endpoints `prewarm.adapters.k8s` and
+`prewarm.adapters.k8s_watch` call, with the semantics those calls rely on:
 
 - `apps/v1` `deployments/{name}/scale` GET and PATCH (merge-patch, strategic-merge-patch,
   which for a Scale are the same, and JSON-patch lists);
@@ -43,7 +43,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s_client
 
-from prewarm.embedded import free_port
+from prewarm.registry.embedded import free_port
 
 _SCALE = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")
 _HPA = re.compile(r"^/apis/autoscaling/v2/namespaces/([^/]+)/horizontalpodautoscalers/([^/]+)$")

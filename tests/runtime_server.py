@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from prewarm.embedded import free_port, stop_process, wait_for_port
-from prewarm.manifest import Manifest, TensorEntry, load_manifest
+from prewarm.registry.embedded import free_port, stop_process, wait_for_port
+from prewarm.runtime.manifest import Manifest, TensorEntry, load_manifest
 
 TOKEN = "control-token-for-tests"
 SECRET = "warmup-secret-for-tests"

@@ -13,19 +13,19 @@ from typing import Iterator
 
 import pytest
 
-from prewarm.adapters import (
+from prewarm.adapters.runtimes import (
     BuiltinRuntimeAdapter,
     OpenAICompatibleAdapter,
     RuntimeAdapter,
     RuntimeRequestError,
     RuntimeUnavailable,
 )
-from prewarm.domain import LoadPhase
-from prewarm.embedded import free_port
-from prewarm.errors import PermanentError, TemporaryError
-from prewarm.model import make_model
-from prewarm.validation import CheckName, Outcome, ValidationReport, check_numeric, validate
-from prewarm.warmup import TopicMix, WarmupPlan, generate_requests
+from prewarm.core.domain import LoadPhase
+from prewarm.registry.embedded import free_port
+from prewarm.core.errors import PermanentError, TemporaryError
+from prewarm.runtime.model import make_model
+from prewarm.policy.validation import CheckName, Outcome, ValidationReport, check_numeric, validate
+from prewarm.policy.warmup import TopicMix, WarmupPlan, generate_requests
 from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, start_runtime
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from sklearn.base import BaseEstimator
 
-from forecasting.backtest import cross_validation, cutoff_positions, scores
-from forecasting.history import load_file, rate_series
-from forecasting.models import QuantileForecaster, SeasonalNaiveForecaster
+from forecasting.forecast.backtest import cross_validation, cutoff_positions, scores
+from forecasting.data.history import load_file, rate_series
+from forecasting.forecast.models import QuantileForecaster, SeasonalNaiveForecaster
 
 
 class Recording(BaseEstimator):

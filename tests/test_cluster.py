@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
-from prewarm.domain import ModelSpec
-from prewarm.k8s import KubeActuator
-from prewarm.settings import KubernetesSettings
+from prewarm.core.domain import ModelSpec
+from prewarm.adapters.k8s import KubeActuator
+from prewarm.core.settings import KubernetesSettings
 from tests.k8s_double import KubeDouble
-from workers.cluster import apply_target, cluster_target
+from workers.planning.kubernetes import apply_target, cluster_target
 
 NS = "inference"
 
@@ -50,7 +50,7 @@ def test_deployment_scaled_without_an_hpa_and_dry_run_changes_nothing(double: Ku
 
 
 def test_cluster_target_counts_due_scale_ups_and_the_pool() -> None:
-    model = ModelSpec("m", "r1", weights_uri="", capacity_rps=10.0)
+    model = ModelSpec("m", "r1", capacity_rps=10.0)
     fc = pd.DataFrame({"q0.5": [5.0, 5.0, 35.0, 35.0], "q0.9": [5.0, 5.0, 35.0, 35.0]}, index=[0.0, 60.0, 120.0, 180.0])
     params = PlannerParams(warm_pool_size=1, budget_share=1.0, default_cold_start_s=20.0, lead_margin_s=10.0)
     result, _ = plan(PlanContext(model, fc, ReplicaCounts(ready=1), now=0.0, params=params), PlannerState())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prewarm.settings import MetricsSettings, Settings
+from prewarm.core.settings import MetricsSettings, Settings
 from tests.test_helm import cli_refuses, known_env_vars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_every_variable_exists_and_builds_valid_settings(config: dict[str, Any],
     for name, svc in prewarm_services(config).items():
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
         unknown = {k for k in env if k.startswith("PREWARM_")} - known
-        assert not unknown, f"{name}: variables not in prewarm.settings: {sorted(unknown)}"
+        assert not unknown, f"{name}: variables not in prewarm.core.settings: {sorted(unknown)}"
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from prewarm.metrics import EXPORTED
+from prewarm.core.metrics import EXPORTED
 from tests.test_prometheus_rules import exported_base, metric_names
 
 GRAFANA = Path(__file__).resolve().parents[1] / "deploy" / "grafana"

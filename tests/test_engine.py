@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prewarm.domain import LoadPhase
-from prewarm.engine import Engine, EngineNotLoaded, EngineSleeping
-from prewarm.loader import load_full
-from prewarm.model import CorruptWeights, ModelConfig, greedy, last_logits, make_model
-from prewarm.snapshot import SnapshotStore
+from prewarm.core.domain import LoadPhase
+from prewarm.runtime.engine import Engine, EngineNotLoaded, EngineSleeping
+from prewarm.runtime.loader import load_full
+from prewarm.runtime.model import CorruptWeights, ModelConfig, greedy, last_logits, make_model
+from prewarm.runtime.snapshot import SnapshotStore
 
 CPU = torch.device("cpu")
 PROMPT = "An engine answers while its weights are still arriving."
@@ -37,7 +37,9 @@ def reference(model_dir: Path) -> tuple[list[int], torch.Tensor]:
 def test_generate_during_loading_equals_the_full_model(model_dir: Path, reference: tuple[list[int], torch.Tensor]) -> None:
     progress: list[float] = []
     phases: list[LoadPhase] = []
-    eng = Engine(model_dir, device="auto", read_limit_bps=12e6, read_chunk_bytes=64 * 1024,
+    # CPU explicitly: the reference is computed on CPU, and "auto" is CUDA where a GPU is present
+    # (tests/test_gpu.py runs the same comparison on CUDA).
+    eng = Engine(model_dir, device="cpu", read_limit_bps=12e6, read_chunk_bytes=64 * 1024,
                  on_progress=lambda p, ph: progress.append(p), on_phase=lambda ph, s: phases.append(ph))
     assert eng.device == CPU and eng.phase is LoadPhase.NONE and not eng.loaded and not eng.load_started
     with pytest.raises(EngineNotLoaded):

@@ -1,4 +1,4 @@
-"""Prewarming the pods of an inference Deployment (workers/external.py), end to end.
+"""Prewarming the pods of an inference Deployment (workers/pods.py), end to end.
 
 What runs for real: Redis (conftest), two `prewarm serve-model` processes on CPU standing in
 for the pods' OpenAI-compatible servers (one with a healthy tiny model, one whose final norm
@@ -22,15 +22,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prewarm import cli
-from prewarm.domain import Pool, ReplicaState
-from prewarm.k8s_watch import ReadyPod
-from prewarm.model import make_model
-from prewarm.settings import Settings
+from prewarm.core.domain import Pool, ReplicaState
+from prewarm.adapters.k8s_watch import ReadyPod
+from prewarm.runtime.model import make_model
+from prewarm.core.settings import Settings
 from tests.celery_helpers import wait_for
 from tests.k8s_double import KubeDouble
 from tests.runtime_server import SECRET, RuntimeProcess, poison, start_runtime, wait_loaded
 from workers.context import WorkerContext
-from workers.external import (
+from workers.pods import (
     EXTERNAL_SLOT_BASE,
     PodOutcome,
     PodPrewarmer,
@@ -243,7 +243,7 @@ def test_pod_too_slow_against_its_baseline_is_failed_and_a_dead_server_is_unreac
     assert running.sample("model_loading_failures_total", model="tiny", node="gpu-a", reason="validation_failed") == 1
 
     # a Ready pod whose server does not answer at all
-    from prewarm.embedded import free_port
+    from prewarm.registry.embedded import free_port
 
     quick = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=0.5)
     dead = PodPrewarmer(ctx, quick).handle(_ready_pod("llm-dead", f"http://127.0.0.1:{free_port()}"))

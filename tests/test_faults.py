@@ -38,14 +38,15 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from prewarm.domain import ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import Settings
+from prewarm.core.domain import ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis, free_port
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
-from workers.app import PREWARM, make_app
-from workers.host import RuntimeHost
-from workers.runtime_client import control_token
+from workers.app import make_app
+from workers.names import PREWARM
+from workers.node.supervision import RuntimeHost
+from workers.node.runtime_client import control_token
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ def _healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from prewarm.model import make_model
+    from prewarm.runtime.model import make_model
 
     tmp = tmp_path_factory.mktemp("faults")
     server = EmbeddedRedis().start()

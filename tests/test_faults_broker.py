@@ -6,7 +6,7 @@ a planner does when its broker goes away. The producer is the real Celery app of
 `workers.app.make_app`, and what reached the broker is read back from its queues (the
 Redis transport's lists), where a worker would consume it.
 
-Before the fix in `workers.executor`, `dispatch_due` removed an event from the queue (ZREM
+Before the fix in `workers.planning.executor`, `dispatch_due` removed an event from the queue (ZREM
 as the claim) before sending its apply task: a send that failed lost the event for good,
 with status "dispatched" and nothing in the broker. And an apply whose prewarm sends failed
 left the event "dispatched" forever.
@@ -21,16 +21,17 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from prewarm import keys
-from prewarm.domain import ScaleEvent, ScaleEventKind
-from prewarm.embedded import EmbeddedRedis
-from prewarm.metrics import Metrics
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import RedisSettings, Settings
+from prewarm.core import keys
+from prewarm.core.domain import ScaleEvent, ScaleEventKind
+from prewarm.registry.embedded import EmbeddedRedis
+from prewarm.core.metrics import Metrics
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import RedisSettings, Settings
 from tests.celery_helpers import publish_node, queued_tasks
-from workers.app import APPLY_EVENT, PLANNER_QUEUE, PREWARM, make_app, node_queue
+from workers.app import make_app
+from workers.names import APPLY_EVENT, PLANNER_QUEUE, PREWARM, node_queue
 from workers.context import WorkerContext
-from workers.executor import apply_event, dispatch_due, submit_events
+from workers.planning.executor import apply_event, dispatch_due, submit_events
 
 
 @pytest.fixture()

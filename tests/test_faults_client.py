@@ -29,11 +29,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prewarm.domain import Replica, ReplicaState
-from prewarm.gateway import Gateway
-from prewarm.model import make_model
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.gateway.server import Gateway
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.runtime.model import make_model
 from tests.httpservers import AppThread
 from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, start_runtime, wait_loaded
 

@@ -24,13 +24,13 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prewarm import signing
-from prewarm.domain import Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis
-from prewarm.errors import InvalidPayload
-from prewarm.gateway import Gateway
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.core import signing
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis
+from prewarm.core.errors import InvalidPayload
+from prewarm.gateway.server import Gateway
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
 from tests.httpservers import AppThread, Upstream
 from workers import payload
 

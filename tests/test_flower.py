@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from prewarm.embedded import free_port, wait_for_port
+from prewarm.registry.embedded import free_port, wait_for_port
 
 pytest.importorskip("flower")
 NODE = "flower-n1"

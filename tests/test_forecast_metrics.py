@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from workers.forecast import forecast_error, warm_cost_ratio
+from workers.planning.forecast import forecast_error, warm_cost_ratio
 
 
 @pytest.mark.parametrize(("live", "need", "ratio"), [(0, 0, 0.0), (4, 4, 0.0), (5, 4, 0.2), (3, 5, 0.0), (10, 7, 0.3)])

@@ -12,9 +12,9 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from forecasting.backtest import cross_validation, scores
-from forecasting.features import FeatureSpec, build, choose_spec
-from forecasting.models import QuantileForecaster, SeasonalNaiveForecaster, quantile_columns
+from forecasting.forecast.backtest import cross_validation, scores
+from forecasting.forecast.features import FeatureSpec, build, choose_spec
+from forecasting.forecast.models import QuantileForecaster, SeasonalNaiveForecaster, quantile_columns
 
 BUCKET = 600.0
 PER_DAY = 144

@@ -11,12 +11,12 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from prewarm import keys, signing
-from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis
-from prewarm.gateway import Gateway
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.core import keys, signing
+from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis
+from prewarm.gateway.server import Gateway
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
 from tests.httpservers import AppThread, Upstream
 
 SECRET = "test-secret"

@@ -15,10 +15,10 @@ import time
 import aiohttp
 import redis
 
-from prewarm.domain import Replica, ReplicaState
-from prewarm.gateway import Gateway
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.gateway.server import Gateway
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
 from tests.httpservers import AppThread, Upstream
 
 BURST = 250  # above the asyncio Redis client's default pool of 100 connections

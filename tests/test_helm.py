@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from prewarm.cli import _build_parser
-from prewarm.k8s import API_CALLS
-from prewarm.settings import _GROUPS
+from prewarm.adapters.k8s import API_CALLS
+from prewarm.core.settings import _GROUPS
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
 SEED_SET = "autoscaling.warmupPoolSize=2,hpa.behavior.scaleDown.stabilizationWindowSeconds=300"
@@ -297,5 +297,5 @@ def test_every_variable_and_command_exists() -> None:
             used_cmds.add(container["args"][0])
             assert cli_refuses(container["args"]) is None, (doc["metadata"]["name"], cli_refuses(container["args"]))
             used_vars.update(e["name"] for e in container.get("env", []) if e["name"].startswith("PREWARM_"))
-    assert used_vars - known == set(), f"variables not in prewarm.settings: {sorted(used_vars - known)}"
+    assert used_vars - known == set(), f"variables not in prewarm.core.settings: {sorted(used_vars - known)}"
     assert used_cmds - commands == set(), f"`prewarm` subcommands missing from the CLI: {sorted(used_cmds - commands)}"

@@ -2,7 +2,7 @@
 
 The real traces in ../shared/traces are checked against their README (row counts, spans,
 the NASA outage); broken files are written to tmp_path; the Redis loader reads counters
-written with `prewarm.keys.requests` into the session's real Redis; the Prometheus loader
+written with `prewarm.core.keys.requests` into the session's real Redis; the Prometheus loader
 queries a real Prometheus whose TSDB was backfilled by promtool from an OpenMetrics file.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forecasting.history import (
+from forecasting.data.history import (
     DEFAULT_PROMETHEUS_QUERY,
     HistoryError,
     HistoryUnavailable,
@@ -40,8 +40,8 @@ from forecasting.history import (
     rate_series,
     redis_models,
 )
-from prewarm import keys
-from prewarm.embedded import free_port, stop_process
+from prewarm.core import keys
+from prewarm.registry.embedded import free_port, stop_process
 
 DAY = 86400.0
 

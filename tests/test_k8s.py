@@ -14,8 +14,8 @@ import yaml
 
 from prewarm import cli
 
-from prewarm.errors import PermanentError
-from prewarm.k8s import (
+from prewarm.core.errors import PermanentError
+from prewarm.adapters.k8s import (
     API_CALLS,
     ORIGINAL_MIN_ANNOTATION,
     ActionKind,
@@ -24,7 +24,7 @@ from prewarm.k8s import (
     K8sNotFound,
     KubeActuator,
 )
-from prewarm.k8s_watch import PodWatcher, ReadyPod
+from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod
 from tests.k8s_double import KubeDouble, Request
 
 NS = "inference"

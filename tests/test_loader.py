@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prewarm.domain import LoadPhase
-from prewarm.errors import PermanentError
-from prewarm.loader import ProgressiveLoader, default_first_layers, load_full
-from prewarm.model import CorruptWeights, ModelConfig, greedy, last_logits, load_manifest, make_model
-from prewarm.snapshot import SnapshotStore
+from prewarm.core.domain import LoadPhase
+from prewarm.core.errors import PermanentError
+from prewarm.runtime.loader import ProgressiveLoader, default_first_layers, load_full
+from prewarm.runtime.model import CorruptWeights, ModelConfig, greedy, last_logits, load_manifest, make_model
+from prewarm.runtime.snapshot import SnapshotStore
 
 CPU = torch.device("cpu")
 PROMPT = list(b"Progressive loading overlaps the first request with the weights' arrival.")

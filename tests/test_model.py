@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from prewarm.cli import main
-from prewarm.model import (
+from prewarm.runtime.model import (
     KVCache,
     ModelConfig,
     ModelError,
@@ -23,7 +23,7 @@ from prewarm.model import (
     make_model,
     parse_size,
 )
-from prewarm.tokenizer import ByteTokenizer
+from prewarm.runtime.tokenizer import ByteTokenizer
 
 CPU = torch.device("cpu")
 

@@ -17,11 +17,11 @@ from forecasting.planner import (
     plan,
     replicas_needed,
 )
-from prewarm.domain import ModelSpec, NodeView, Pool, ScaleEventKind
-from prewarm.errors import InvalidPayload
-from prewarm.settings import PlannerSettings
+from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEventKind
+from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import PlannerSettings
 
-MODEL = ModelSpec(name="m", revision="r1", weights_uri="", capacity_rps=10.0)
+MODEL = ModelSpec(name="m", revision="r1", capacity_rps=10.0)
 # no pool, no budget limit: isolate the serving rules
 BASE = PlannerParams(warm_pool_percent=0.0, budget_share=1.0, lead_margin_s=10.0, default_cold_start_s=20.0)
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prewarm.metrics import EXPORTED
+from prewarm.core.metrics import EXPORTED
 
 PROM = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 RULES = PROM / "rules.yml"

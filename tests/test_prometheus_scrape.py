@@ -23,12 +23,13 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from prewarm.embedded import free_port, stop_process, wait_for_port
-from prewarm.model import make_model
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import Settings
+from prewarm.registry.embedded import free_port, stop_process, wait_for_port
+from prewarm.runtime.model import make_model
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, wait_for, worker_env
-from workers.app import PREWARM, RECYCLE, make_app
+from workers.app import make_app
+from workers.names import PREWARM, RECYCLE
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import redis
 
-from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis
-from prewarm.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import RegistrySettings
+from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis
+from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import RegistrySettings
 
 SETTINGS = RegistrySettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=3.0)
 
@@ -146,7 +146,6 @@ def test_counts_per_model_and_node(redis_client: "redis.Redis[str]") -> None:
         reg.register(_replica(slot, node=node), now=now)
     _to_ready(reg, _replica(0).id, now)
     assert reg.counts() == {("llama", "ready", "serving"): 1, ("llama", "pending", "serving"): 2}
-    assert reg.counts_by_node() == {("llama", "n1"): 2, ("llama", "n2"): 1}
     assert {r.id for r in reg.live_on_node("n1")} == {_replica(0).id, _replica(1).id}
 
 

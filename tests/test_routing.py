@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prewarm.domain import LoadPhase, Pool, Replica, ReplicaState
-from prewarm.routing import RouteOutcome, choose_replica
+from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
+from prewarm.policy.routing import RouteOutcome, choose_replica
 
 
 def rep(slot: int, *, pool: Pool = Pool.SERVING, state: ReplicaState = ReplicaState.READY,

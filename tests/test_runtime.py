@@ -14,10 +14,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from prewarm.model import make_model
-from prewarm.signing import warmup_headers
-from prewarm.validation import LogitStats, tensor_specs, validate
-from prewarm.warmup import COMPLETIONS_PATH
+from prewarm.runtime.model import make_model
+from prewarm.core.signing import warmup_headers
+from prewarm.policy.validation import LogitStats, tensor_specs, validate
+from prewarm.policy.warmup import COMPLETIONS_PATH
 from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, poison, start_runtime, wait_loaded
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,7 +94,7 @@ def test_completion_is_greedy_and_counts_usage(server: RuntimeProcess, model_dir
     _, c, _ = call(server.url + "/v1/completions", "POST", {"prompt": list(PROMPT.encode()), "max_tokens": 8})
     assert c["choices"][0]["text"] == choice["text"]
     # and the answer is the model's own greedy continuation, computed here in-process
-    from prewarm.engine import Engine
+    from prewarm.runtime.engine import Engine
 
     ref = Engine(model_dir, device="cpu")
     ref.start_load()
@@ -369,9 +369,9 @@ def test_nan_weights_fail_numeric_validation_end_to_end(tmp_path: Path, clean_en
 
     import aiohttp
 
-    from prewarm.embedded import free_port
-    from prewarm.runtime_serve import build_host
-    from prewarm.settings import Settings
+    from prewarm.registry.embedded import free_port
+    from prewarm.runtime.serve import build_host
+    from prewarm.core.settings import Settings
 
     model_dir = make_model(tmp_path / "nan", "tiny", seed=2, name="nan", revision="r1")
     poison(model_dir, "lm_head.weight")

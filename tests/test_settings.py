@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.errors import SettingsError
-from prewarm.redisconn import broker_url
-from prewarm.settings import Settings
+from prewarm.core.errors import SettingsError
+from prewarm.registry.connection import broker_url
+from prewarm.core.settings import Settings
 
 
 def test_defaults_and_environment(clean_env: pytest.MonkeyPatch) -> None:

@@ -9,11 +9,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecasting.models import QuantileForecaster
-from forecasting.policies import POLICIES, Policy, PolicyEnv, Prewarm, make_policy
-from forecasting.scoring import run_backtest, weighted_quantile
-from forecasting.simulate import Observation, SimParams, build_workload, replay
-from forecasting.traces import RateTrace, RequestTrace
+from forecasting.forecast.models import QuantileForecaster
+from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.policies import POLICIES, Prewarm, make_policy
+from forecasting.sim.scoring import run_backtest, weighted_quantile
+from forecasting.sim.simulate import SimParams, build_workload, replay
+from forecasting.data.traces import RateTrace, RequestTrace
 from prewarm.cli import main
 
 P = SimParams()
@@ -200,7 +201,7 @@ def test_cli_json_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
 
 
 def test_score_after_excludes_a_warm_up_for_every_policy() -> None:
-    from forecasting.scoring import score
+    from forecasting.sim.scoring import score
 
     trace = request_trace([0.0, 10.0, 1900.0, 3599.5], context=0.0, generated=2.0)
     work = build_workload(trace, P)
@@ -220,7 +221,7 @@ def test_score_after_excludes_a_warm_up_for_every_policy() -> None:
     (3, 2, 5, 1.0, 7),  # no budget
 ])
 def test_prewarm_warm_budget(base: int, pool: int, plan_extra: int, share: float, expected: int) -> None:
-    from forecasting.policies import budgeted_extra
+    from forecasting.sim.policies import budgeted_extra
 
     assert budgeted_extra(base, pool, plan_extra, share) == expected
     if share < 1 and expected:

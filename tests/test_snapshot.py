@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prewarm.model import ModelConfig
-from prewarm.snapshot import ALIGN, MAGIC, CorruptSnapshot, SnapshotKey, SnapshotStore
+from prewarm.runtime.model import ModelConfig
+from prewarm.runtime.snapshot import ALIGN, MAGIC, CorruptSnapshot, SnapshotKey, SnapshotStore
 
 CFG = ModelConfig.for_size("tiny")
 

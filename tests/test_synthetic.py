@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forecasting.synthetic import SyntheticWorkload
+from forecasting.data.synthetic import SyntheticWorkload
 
 
 def test_deterministic_and_shaped() -> None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from prewarm.errors import InvalidPayload
-from prewarm.validation import (
+from prewarm.core.errors import InvalidPayload
+from prewarm.policy.validation import (
     CheckName,
     LogitStats,
     Outcome,

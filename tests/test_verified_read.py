@@ -13,9 +13,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from prewarm.manifest import CorruptWeights, Manifest
-from prewarm.model import ModelConfig, load_manifest, make_model
-from prewarm.verified_read import VerifiedReader
+from prewarm.runtime.manifest import CorruptWeights, Manifest
+from prewarm.runtime.model import ModelConfig, load_manifest, make_model
+from prewarm.runtime.verified_read import VerifiedReader
 
 CFG = ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=2, d_ff=128, max_seq_len=64)
 

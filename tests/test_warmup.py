@@ -8,10 +8,10 @@ import statistics
 
 import pytest
 
-from prewarm.errors import InvalidPayload
-from prewarm.settings import WarmupSettings
-from prewarm.signing import HEADER, is_valid_warmup
-from prewarm.warmup import (
+from prewarm.core.errors import InvalidPayload
+from prewarm.core.settings import WarmupSettings
+from prewarm.core.signing import HEADER, is_valid_warmup
+from prewarm.policy.warmup import (
     CALIBRATION_RANGES,
     COMPLETIONS_PATH,
     CalibrationKind,

@@ -22,14 +22,15 @@ import pytest
 import redis
 from celery import Celery
 
-from prewarm import keys
-from prewarm.domain import Pool, Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port
-from prewarm.manifest import load_manifest
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import Settings
+from prewarm.core import keys
+from prewarm.core.domain import Pool, Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis, free_port
+from prewarm.runtime.manifest import load_manifest
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
-from workers.app import KEEP_WARM, PREWARM, RECYCLE, RETIRE, make_app, node_queue
+from workers.app import make_app
+from workers.names import KEEP_WARM, PREWARM, RECYCLE, RETIRE, node_queue
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    from prewarm.model import make_model
+    from prewarm.runtime.model import make_model
 
     redis_server.start()  # a no-op unless a test stopped it
     tmp = tmp_path_factory.mktemp("agent")
@@ -276,7 +277,7 @@ def test_validation_failure_leaves_the_replica_failed_and_unroutable(world: Worl
 
 
 def test_corrupt_weights_fail_without_retry(world: World) -> None:
-    from prewarm.model import make_model
+    from prewarm.runtime.model import make_model
 
     rid = f"corrupt@r1/{NODE}/2"
     bad = Path(make_model(world.tmp / "corrupt", "tiny", seed=7, name="corrupt", revision="r1"))

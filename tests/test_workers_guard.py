@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 def _guard(tmp: Path, grace: float) -> tuple["subprocess.Popen[bytes]", Path, Path]:
     lease, pidfile = tmp / "slot.lease", tmp / "child.pid"
     lease.touch()
-    proc = subprocess.Popen([sys.executable, "-m", "workers.guard", "--lease", str(lease), "--grace-s", str(grace),
+    proc = subprocess.Popen([sys.executable, "-m", "workers.node.guard", "--lease", str(lease), "--grace-s", str(grace),
                              "--poll-s", "0.1", "--", sys.executable, "-c", CHILD, str(pidfile)],
                             cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE)
     wait_for(lambda: pidfile.exists() and pidfile.read_text(), 20, "the guarded child to start")

@@ -18,17 +18,18 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from prewarm import keys
-from prewarm.counters import record_demand
-from prewarm.domain import Replica, ReplicaState
-from prewarm.embedded import EmbeddedRedis, free_port
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import RedisSettings, RegistrySettings, Settings
+from prewarm.core import keys
+from prewarm.registry.counters import record_demand
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.registry.embedded import EmbeddedRedis, free_port
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import RedisSettings, RegistrySettings, Settings
 from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
-from prewarm.domain import ScaleEvent, ScaleEventKind
-from workers.app import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, make_app, node_queue
+from prewarm.core.domain import ScaleEvent, ScaleEventKind
+from workers.app import make_app
+from workers.names import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, node_queue
 from workers.context import WorkerContext
-from workers.executor import submit_events
+from workers.planning.executor import submit_events
 
 pytestmark = pytest.mark.slow
 

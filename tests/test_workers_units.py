@@ -7,16 +7,20 @@ from typing import Any
 import pytest
 import redis
 
-from prewarm.domain import Pool
-from prewarm.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError
-from prewarm.manifest import CorruptWeights
-from prewarm.settings import AgentSettings, RedisSettings, Settings
+from prewarm.core import keys
+from prewarm.core.domain import Pool
+from prewarm.core.errors import InvalidPayload, PermanentError, SettingsError, TemporaryError, WeightsError
+from prewarm.runtime.manifest import CorruptWeights
+from prewarm.core.settings import AgentSettings, RedisSettings, Settings
 from workers import payload
 from workers.beat import BeatLock
-from workers.app import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, make_app, route_task
-from workers.host import RuntimeExited
-from workers.pipeline import DeadlineExceeded, failure_reason
-from workers.planner import NodeSlots, choose_placement, resolve_revision
+from workers.app import make_app
+from workers.names import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, route_task
+from workers.node.supervision import RuntimeExited
+from prewarm.core.errors import failure_reason
+from workers.node.bringup import DeadlineExceeded
+from workers.planning.nodes import NodeSlots, choose_placement
+from workers.planning.tasks import resolve_revision
 
 
 @pytest.mark.parametrize(
@@ -103,7 +107,8 @@ def test_agent_command_needs_a_shared_redis(clean_env: pytest.MonkeyPatch, capsy
     ("exc", "reason"),
     [
         (CorruptWeights("layers.0.w", "sha256 mismatch"), "bad_weights"),
-        (PermanentError("runtime of x failed to load: tensor 'a' is corrupt: sha256 mismatch"), "bad_weights"),
+        (WeightsError("runtime of x failed to load: tensor 'a' is corrupt: sha256 mismatch"), "bad_weights"),
+        (PermanentError("a message that says corrupt and checksum"), "permanent"),  # types decide, never text
         (InvalidPayload("pool"), "invalid_payload"),
         (RuntimeExited("status 1"), "runtime_exited"),
         (DeadlineExceeded("late"), "timeout"),
@@ -143,12 +148,25 @@ def test_beat_lock_on_real_redis(redis_client: "redis.Redis[str]") -> None:
     b.release()
 
 
+def test_beat_lock_release_never_deletes_a_successors_lock(redis_client: "redis.Redis[str]") -> None:
+    """A beat whose lock expired (it stalled) and was taken over must leave the new holder's lock."""
+    a = BeatLock(redis_client, "a", ttl_s=1)
+    assert a.wait_acquire(timeout_s=1)
+    a._stop.set()  # a stalls: no refresh
+    b = BeatLock(redis_client, "b", ttl_s=30)
+    assert b.wait_acquire(poll_s=0.1, timeout_s=5)
+    a.release()
+    assert redis_client.get(keys.BEAT_LOCK) == "b"
+    b.release()
+    assert redis_client.get(keys.BEAT_LOCK) is None
+
+
 def test_worker_processes_never_import_torch() -> None:
     """CUDA is initialised in each replica's runtime process, never in an agent or planner worker."""
     import subprocess
     import sys
 
-    code = ("import sys, workers.agent, workers.tasks, workers.pipeline, workers.operations, workers.executor, "
+    code = ("import sys, workers.node.agent, workers.node.tasks, workers.node.bringup, workers.node.operations, workers.planning.executor, "
             "workers.beat; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

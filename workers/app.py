@@ -2,7 +2,7 @@
 
 - JSON only (never pickle): tasks carry replica ids and small scalars, nothing else.
 - `task_acks_late` + `task_reject_on_worker_lost`: a task whose worker dies is delivered
-  again, and an attempt cap (a delivery counter in Redis, see `workers.tasks`) gives up
+  again, and an attempt cap (a delivery counter in Redis, see `workers.node.tasks`) gives up
   on a task that kills its worker every time.
 - The broker's `visibility_timeout` is longer than the longest task time limit, so a task
   that still runs is never handed to a second worker; after a crash the message comes back
@@ -11,65 +11,23 @@
   threads, so a queued prewarm can still be taken by the agent's next start.
 - Results are ignored: nothing reads them (state lives in the replica registry).
 
-Routing: replica tasks go to `prewarm.node.<node>`, the node read from the replica id
-(`model@revision/node/slot`) so a producer cannot send a replica to the wrong node;
-cluster-wide tasks go to `prewarm.planner`. `workers.app:app` is built lazily from the
-environment, for `celery -A workers.app ...` and Flower.
+Routing (`workers.names`): replica tasks go to their node's queue, cluster-wide tasks to
+the planner's. `workers.app:app` is built lazily from the environment, for
+`celery -A workers.app ...` and Flower.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from celery import Celery
 
-from prewarm.domain import parse_replica_id
-from prewarm.errors import InvalidPayload
-from prewarm.redisconn import broker_url
-from prewarm.settings import Settings
-
-PLANNER_QUEUE = "prewarm.planner"
-NODE_QUEUE_PREFIX = "prewarm.node."
-
-# Task names (producers use these with `send_task`; they are part of the wire format).
-PREWARM = "prewarm.prewarm_replica"
-RETIRE = "prewarm.retire_replica"
-KEEP_WARM = "prewarm.keep_warm"
-RECYCLE = "prewarm.recycle_if_fragmented"
-REAP = "prewarm.reap"
-HANDLE_DEMAND = "prewarm.handle_demand"
-SCAN_DEMAND = "prewarm.scan_demand"
-SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
-DISPATCH_EVENTS = "prewarm.dispatch_due_events"
-APPLY_EVENT = "prewarm.apply_scale_event"
-FORECAST = "prewarm.forecast_and_plan"
-
-#: Tasks that act on one replica and run on the replica's node.
-NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})
-
-
-def node_queue(node: str) -> str:
-    return f"{NODE_QUEUE_PREFIX}{node}"
-
-
-def route_task(
-    name: str, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any], task: Any = None,
-    **_extra: Any,
-) -> dict[str, str]:
-    """Node tasks to the queue of the node named in their replica id; everything else to the planner.
-
-    A node task whose replica id cannot be read goes to the planner queue, where the task
-    refuses it with a clear error (rather than to a queue nobody consumes).
-    """
-    if name in NODE_TASKS:
-        rid = args[0] if args else kwargs.get("replica_id")
-        try:
-            _, _, node, _ = parse_replica_id(rid)
-        except InvalidPayload:
-            return {"queue": PLANNER_QUEUE}
-        return {"queue": node_queue(node)}
-    return {"queue": PLANNER_QUEUE}
-
+from prewarm.registry.connection import broker_url
+from prewarm.core.settings import Settings
+from workers import schedule
+from workers.names import PLANNER_QUEUE, route_task
+from workers.node import tasks as node_tasks
+from workers.planning import tasks as planning_tasks
 
 def make_app(settings: Settings) -> Celery:
     """The Celery app for these settings, with every prewarm task registered."""
@@ -106,10 +64,9 @@ def make_app(settings: Settings) -> Celery:
     )
     app.conf.prewarm_settings = settings  # the tasks read their settings from the app they run in
 
-    from workers import beat, tasks
-
-    tasks.register(app)
-    app.conf.beat_schedule = beat.schedule(settings)
+    node_tasks.register(app)
+    planning_tasks.register(app)
+    app.conf.beat_schedule = schedule.schedule(settings)
     return app
 
 

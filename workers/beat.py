@@ -12,79 +12,58 @@ import os
 import signal
 import sys
 import threading
-import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import redis
+from redis.exceptions import LockError, LockNotOwnedError
 
-from prewarm import keys
-from prewarm.redisconn import sync_client
-from prewarm.settings import Settings
+from prewarm.core import keys
+from prewarm.registry.connection import sync_client
+from prewarm.core.settings import Settings
 from workers import app as app_mod
+from workers.schedule import schedule
 
 log = logging.getLogger("prewarm.beat")
 
-DEMAND_SCAN_S = 10.0
-FRAGMENTATION_SWEEP_S = 300.0
-EVENT_DISPATCH_S = 2.0
-
-
-def schedule(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The beat schedule: every entry runs on the planner queue."""
-    return {
-        "reap-expired-replicas": {"task": app_mod.REAP,
-                                  "schedule": timedelta(seconds=settings.registry.reaper_interval_s)},
-        "scan-unmet-demand": {"task": app_mod.SCAN_DEMAND, "schedule": timedelta(seconds=DEMAND_SCAN_S)},
-        "sweep-fragmentation": {"task": app_mod.SWEEP_FRAGMENTATION,
-                                "schedule": timedelta(seconds=FRAGMENTATION_SWEEP_S)},
-        "dispatch-due-scale-events": {"task": app_mod.DISPATCH_EVENTS,
-                                      "schedule": timedelta(seconds=EVENT_DISPATCH_S)},
-        "forecast-and-plan": {"task": app_mod.FORECAST, "schedule": timedelta(seconds=settings.planner.interval_s)},
-    }
-
-
 class BeatLock:
-    """The single-beat lock: acquire (waiting as a standby), refresh, and exit the process if it is lost."""
+    """The single-beat lock (redis-py's `Lock`: owner token checked atomically by Lua on every
+    extend and release, so a beat never deletes or extends its successor's lock).
+
+    Acquire (waiting as a standby), refresh from a thread, and exit the process if it is lost.
+    """
 
     def __init__(self, client: "redis.Redis[str]", owner: str, ttl_s: int = keys.BEAT_LOCK_TTL_S) -> None:
         self.client = client
         self.owner = owner
         self.ttl_s = ttl_s
+        self._lock = client.lock(keys.BEAT_LOCK, timeout=ttl_s, thread_local=False)
         self._stop = threading.Event()
 
     def wait_acquire(self, *, poll_s: float = 1.0, timeout_s: float | None = None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        warned = False
-        while not self.client.set(keys.BEAT_LOCK, self.owner, nx=True, ex=self.ttl_s):
-            if not warned:
-                log.warning("another beat (%s) is active; waiting as a standby", self.client.get(keys.BEAT_LOCK))
-                warned = True
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(poll_s)
+        holder = self.client.get(keys.BEAT_LOCK)
+        if holder is not None and holder != self.owner:
+            log.warning("another beat (%s) is active; waiting as a standby", holder)
+        if not self._lock.acquire(blocking=True, sleep=poll_s, blocking_timeout=timeout_s, token=self.owner):
+            return False
         threading.Thread(target=self._refresh, name="beat-lock", daemon=True).start()
         return True
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                if self.client.get(keys.BEAT_LOCK) != self.owner:
-                    log.error("beat lock lost to %s: exiting so that only one beat runs",
-                              self.client.get(keys.BEAT_LOCK))
-                    os._exit(3)
-                self.client.expire(keys.BEAT_LOCK, self.ttl_s)
+                self._lock.reacquire()
+            except LockNotOwnedError:
+                log.error("beat lock lost to %s: exiting so that only one beat runs", self.client.get(keys.BEAT_LOCK))
+                os._exit(3)
             except redis.RedisError as exc:
                 log.warning("could not refresh the beat lock: %s", exc)
 
     def release(self) -> None:
         self._stop.set()
         try:
-            if self.client.get(keys.BEAT_LOCK) == self.owner:
-                self.client.delete(keys.BEAT_LOCK)
-        except redis.RedisError:
-            pass
+            self._lock.release()
+        except (LockError, redis.RedisError):
+            pass  # expired or taken over: the successor's lock is not ours to delete
 
 
 def run_beat(settings: Settings, *, schedule_file: str | None = None, loglevel: str = "INFO") -> int:

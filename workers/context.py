@@ -16,11 +16,11 @@ from typing import Callable
 import redis
 from prometheus_client import CollectorRegistry
 
-from prewarm.metrics import Metrics
-from prewarm.redisconn import sync_client
-from prewarm.registry import ReplicaRegistry
-from prewarm.settings import Settings
-from workers.host import RuntimeHost
+from prewarm.core.metrics import Metrics
+from prewarm.registry.connection import sync_client
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.core.settings import Settings
+from workers.node.supervision import RuntimeHost
 
 
 @dataclass

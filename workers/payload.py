@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from prewarm.domain import Pool, check_name, parse_replica_id
-from prewarm.errors import InvalidPayload
+from prewarm.core.domain import Pool, check_name, parse_replica_id
+from prewarm.core.errors import InvalidPayload
 
 _MAX_PATH = 4096
 _MAX_REASON = 200

@@ -1,0 +1,1 @@
+"""Trace replay: the policy interface, the simulator, the baseline policies, scoring and the report."""

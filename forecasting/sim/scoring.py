@@ -1,0 +1,115 @@
+"""Score every policy on one trace: TTFT percentiles, cold-start hits, GPU-hours, ratios.
+
+`run_backtest` replays the same `Workload` (same seeded arrivals) through each policy and
+reduces each `PolicyRun` to the figures `prewarm backtest` prints. Pure computation; the
+CLI does the printing and `forecasting.sim.report` the plotting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from forecasting.sim.policies import POLICIES, Prewarm, make_policy
+from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray | None, q: float) -> float:
+    """The q-quantile of values (each counted `weight` times; None: once each)."""
+    if values.size == 0:
+        return float("nan")
+    if weights is None:
+        return float(np.quantile(values, q))
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    if cum[-1] <= 0:
+        return float("nan")
+    i = int(np.searchsorted(cum, q * cum[-1], side="left"))
+    return float(values[order][min(i, values.size - 1)])
+
+
+def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.0) -> dict[str, float | int]:
+    """The figures of one run; with `after_s`, only requests arriving (and GPU time) after it."""
+    if after_s > 0:
+        run, work = _after(run, work, after_s)
+    w = run.weight
+    total = float(w.sum()) if w is not None else float(run.wait.size)
+    hits = float(w[run.wait > params.wait_threshold_s].sum()) if w is not None else float(
+        (run.wait > params.wait_threshold_s).sum())
+    live = run.live.astype(np.float64)
+    need = work.need[: live.size].astype(np.float64)
+    live_sum = float(live.sum())
+    return {
+        "ttft_p50_s": weighted_quantile(run.ttft, w, 0.5),
+        "ttft_p99_s": weighted_quantile(run.ttft, w, 0.99),
+        "ttft_p999_s": weighted_quantile(run.ttft, w, 0.999),
+        "cold_start_share": hits / total if total else 0.0,
+        "gpu_hours": run.gpu_s / 3600.0,
+        "warm_cost_ratio": float(np.maximum(live - need, 0).sum()) / live_sum if live_sum else 0.0,
+        "cold_starts": int(run.starts),
+    }
+
+
+def _after(run: PolicyRun, work: Workload, after_s: float) -> tuple[PolicyRun, Workload]:
+    """The run and workload restricted to time >= after_s (a warm-up excluded for every policy)."""
+    from dataclasses import replace
+
+    cut = int(after_s)
+    if cut >= run.live.size:
+        raise ValueError(f"--score-after {after_s:g} s is beyond the trace ({run.live.size} s)")
+    if run.weight is None:
+        assert work.arrivals is not None
+        keep = work.arrivals >= after_s
+        weight = None
+    else:
+        seconds = work.counts.size
+        parts = run.wait.size // seconds
+        keep = np.tile(np.arange(seconds) >= cut, parts)
+        weight = run.weight[keep]
+    live = run.live[cut:]
+    sub = replace(run, ttft=run.ttft[keep], wait=run.wait[keep], weight=weight, live=live,
+                  gpu_s=float(live.sum()))  # GPU time from the per-second replica count
+    return sub, replace(work, need=work.need[cut:])
+
+
+def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
+                 progress: Callable[[str, float], None] | None = None,
+                 policy_kwargs: dict[str, dict[str, Any]] | None = None, score_after_s: float = 0.0) -> dict[str, Any]:
+    """Replay `trace` under each policy; the JSON-ready result `prewarm backtest` prints."""
+    import time
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+    work = build_workload(trace, params)
+    runs: dict[str, PolicyRun] = {}
+    scores: dict[str, dict[str, Any]] = {}
+    for name in policies:
+        t0 = time.perf_counter()
+        cb = (lambda f, n=name: progress(n, f)) if progress is not None else None
+        policy = make_policy(name, **(policy_kwargs or {}).get(name, {}))
+        run = replay(work, policy, params, cb)
+        runs[name] = run
+        scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
+        if isinstance(policy, Prewarm):
+            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
+                             "forecasts_clipped": policy.clipped}
+    for name, s in scores.items():
+        for ref in ("reactive", "oracle"):
+            base = scores.get(ref, {}).get("gpu_hours")
+            s[f"gpu_hours_vs_{ref}"] = s["gpu_hours"] / base if base else None
+    out = {
+        "trace": work.source,
+        "params": asdict(params) | {
+            "engine": "fluid (per-second aggregate)" if work.aggregated else "exact (every request)",
+            "duration_s": work.duration_s,
+            "scored_after_s": score_after_s,
+            "requests": work.n_requests,
+            "mean_service_s": round(work.mean_service_s, 4),
+            "notes": list(work.notes),
+        },
+        "policies": scores,
+    }
+    return {"result": out, "runs": runs, "work": work}

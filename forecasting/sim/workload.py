@@ -1,0 +1,190 @@
+"""What a replay replays: a trace turned into arrivals, service times and the instant need.
+
+Request-level traces keep every request (token counts give each its prefill and service
+time; traces without them use configured means, the Azure code trace's by default). Rate
+traces become seeded Poisson arrivals within each window. Above a mean rate (50 req/s by
+default) arrivals are aggregated per second for the fluid engine of `forecasting.sim.simulate`,
+and the workload's notes say so, as they state any time or rate scaling.
+
+The instant-service need (replicas needed each second if every request started on
+arrival) is computed here once: the oracle's view, and the yardstick of the warm-cost ratio.
+Pure numpy, seeded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+#: Azure LLM code trace means (2023-11-16): used when a trace carries no token counts.
+AZURE_CODE_MEAN_CONTEXT = 2048.0
+AZURE_CODE_MEAN_GENERATED = 28.0
+
+
+@dataclass(frozen=True)
+class SimParams:
+    slots: int = 8  # concurrent requests per replica (C)
+    prefill_base_s: float = 0.05
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 40.0
+    cold_start_s: float = 8.7
+    cold_start_cv: float = 0.0  # > 0: cold starts are lognormal with this coefficient of variation
+    mean_context_tokens: float = AZURE_CODE_MEAN_CONTEXT
+    mean_generated_tokens: float = AZURE_CODE_MEAN_GENERATED
+    wait_threshold_s: float = 0.5  # a request that waited longer for capacity is a cold-start hit
+    time_scale: float = 1.0  # > 1 compresses the trace in time (rates x time_scale)
+    rate_scale: float = 1.0  # multiplies the request rate
+    seed: int = 0
+    aggregate_above_rps: float = 50.0  # mean rate above which the fluid engine is used
+    target_utilization: float = 0.7  # the utilization the reactive baselines aim for
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "prefill_tokens_per_s", "decode_tokens_per_s", "cold_start_s", "time_scale", "rate_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SimParams.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"SimParams.target_utilization must be within (0, 1], got {self.target_utilization}")
+
+    def prefill_s(self, context_tokens: np.ndarray | float) -> np.ndarray | float:
+        return self.prefill_base_s + np.asarray(context_tokens, dtype=np.float64) / self.prefill_tokens_per_s
+
+    def service_s(self, context_tokens: np.ndarray | float, generated: np.ndarray | float) -> np.ndarray | float:
+        return self.prefill_s(context_tokens) + np.asarray(generated, dtype=np.float64) / self.decode_tokens_per_s
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """What every policy replays: arrivals, their service, and the instant-service need."""
+
+    source: str
+    duration_s: float
+    counts: np.ndarray  # arrivals per second (both engines); policies may read only the past
+    need: np.ndarray  # replicas needed per second if every request were served at once (oracle's view)
+    mean_prefill_s: float
+    mean_service_s: float
+    aggregated: bool  # True: the fluid per-second engine
+    arrivals: np.ndarray | None = None  # exact engine: arrival seconds, sorted
+    prefill: np.ndarray | None = None
+    service: np.ndarray | None = None
+    notes: tuple[str, ...] = ()
+    start_epoch: float = 0.0  # epoch second of t == 0 (calendar features of the forecaster)
+
+    @property
+    def n_requests(self) -> float:
+        return float(self.counts.sum())
+
+
+def _instant_need_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int, slots: int) -> np.ndarray:
+    """Per second, ceil(max in-flight requests / C) if every request started on arrival."""
+    times = np.concatenate([arrivals, arrivals + service])
+    delta = np.concatenate([np.ones(arrivals.size), -np.ones(arrivals.size)])
+    order = np.lexsort((delta, times))  # ends before starts at equal times
+    times, conc = times[order], np.cumsum(delta[order])
+    sec = np.minimum(times.astype(np.int64), seconds - 1)
+    peak = np.zeros(seconds)
+    np.maximum.at(peak, sec, conc)
+    # the level carried into each second from the last event before it
+    last = np.full(seconds, np.nan)
+    last[sec] = conc  # later events overwrite: the level at the end of each second
+    carried = np.concatenate([[0.0], last[:-1]])
+    idx = np.where(np.isnan(carried), 0, np.arange(seconds))
+    np.maximum.accumulate(idx, out=idx)
+    carried = np.nan_to_num(carried[idx])
+    return np.ceil(np.maximum(peak, carried) / slots).astype(np.int64)
+
+
+def _instant_need_fluid(counts: np.ndarray, service_s: float, slots: int) -> np.ndarray:
+    """Per second, ceil(in-flight / C) with in-flight = arrivals spread over the service time."""
+    whole = int(math.floor(service_s))
+    kernel = np.ones(whole + 1)
+    kernel[-1] = service_s - whole
+    conc = np.convolve(counts.astype(np.float64), kernel)[: counts.size]
+    return np.ceil(np.round(conc, 9) / slots).astype(np.int64)
+
+
+def build_workload(trace: object, params: SimParams) -> Workload:
+    """Turn a `RequestTrace` or `RateTrace` into what the engines replay (seeded, scaled)."""
+    work = _build(trace, params)
+    return replace(work, start_epoch=float(getattr(trace, "start_epoch", 0.0) or 0.0))
+
+
+def _build(trace: object, params: SimParams) -> Workload:
+    rng = np.random.default_rng(params.seed)
+    notes: list[str] = []
+    if params.time_scale != 1.0:
+        notes.append(f"time compressed x{params.time_scale:g} (rates x{params.time_scale:g})")
+    if params.rate_scale != 1.0:
+        notes.append(f"rate scaled x{params.rate_scale:g}")
+    source = str(getattr(trace, "source", "trace"))
+    if hasattr(trace, "t"):  # a RequestTrace
+        t = np.asarray(trace.t, dtype=np.float64)
+        t = (t - t[0]) / params.time_scale
+        ctx = getattr(trace, "context_tokens", None)
+        gen = getattr(trace, "generated_tokens", None)
+        ctx = np.full(t.size, params.mean_context_tokens) if ctx is None else np.asarray(ctx, dtype=np.float64)
+        gen = np.full(t.size, params.mean_generated_tokens) if gen is None else np.asarray(gen, dtype=np.float64)
+        if getattr(trace, "context_tokens", None) is None:
+            notes.append(f"no token counts: means {params.mean_context_tokens:g}/{params.mean_generated_tokens:g} used")
+        if params.rate_scale != 1.0:
+            t, ctx, gen = _rescale_requests(t, ctx, gen, params.rate_scale, rng)
+        duration = float(math.ceil(t[-1] + 1e-9)) if t.size else 1.0
+        prefill = np.asarray(params.prefill_s(ctx))
+        service = np.asarray(params.service_s(ctx, gen))
+        mean_rate = t.size / max(duration, 1.0)
+        if mean_rate <= params.aggregate_above_rps:
+            return _exact(source, duration, t, prefill, service, params, notes)
+        notes.append(f"mean rate {mean_rate:.0f} req/s > {params.aggregate_above_rps:g}: arrivals aggregated per second (fluid engine)")
+        counts = np.bincount(np.minimum(t.astype(np.int64), int(duration) - 1), minlength=int(duration)).astype(np.float64)
+        return _fluid(source, duration, counts, float(prefill.mean()), float(service.mean()), params, notes)
+    # a RateTrace: rate per window
+    starts = np.asarray(trace.window_start_s, dtype=np.float64) / params.time_scale  # type: ignore[attr-defined]
+    window = float(trace.window_s) / params.time_scale  # type: ignore[attr-defined]
+    rate = np.asarray(trace.rate, dtype=np.float64) * params.time_scale * params.rate_scale  # type: ignore[attr-defined]
+    duration = float(math.ceil(starts[-1] + window))
+    prefill_m = float(params.prefill_s(params.mean_context_tokens))
+    service_m = float(params.service_s(params.mean_context_tokens, params.mean_generated_tokens))
+    notes.append(f"rate trace: seeded Poisson arrivals per window (seed {params.seed}); "
+                 f"token means {params.mean_context_tokens:g}/{params.mean_generated_tokens:g}")
+    mean_rate = float((rate * window).sum() / max(duration, 1.0))
+    if mean_rate <= params.aggregate_above_rps:
+        n = rng.poisson(rate * window)
+        t = np.sort(np.repeat(starts, n) + rng.random(int(n.sum())) * window)
+        return _exact(source, duration, t, np.full(t.size, prefill_m), np.full(t.size, service_m), params, notes)
+    # per-second Poisson counts with the window's rate
+    sec_starts = np.arange(int(duration), dtype=np.float64)
+    widx = np.clip(np.searchsorted(starts, sec_starts, side="right") - 1, 0, rate.size - 1)
+    counts = rng.poisson(rate[widx]).astype(np.float64)
+    notes.append(f"mean rate {mean_rate:.0f} req/s > {params.aggregate_above_rps:g}: arrivals aggregated per second (fluid engine)")
+    return _fluid(source, duration, counts, prefill_m, service_m, params, notes)
+
+
+def _rescale_requests(t: np.ndarray, ctx: np.ndarray, gen: np.ndarray, scale: float,
+                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Thin (scale < 1) or replicate with 0-1 s jitter (scale > 1) the requests, seeded."""
+    copies = np.floor(scale) + (rng.random(t.size) < (scale - np.floor(scale)))
+    copies = copies.astype(np.int64)
+    idx = np.repeat(np.arange(t.size), copies)
+    first = np.concatenate([[0], np.cumsum(copies)[:-1]])
+    jitter = rng.random(idx.size)
+    jitter[first[copies > 0]] = 0.0  # the original keeps its time
+    nt = t[idx] + jitter
+    order = np.argsort(nt, kind="stable")
+    return nt[order], ctx[idx][order], gen[idx][order]
+
+
+def _exact(source: str, duration: float, t: np.ndarray, prefill: np.ndarray, service: np.ndarray,
+           params: SimParams, notes: list[str]) -> Workload:
+    seconds = int(duration)
+    counts = np.bincount(np.minimum(t.astype(np.int64), seconds - 1), minlength=seconds).astype(np.float64)
+    need = _instant_need_exact(t, service, seconds, params.slots)
+    return Workload(source, duration, counts, need, float(prefill.mean()), float(service.mean()), False,
+                    t, prefill, service, tuple(notes))
+
+
+def _fluid(source: str, duration: float, counts: np.ndarray, prefill_m: float, service_m: float,
+           params: SimParams, notes: list[str]) -> Workload:
+    need = _instant_need_fluid(counts, service_m, params.slots)
+    return Workload(source, duration, counts, need, prefill_m, service_m, True, notes=tuple(notes))

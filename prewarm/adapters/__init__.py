@@ -1,0 +1,1 @@
+"""Thin adapters over things prewarm drives: model servers (built-in, OpenAI-compatible) and the Kubernetes API."""

@@ -1,0 +1,340 @@
+"""One settings root with grouped sub-settings, validated when built.
+
+Each group reads `PREWARM_<GROUP>_<FIELD>` environment variables (for example
+`PREWARM_REDIS_URL`, `PREWARM_GATEWAY_PORT`); an optional file (`PREWARM_CONFIG` or
+`--config`, TOML or YAML, one table per group) supplies values the environment does not
+set. An invalid value fails at start with a `SettingsError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from prewarm.core.errors import SettingsError
+
+
+class _Group(BaseSettings):
+    """A settings group: environment first, then the config file, then defaults."""
+
+    group: ClassVar[str] = ""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (env_settings, init_settings)
+
+
+class RedisSettings(_Group):
+    """Where the registry and the Celery broker live. Unset url: prewarm starts an embedded Redis."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_REDIS_", extra="forbid")
+    group: ClassVar[str] = "redis"
+
+    url: str | None = None  # redis://[:password@]host:port/db, rediss:// for TLS, unix:///path
+    password: SecretStr | None = None  # used when the URL carries none
+    socket_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    broker_db: int | None = Field(None, ge=0)  # a separate db for Celery; default: the same as the registry
+    tls_ca_file: str | None = None
+    tls_verify: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// (TLS) or unix://")
+        return v
+
+
+class GatewaySettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_GATEWAY_", extra="forbid")
+    group: ClassVar[str] = "gateway"
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    warm_threshold: float = Field(0.7, ge=0, le=1)  # loading progress under which requests go to the warm pool
+    hold_timeout_s: float = Field(0.0, ge=0)  # hold a request this long for a replica to become ready; 0: 503 at once
+    retry_after_s: int = Field(5, ge=1)  # Retry-After on 503
+    max_body_bytes: int = Field(1_048_576, gt=0)
+    upstream_timeout_s: float = Field(120.0, gt=0)  # idle timeout: longest wait for the next bytes of an answer
+    connect_timeout_s: float = Field(2.0, gt=0)  # a replica that does not accept a connection this fast is gone
+    refresh_interval_s: float = Field(0.5, gt=0)  # how long a routing view may be reused
+    warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
+    failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
+    replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
+
+
+class RegistrySettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_REGISTRY_", extra="forbid")
+    group: ClassVar[str] = "registry"
+
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    heartbeat_ttl_s: float = Field(15.0, gt=0)  # a replica without a heartbeat this long is not routable
+    reaper_interval_s: float = Field(5.0, gt=0)
+    retired_keep_s: float = Field(3600.0, ge=0)  # how long retired/failed records stay for inspection
+
+    @field_validator("heartbeat_ttl_s")
+    @classmethod
+    def _ttl_above_interval(cls, v: float, info: Any) -> float:
+        interval = info.data.get("heartbeat_interval_s")
+        if interval is not None and v <= interval:
+            raise ValueError(f"must be greater than heartbeat_interval_s ({interval})")
+        return v
+
+
+class WarmupSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_WARMUP_", extra="forbid")
+    group: ClassVar[str] = "warmup"
+
+    secret: SecretStr | None = None  # shared HMAC secret for warmup traffic and control endpoints
+    requests: int = Field(8, ge=1)  # synthetic requests per warmup
+    prompt_mean_tokens: float = Field(23.0, gt=0)
+    prompt_sd_tokens: float = Field(5.0, ge=0)
+    prompt_distribution: Literal["gaussian", "uniform", "lognormal", "fixed"] = "gaussian"  # shape of prompt lengths
+    prompt_max_tokens: int | None = Field(None, ge=1)  # clip long prompts; None: no upper clip
+    prompt_token_unit: Literal["word", "byte"] = "word"  # what a prompt "token" counts: words, or UTF-8 bytes (byte tokenizers)
+    max_tokens: int = Field(1, ge=1)
+    topics: dict[str, float] = Field(
+        default_factory=lambda: {"code": 0.4, "chat": 0.3, "summarize": 0.2, "translate": 0.1}
+    )
+    seed: int = 0
+    keepalive_interval_s: float = Field(10.0, gt=0)  # period of synthetic requests on held replicas
+    logits_mean_bound: float = Field(50.0, gt=0)  # |mean logit| above this fails numeric validation
+    latency_factor: float = Field(1.2, gt=1)  # warm latency must be <= factor x baseline
+
+    def require_secret(self) -> str:
+        if self.secret is None or not self.secret.get_secret_value():
+            raise SettingsError("PREWARM_WARMUP_SECRET is not set: warmup signing needs a shared secret")
+        return self.secret.get_secret_value()
+
+
+class KubernetesSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_KUBERNETES_", extra="forbid")
+    group: ClassVar[str] = "kubernetes"
+
+    enabled: bool = False
+    namespace: str = "default"
+    deployment: str | None = None  # inference Deployment to scale
+    hpa: str | None = None  # HPA whose minReplicas is raised ahead of a peak
+    kubeconfig: str | None = None  # default: in-cluster config, then ~/.kube/config
+    dry_run: bool = False
+    node_selector: str = "gpu.feature/preload=true"
+    pod_port: int = Field(8000, ge=1, le=65535)
+    # --- prewarming the pods of an inference Deployment (`prewarm k8s prewarm-pods`) ---
+    pod_api_key: SecretStr | None = None  # bearer token of the pods' OpenAI-compatible servers (vLLM --api-key)
+    pod_sleep_mode: bool = False  # the pods' servers have vLLM-style /sleep, /wake_up, /is_sleeping
+    pod_ready_timeout_s: float = Field(120.0, gt=0)  # a Ready pod's server must pass its health check within this
+    pod_require_logprobs: bool = True  # numeric validation needs logprobs; False: "unsupported" is accepted
+    pod_concurrency: int = Field(4, ge=1)  # pods warmed at the same time
+
+
+class RuntimeSettings(_Group):
+    """The model host (`prewarm serve-model`)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_RUNTIME_", extra="forbid")
+    group: ClassVar[str] = "runtime"
+
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=0, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    first_layers: int | None = Field(None, ge=1)  # K of phase 2; default a quarter of the layers
+    snapshot_dir: str = "/dev/shm/prewarm-snapshots"
+    snapshot_max_bytes: int = Field(8 * 1024**3, gt=0)
+    models_dir: str = ".prewarm/models"
+    token: SecretStr | None = None  # Bearer token of the control endpoints; unset: PREWARM_WARMUP_SECRET is used
+    workers: int = Field(2, ge=1)  # threads that run generation (the event loop never computes)
+    load_wait_s: float = Field(0.0, ge=0)  # a request before phase 1 is in waits this long, then 503 + Retry-After
+    drain_timeout_s: float = Field(30.0, gt=0)  # sleep waits this long for in-flight requests to finish
+    read_limit_bps: float | None = Field(None, gt=0)  # cap on weight-read bandwidth (spare the node's disk); None: no cap
+
+
+class AgentSettings(_Group):
+    """A node agent: a Celery worker consuming `prewarm.node.<node>`."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_AGENT_", extra="forbid")
+    group: ClassVar[str] = "agent"
+
+    node: str = Field(default_factory=socket.gethostname)  # in Kubernetes: spec.nodeName via the downward API
+    node_class: str = "cpu"  # GPU model or machine class; latency baselines are per class
+    replica_slots: int = Field(2, ge=1)
+    port_base: int = Field(18000, ge=1024, le=65000)  # runtime ports are port_base + slot
+    advertise_host: str = "127.0.0.1"
+    max_attempts: int = Field(3, ge=1)  # deliveries of one task before it is given up
+    fragmentation_threshold: float = Field(0.3, gt=0, le=1)
+    task_time_limit_s: int = Field(900, gt=0)
+    # --- the Celery pipeline (workers/) ---
+    visibility_timeout_s: int | None = Field(None, gt=0)  # broker redelivery of unacked tasks; None: time limit + 60 s
+    restore_interval_s: int = Field(10, ge=1)  # how often a worker sweeps for unacked tasks past the visibility timeout
+    lock_ttl_s: float = Field(30.0, gt=0)  # replica work lock; refreshed every third of it while a task works
+    retry_backoff_s: float = Field(2.0, gt=0)  # first retry delay of a temporary failure (doubles per attempt)
+    concurrency: int | None = Field(None, ge=1)  # worker threads; None: replica_slots + 2
+    state_dir: str = ".prewarm/agent"  # runtime pid files and logs (adoption after an agent crash)
+    runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
+    drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
+    orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
+    health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
+
+    @field_validator("visibility_timeout_s")
+    @classmethod
+    def _visibility_above_time_limit(cls, v: int | None, info: Any) -> int | None:
+        limit = info.data.get("task_time_limit_s")
+        if v is not None and limit is not None and v <= limit:
+            raise ValueError(f"must be greater than task_time_limit_s ({limit}), or a running task is redelivered")
+        return v
+
+    @property
+    def effective_visibility_timeout_s(self) -> int:
+        return self.visibility_timeout_s or self.task_time_limit_s + 60
+
+    @property
+    def effective_concurrency(self) -> int:
+        return self.concurrency or self.replica_slots + 2
+
+
+class PlannerSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_PLANNER_", extra="forbid")
+    group: ClassVar[str] = "planner"
+
+    interval_s: float = Field(60.0, gt=0)  # beat period of forecast_and_plan
+    bucket_s: int = Field(60, gt=0)
+    horizon_s: int = Field(3600, gt=0)
+    quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
+    headroom: float = Field(0.1, ge=0)
+    lead_margin_s: float = Field(10.0, ge=0)
+    default_cold_start_s: float = Field(8.7, gt=0)
+    stabilization_s: float = Field(300.0, ge=0)
+    warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the baseline
+    warm_pool_percent: float = Field(10.0, ge=0, le=100)
+    budget_share: float = Field(0.12, ge=0, le=1)
+    peak_hold_s: float = Field(480.0, ge=0)  # the observed peak rate of this long ago still floors the plan
+    dry_run: bool = False
+    models: list[str] = Field(default_factory=list)  # model@revision to plan for; empty: every model seen
+    batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
+    capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
+    history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
+    min_history_buckets: int = Field(30, ge=2)  # below this, the forecast is the recent mean (cold start)
+
+
+class MetricsSettings(_Group):
+    model_config = SettingsConfigDict(env_prefix="PREWARM_METRICS_", extra="forbid")
+    group: ClassVar[str] = "metrics"
+
+    port: int = Field(9400, ge=0, le=65535)  # agents and workers expose /metrics here
+
+
+_GROUPS: dict[str, type[_Group]] = {
+    g.group: g
+    for g in (
+        RedisSettings,
+        GatewaySettings,
+        RegistrySettings,
+        WarmupSettings,
+        KubernetesSettings,
+        RuntimeSettings,
+        AgentSettings,
+        PlannerSettings,
+        MetricsSettings,
+    )
+}
+
+
+class Settings:
+    """The root: one attribute per group. Build it with `Settings.load()`."""
+
+    redis: RedisSettings
+    gateway: GatewaySettings
+    registry: RegistrySettings
+    warmup: WarmupSettings
+    kubernetes: KubernetesSettings
+    runtime: RuntimeSettings
+    agent: AgentSettings
+    planner: PlannerSettings
+    metrics: MetricsSettings
+
+    def __init__(self, **groups: _Group) -> None:
+        for name, cls in _GROUPS.items():
+            setattr(self, name, groups.get(name) or cls())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> "Settings":
+        """Read the environment and the optional file; raise SettingsError naming a bad setting."""
+        _check_environment()
+        path = path or os.environ.get("PREWARM_CONFIG") or None
+        data = _read_file(Path(path)) if path else {}
+        unknown = set(data) - set(_GROUPS)
+        if unknown:
+            raise SettingsError(f"{path}: unknown settings group(s) {sorted(unknown)}; known: {sorted(_GROUPS)}")
+        built: dict[str, _Group] = {}
+        for name, group_cls in _GROUPS.items():
+            section = data.get(name) or {}
+            if not isinstance(section, dict):
+                raise SettingsError(f"{path}: [{name}] must be a table")
+            try:
+                built[name] = group_cls(**section)
+            except ValidationError as exc:
+                raise SettingsError(_describe(group_cls, exc)) from None
+        return cls(**built)
+
+
+def known_variables() -> set[str]:
+    """Every PREWARM_* environment variable a setting reads, plus PREWARM_CONFIG."""
+    names = {"PREWARM_CONFIG"}
+    for group_cls in _GROUPS.values():
+        prefix = str(group_cls.model_config.get("env_prefix", ""))
+        names.update(f"{prefix}{name}".upper() for name in group_cls.model_fields)
+    return names
+
+
+def _check_environment() -> None:
+    """A PREWARM_* variable that no setting reads is a typo that would silently do nothing."""
+    known = known_variables()
+    unknown = sorted(n for n in os.environ if n.startswith("PREWARM_") and n not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise SettingsError("unknown setting(s): " + ", ".join(hints))
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"PREWARM_CONFIG: cannot read {path}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise SettingsError(f"PREWARM_CONFIG: {path} is not valid {path.suffix or 'YAML'}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"PREWARM_CONFIG: {path} must hold a mapping of settings groups")
+    return data
+
+
+def _describe(group_cls: type[_Group], exc: ValidationError) -> str:
+    prefix = str(group_cls.model_config.get("env_prefix", ""))
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "?"
+        env = f"{prefix}{field}".upper()
+        parts.append(f"{env} ([{group_cls.group}] {field}): {err['msg']}")
+    return "invalid setting: " + "; ".join(parts)

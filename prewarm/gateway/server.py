@@ -1,0 +1,445 @@
+"""The HTTP gateway: an OpenAI-compatible front door that routes each request to a replica.
+
+It reads the `model` field, asks the pure routing policy (`prewarm.policy.routing`) for a
+replica using the registry's one-round-trip view, and proxies the request, streaming
+included. When nothing is ready it holds the request up to `gateway.hold_timeout_s`
+(like Knative's activator) or answers 503 with Retry-After, and records the unmet demand
+in Redis either way. It never answers 500 for a condition it can name: bad input is a
+4xx, an unreachable or broken replica a 502, an unavailable registry a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+import aiohttp
+import redis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from prewarm.core import signing
+from prewarm.registry.counters import RequestCounter, record_demand
+from prewarm.core.domain import ReplicaState
+from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
+from prewarm.core.metrics import Metrics, RegistryCollector
+from prewarm.registry.connection import async_client, sync_client
+from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
+from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
+from prewarm.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower()}
+_UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+T = TypeVar("T")
+
+
+def _error(status: int, message: str, code: str, *, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass
+class _ModelCache:
+    at: float = 0.0
+    view: RoutingView | None = None
+
+
+@dataclass
+class GatewayState:
+    """What the gateway tracks in memory: requests in flight and failures per replica."""
+
+    inflight: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    excluded: dict[str, float] = field(default_factory=dict)  # replica id -> until (monotonic)
+    views: dict[str, _ModelCache] = field(default_factory=dict)
+    models_at: float = 0.0
+    models: set[str] = field(default_factory=set)
+    reads: dict[str, "asyncio.Future[Any]"] = field(default_factory=dict)  # registry reads in flight, by key
+
+    def exclusions(self, now: float) -> frozenset[str]:
+        for rid in [r for r, until in self.excluded.items() if until <= now]:
+            del self.excluded[rid]
+        return frozenset(self.excluded)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method) as the same JSON error body as the rest."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        reason = exc.reason or "error"
+        return _error(exc.status, f"{request.method} {request.path}: {reason}", reason.lower().replace(" ", "_"),
+                      headers=headers)
+
+
+class Gateway:
+    def __init__(self, settings: Settings, metrics_registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.cfg = settings.gateway
+        self.metrics_registry = metrics_registry or CollectorRegistry()
+        self.metrics = Metrics(self.metrics_registry)
+        self.state = GatewayState()
+        self.counter = RequestCounter()
+        self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
+        self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
+        self.redis = async_client(settings.redis)
+        self.reader = AsyncRegistryReader(self.redis)
+        self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
+        self.metrics_registry.register(RegistryCollector(self._replica_counts))
+        self.session: aiohttp.ClientSession | None = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    def _replica_counts(self) -> dict[tuple[str, str, str], int]:
+        return self.registry.counts()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self, _app: web.Application | None = None) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            # No total: a long generation is fine as long as bytes keep coming. sock_read is the idle
+            # timeout between two reads; connecting is quick or the replica is gone.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                          sock_read=self.cfg.upstream_timeout_s),
+            auto_decompress=False,
+        )
+        self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._flusher:
+            self._flusher.cancel()
+            try:
+                await self._flusher
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.counter.flush(self.redis)
+        except Exception:  # noqa: BLE001 - shutting down; counts are logged by flush
+            pass
+        if self.session:
+            await self.session.close()
+        await self.redis.aclose()
+        self.registry.client.close()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.counter.flush(self.redis)
+            except Exception as exc:  # noqa: BLE001 - keep flushing whatever one batch did
+                log.warning("counter flush failed: %s", exc)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_json_errors])
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        for path in PROXIED_PATHS:
+            app.router.add_post(path, self.handle_proxy)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/healthz", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        return app
+
+    # --- registry reads, cached for refresh_interval_s ------------------------------------------
+    async def _single_flight(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """One registry read per key at a time: callers that find the cache stale while a read
+        is in flight wait for that read. Without this, every request in flight when the cache
+        expires reads Redis at once, and 200 connections exhaust the client's connection pool
+        ("Too many connections" -> 503). Shielded: a client that goes away cancels only its wait."""
+        task = self.state.reads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(fetch())
+            self.state.reads[key] = task
+
+            def _done(t: "asyncio.Future[Any]") -> None:
+                self.state.reads.pop(key, None)
+                if not t.cancelled():
+                    t.exception()  # retrieved here too, in case every waiter went away
+
+            task.add_done_callback(_done)
+        return await asyncio.shield(task)
+
+    async def _view(self, model: str, *, fresh: bool = False) -> RoutingView:
+        cache = self.state.views.setdefault(model, _ModelCache())
+        if fresh or cache.view is None or time.monotonic() - cache.at > self.cfg.refresh_interval_s:
+
+            async def fetch() -> RoutingView:
+                mono = time.monotonic()
+                view = await self.reader.view(model, now=time.time())
+                cache.view, cache.at = view, mono
+                return view
+
+            return await self._single_flight(f"view:{model}", fetch)
+        return cache.view
+
+    async def _known_models(self) -> set[str]:
+        if time.monotonic() - self.state.models_at > self.cfg.refresh_interval_s:
+
+            async def fetch() -> set[str]:
+                mono = time.monotonic()
+                self.state.models = await self.reader.models() | self.configured_models
+                self.state.models_at = mono
+                return self.state.models
+
+            return await self._single_flight("models", fetch)
+        return self.state.models
+
+    def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
+        return choose_replica(
+            view.serving, view.warm, view.loading, self.state.inflight,
+            warm_threshold=self.cfg.warm_threshold, warmup=warmup,
+            exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
+        )
+
+    # --- handlers -------------------------------------------------------------------------
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        try:
+            await self.redis.ping()
+            registry = "ok"
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            registry = f"unavailable: {exc}"
+        return web.json_response({"status": "ok", "registry": registry})
+
+    async def handle_metrics(self, _request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self.metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_models(self, _request: web.Request) -> web.Response:
+        try:
+            models = sorted(await self._known_models())
+        except RegistryUnavailable as exc:
+            return self._unavailable("registry unavailable", exc.retry_after)
+        data = [{"id": m, "object": "model", "owned_by": "prewarm"} for m in models]
+        return web.json_response({"object": "list", "data": data})
+
+    def _unavailable(self, message: str, retry_after: float | None = None) -> web.Response:
+        seconds = max(1, int(retry_after or self.cfg.retry_after_s))
+        return _error(503, message, "unavailable", headers={"Retry-After": str(seconds)})
+
+    async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body_too_large")
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        except RecursionError:
+            return _error(400, "request body is not valid JSON: nested too deeply", "invalid_json")
+        if not isinstance(payload, dict):
+            return _error(400, "request body must be a JSON object", "invalid_body")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return _error(400, "the 'model' field is required and must be a non-empty string", "missing_model")
+
+        warmup = False
+        if signing.HEADER in request.headers:
+            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time())
+            if not warmup and self.cfg.warmup_forged == "refuse":
+                return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
+        kind = "warmup" if warmup else "user"
+
+        try:
+            if model not in await self._known_models():
+                self.metrics.routing_decisions.labels("unknown", "unknown_model").inc()
+                return _error(404, f"model {model!r} is not served here", "model_not_found")
+            if not warmup:
+                self.counter.add(model, time.time())
+            response = await self._route_and_proxy(request, model, body, payload, warmup, started)
+        except RegistryUnavailable as exc:
+            self.metrics.routing_decisions.labels(model, "registry_unavailable").inc()
+            response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)
+        self.metrics.requests.labels(model, kind, str(response.status)).inc()
+        if not warmup:
+            self.metrics.request_duration.labels(model).observe(time.monotonic() - started)
+        return response
+
+    async def _route_and_proxy(
+        self, request: web.Request, model: str, body: bytes, payload: dict[str, Any], warmup: bool, started: float
+    ) -> web.StreamResponse:
+        decision = self._route(await self._view(model), warmup)
+        if decision.replica is None:
+            if not warmup:
+                await self._record_demand(model)
+            deadline = started + self.cfg.hold_timeout_s
+            while decision.replica is None and time.monotonic() < deadline:
+                await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                decision = self._route(await self._view(model, fresh=True), warmup)
+        self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
+        if decision.replica is None:
+            return self._unavailable(f"no replica of {model!r} is ready; one is being started")
+        if not warmup:
+            self.metrics.cold_start_wait.labels(model).observe(time.monotonic() - started)
+
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
+        if not warmup:
+            for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG):
+                headers.pop(h, None)
+        stream = bool(payload.get("stream"))
+        tried: set[str] = set()
+        refused: list[web.Response] = []
+        while decision.replica is not None:
+            replica = decision.replica
+            tried.add(replica.id)
+            result = await self._proxy_once(request, replica.id, replica.endpoint + request.path, body, headers, stream,
+                                            model, refused)
+            if result is not None:
+                return result
+            decision = self._route(await self._view(model), warmup, frozenset(tried))
+        if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
+            return refused[-1]
+        return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")
+
+    async def _record_demand(self, model: str) -> None:
+        try:
+            await record_demand(self.redis, model, time.time())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("demand for %s not recorded: %s", model, exc)
+
+    async def _proxy_once(
+        self, request: web.Request, rid: str, url: str, body: bytes, headers: dict[str, str], stream: bool, model: str,
+        refused: list[web.Response] | None = None,
+    ) -> web.StreamResponse | None:
+        """Send the request to one replica. None: it could not be reached or refused it (try another).
+
+        What counts against a replica is only what says it is gone: no connection, or a connection
+        that breaks mid-answer. Any HTTP answer means it is alive — a 500 caused by the request
+        would be the same on every replica, so it is passed through, not counted and not re-sent.
+        A 503 is a refusal before any work (asleep, weights unloaded, draining): the request goes
+        to another replica, and the refusal, with a Retry-After, is appended to `refused` for the
+        caller to answer with when no replica takes it. A replica slower than the idle timeout
+        (`upstream_timeout_s` between two reads) gets 504, not a re-send and not a failure; a
+        client that goes away is the client's doing.
+        """
+        assert self.session is not None
+        self._count_inflight(model, rid, +1)
+        try:
+            try:
+                upstream = await self.session.post(url, data=body, headers=headers)
+            except aiohttp.SocketTimeoutError:  # connected and sent: the replica is slow, not gone
+                return self._timed_out(rid)
+            except _UPSTREAM_ERRORS as exc:
+                await self._failed(rid, f"unreachable: {exc!r}")
+                return None
+            async with upstream:
+                self.state.failures.pop(rid, None)  # it answered: whatever the status, it is alive
+                ctype = upstream.headers.get("Content-Type", "application/json")
+                if upstream.status == 503 and refused is not None:
+                    try:
+                        data = await upstream.read()
+                    except _UPSTREAM_ERRORS:
+                        data = b""
+                    retry = upstream.headers.get("Retry-After", "")
+                    retry = retry if retry.isdigit() and int(retry) >= 1 else str(self.cfg.retry_after_s)
+                    if not data:
+                        refused.append(self._unavailable(f"replica {rid} refused the request", float(retry)))
+                    else:
+                        refused.append(web.Response(status=503, body=data,
+                                                    headers={"Content-Type": ctype, "Retry-After": retry}))
+                    return None
+                if not stream or upstream.status != 200:
+                    try:
+                        data = await upstream.read()
+                    except aiohttp.SocketTimeoutError:
+                        return self._timed_out(rid)
+                    except _UPSTREAM_ERRORS as exc:
+                        await self._failed(rid, f"closed mid-response: {exc!r}")
+                        return _error(502, f"replica {rid} closed the connection mid-response", "upstream_closed")
+                    return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
+                return await self._relay_stream(request, upstream, rid, ctype)
+        finally:
+            self._count_inflight(model, rid, -1)
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, rid: str,
+                            ctype: str) -> web.StreamResponse:
+        """Copy an SSE stream to the client. A replica that breaks the stream is counted; one that
+        stalls past the idle timeout is not (the client gets an error event either way); a client
+        that goes away ends the relay (closing the upstream connection stops the generation)."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            return resp
+        upstream_error: dict[str, Any] | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                try:
+                    await resp.write(chunk)
+                except ConnectionResetError:  # the client went away ("stop generating"): not the replica's fault
+                    upstream.close()
+                    return resp
+        except aiohttp.SocketTimeoutError:
+            log.warning("replica %s sent nothing for %.0fs mid-stream: the stream is ended, the replica is not blamed",
+                        rid, self.cfg.upstream_timeout_s)
+            upstream_error = {"message": f"replica {rid} sent nothing for {self.cfg.upstream_timeout_s:.0f}s",
+                              "type": "server_error", "code": "upstream_timeout"}
+        except _UPSTREAM_ERRORS as exc:
+            await self._failed(rid, f"closed mid-stream: {exc!r}")
+            upstream_error = {"message": f"replica {rid} closed the stream", "type": "server_error",
+                              "code": "upstream_closed"}
+        try:
+            if upstream_error is not None:
+                await resp.write(f"data: {json.dumps({'error': upstream_error})}\n\n".encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+    def _timed_out(self, rid: str) -> web.Response:
+        """The replica took the request and then sent nothing for the idle timeout: a slow answer.
+        It is not re-sent (it may be expensive, and is probably still running) and not counted."""
+        log.warning("replica %s sent nothing for %.0fs: 504, the replica is not blamed", rid, self.cfg.upstream_timeout_s)
+        return _error(504, f"the replica sent nothing for {self.cfg.upstream_timeout_s:.0f}s", "upstream_timeout")
+
+    def _count_inflight(self, model: str, rid: str, delta: int) -> None:
+        """Requests in flight to a replica: the routing policy's saturation input and `gateway_inflight_requests`."""
+        n = max(0, self.state.inflight.get(rid, 0) + delta)
+        if n:
+            self.state.inflight[rid] = n
+        else:
+            self.state.inflight.pop(rid, None)
+        self.metrics.inflight.labels(model, rid).set(n)
+
+    async def _failed(self, rid: str, why: str) -> None:
+        """Count a failure; past the threshold, stop routing to the replica and mark it failed."""
+        n = self.state.failures.get(rid, 0) + 1
+        self.state.failures[rid] = n
+        log.warning("replica %s failed a request (%d in a row): %s", rid, n, why)
+        self.state.excluded[rid] = time.monotonic() + self.settings.registry.heartbeat_interval_s
+        if n >= self.cfg.failure_threshold:
+            self.state.failures.pop(rid, None)
+            try:
+                await asyncio.to_thread(
+                    self.registry.transition, rid, ReplicaState.FAILED, now=time.time(), reason=f"failing requests: {why}"
+                )
+            except (IllegalTransition, ReplicaNotFound, RegistryUnavailable) as exc:
+                log.info("could not mark %s failed: %s", rid, exc)
+
+
+def run(settings: Settings, *, host: str | None = None, port: int | None = None, print_fn: Any = print) -> None:
+    """Serve the gateway until interrupted."""
+    gw = Gateway(settings)
+    host = host or settings.gateway.host
+    port = settings.gateway.port if port is None else port
+    print_fn(f"prewarm gateway listening on http://{host}:{port} (registry {settings.redis.url})")
+    loop = None
+    try:  # uvloop roughly halves the event loop's cost per proxied request; optional
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        pass
+    web.run_app(gw.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, loop=loop)

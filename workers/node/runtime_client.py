@@ -1,0 +1,114 @@
+"""The agent's view of a runtime: `prewarm.adapters.runtimes` plus what the pipeline reads besides.
+
+The pipeline drives a replica through the runtime adapter (`BuiltinRuntimeAdapter` for
+`prewarm serve-model`) and reads three more things from the runtime's own endpoints: the
+phase durations the runtime measured (its `/metrics`, so the agent reports the loader's
+timings rather than its polling interval), the requests in flight (`/stats`, for
+draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus
+from prewarm.core.settings import Settings
+from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport
+from prewarm.policy.warmup import WarmupRequest
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What validation needs from the live model."""
+
+    tensors: Mapping[str, TensorSpec] | None  # None: the server cannot expose its tensors
+    logits: LogitStats | None
+
+
+def control_token(settings: Settings) -> str | None:
+    """The runtime's control token: `runtime.token`, else the warmup secret (as the runtime does)."""
+    for secret in (settings.runtime.token, settings.warmup.secret):
+        if secret is not None and secret.get_secret_value():
+            return secret.get_secret_value()
+    return None
+
+
+class RuntimeClient:
+    """One runtime endpoint, as the pipeline and the operations use it."""
+
+    def __init__(self, settings: Settings, endpoint: str, *, model: str | None = None, timeout_s: float = 30.0) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout_s = timeout_s
+        self.adapter = BuiltinRuntimeAdapter(self.endpoint, token=control_token(settings), timeout_s=timeout_s,
+                                             model=model)
+
+    # --- through the adapter ------------------------------------------------------------
+    def load(self) -> LoadStatus:
+        return self.adapter.load()
+
+    def load_status(self) -> LoadStatus:
+        return self.adapter.load_status()
+
+    def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
+        return self.adapter.warmup(requests)
+
+    def validation_inputs(self) -> Probe:
+        vi = self.adapter.validation_inputs()
+        return Probe(tensors=vi.live, logits=vi.logits)
+
+    def mark_ready(self, report: ValidationReport) -> bool:
+        return self.adapter.mark_ready(report)
+
+    def ready(self) -> bool:
+        return self.adapter.ready()
+
+    # --- the runtime's own observations ------------------------------------------------
+    def _get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.endpoint + path, timeout=self.timeout_s) as resp:
+            return bytes(resp.read())
+
+    def _stats(self) -> dict[str, Any]:
+        data = json.loads(self._get("/stats"))
+        return data if isinstance(data, dict) else {}
+
+    def _samples(self, family: str) -> list[tuple[str, Mapping[str, str], float]]:
+        text = self._get("/metrics").decode("utf-8", "replace")
+        out: list[tuple[str, Mapping[str, str], float]] = []
+        for fam in text_string_to_metric_families(text):
+            if fam.name == family:
+                out += [(s.name, s.labels, float(s.value)) for s in fam.samples]
+        return out
+
+    def phase_durations(self) -> dict[str, float]:
+        """Seconds per loading phase as the runtime measured them (empty if it does not export them)."""
+        try:
+            samples = self._samples("model_loading_phase_duration_seconds")
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        return {labels["phase"]: value for name, labels, value in samples
+                if name.endswith("_sum") and "phase" in labels}
+
+    def inflight(self) -> int | None:
+        value = self._stats().get("inflight")
+        return int(value) if isinstance(value, (int, float)) else None
+
+    def fragmentation(self) -> float | None:
+        """1 - allocated/reserved of the runtime's allocator, when the runtime reports it."""
+        try:
+            value = self._stats().get("fragmentation")
+            if isinstance(value, (int, float)):
+                return float(value)
+            samples = self._samples("gpu_fragmentation_rate")
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return max((v for _, _, v in samples), default=None)
+
+
+def make_client(settings: Settings, endpoint: str) -> RuntimeClient:
+    return RuntimeClient(settings, endpoint)

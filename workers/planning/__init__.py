@@ -1,0 +1,1 @@
+"""The planner worker: the forecast loop, the executor of scale events, cluster-wide tasks and Kubernetes."""

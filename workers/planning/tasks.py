@@ -1,0 +1,152 @@
+"""Cluster-wide tasks on the `prewarm.planner` queue: reaping, scale from zero, fragmentation sweeps.
+
+- `reap`: fail replicas whose heartbeat expired (their agent died), so nothing routes to them.
+- `handle_demand(model)`: the gateway found nothing ready for `model` and recorded unmet
+  demand (`keys.demand`, announced on `keys.DEMAND_CHANNEL`). If no replica of the model is
+  ready or loading, prewarm one on the live node with the most free slots. Idempotent: a
+  short claim key and the deterministic replica id make repeats harmless.
+- `scan_demand`: the beat's safety net for demand announcements nobody heard.
+- `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
+- `dispatch_due_events` / `apply_scale_event(event_id)`: carry out the planner's scale
+  events when they are due (see `workers.planning.executor`).
+- `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`).
+
+Placement reads the node views agents publish (`workers.planning.nodes`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from celery import Celery, Task
+
+from prewarm.core import keys
+from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
+from workers import names
+from workers import context, payload
+from workers.context import WorkerContext
+from workers.planning.executor import apply_event, dispatch_due
+from workers.planning.nodes import choose_placement, live_nodes
+from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
+
+log = logging.getLogger("prewarm.planner.tasks")
+
+#: Demand older than this is history for the forecaster, not a reason to scale from zero now.
+DEMAND_FRESH_S = 120.0
+#: How long a scale-from-zero claim suppresses repeats (the prewarm is idempotent anyway).
+DEMAND_CLAIM_S = 30
+
+
+def resolve_revision(model: str, configured: Iterable[str], known: Iterable[tuple[str, float]]) -> str | None:
+    """The revision to start: `planner.models` (model@revision) first, else the most recently seen one."""
+    for entry in configured:
+        name, sep, rev = entry.partition("@")
+        if name == model and sep:
+            return rev
+    recent = sorted(known, key=lambda rv: rv[1], reverse=True)
+    return recent[0][0] if recent else None
+
+
+def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, Any]:
+    now = ctx.clock()
+    view = ctx.registry.view(model, now=now)
+    if view.serving or view.warm or view.loading:
+        return {"model": model, "outcome": "covered"}
+    replicas = ctx.registry.replicas_of(model)
+    if any(r.state in LIVE_STATES for r in replicas):
+        return {"model": model, "outcome": "starting"}
+    if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
+        return {"model": model, "outcome": "claimed"}
+    revision = resolve_revision(model, ctx.settings.planner.models, [(r.revision, r.updated_at) for r in replicas])
+    if revision is None:
+        log.warning("unmet demand for %s, but no revision is known (set PREWARM_PLANNER_MODELS=%s@<rev>)", model,
+                    model)
+        return {"model": model, "outcome": "unknown_model"}
+    placement = choose_placement(live_nodes(ctx))
+    if placement is None:
+        log.warning("unmet demand for %s, but no live node has a free slot", model)
+        ctx.client.delete(keys.demand_claim(model))
+        return {"model": model, "outcome": "no_capacity"}
+    node, slot = placement
+    rid = replica_id(model, revision, node, slot)
+    app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
+    log.info("scale from zero: unmet demand for %s -> prewarm %s", model, rid)
+    return {"model": model, "outcome": "prewarm", "replica_id": rid}
+
+
+def _ctx(task: Task) -> WorkerContext:
+    return context.current(task.app.conf.prewarm_settings)
+
+
+def reap(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("reap", args, kwargs)
+    ctx = _ctx(self)
+    reaped = ctx.registry.reap(now=ctx.clock())
+    for rid in reaped:
+        log.warning("replica %s failed: heartbeat expired", rid)
+    return {"reaped": reaped}
+
+
+def handle_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
+    req = payload.parse_model("handle_demand", args, kwargs)
+    return handle_demand_for(_ctx(self), self.app, req.model)
+
+
+def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("scan_demand", args, kwargs)
+    ctx = _ctx(self)
+    now = ctx.clock()
+    prefix = keys.demand("")
+    results = []
+    for key in ctx.client.scan_iter(match=prefix + "*", count=200):
+        last = ctx.client.hget(key, "last")
+        if last is None or float(last) < now - DEMAND_FRESH_S:
+            continue
+        results.append(handle_demand_for(ctx, self.app, key[len(prefix):]))
+    return {"handled": results}
+
+
+def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("sweep_fragmentation", args, kwargs)
+    ctx = _ctx(self)
+    sent = []
+    for model in ctx.registry.models():
+        for rec in ctx.registry.replicas_of(model):
+            if rec.state is ReplicaState.READY:
+                self.app.send_task(names.RECYCLE, args=[rec.id])
+                sent.append(rec.id)
+    return {"checked": sent}
+
+
+def dispatch_due_events(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("dispatch_due_events", args, kwargs)
+    ctx = _ctx(self)
+    return {"dispatched": dispatch_due(ctx, self.app, now=ctx.clock())}
+
+
+def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
+    bound = payload.parse_event_id("apply_scale_event", args, kwargs)
+    applied = apply_event(_ctx(self), self.app, bound)
+    return {"event_id": applied.event_id, "kind": applied.kind.value, "replicas": list(applied.replica_ids),
+            "outcome": applied.outcome}
+
+
+def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("forecast_and_plan", args, kwargs)
+    ctx = _ctx(self)
+    return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
+                        "new_events": list(m.new_events), "dropped": m.dropped}
+                       for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
+
+
+def register(app: Celery) -> None:
+    """Register the cluster-wide tasks on `app`."""
+    common = names.TASK_OPTIONS
+    app.task(name=names.REAP, **common)(reap)
+    app.task(name=names.HANDLE_DEMAND, **common)(handle_demand)
+    app.task(name=names.SCAN_DEMAND, **common)(scan_demand)
+    app.task(name=names.SWEEP_FRAGMENTATION, **common)(sweep_fragmentation)
+    app.task(name=names.DISPATCH_EVENTS, **common)(dispatch_due_events)
+    app.task(name=names.APPLY_EVENT, **common)(apply_scale_event)
+    app.task(name=names.FORECAST, **common)(forecast_and_plan)

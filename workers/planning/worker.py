@@ -1,0 +1,56 @@
+"""`prewarm planner`: the planner-queue worker process, with its listener for unmet demand."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from prewarm.core import keys
+from prewarm.core.metrics import RegistryCollector
+from prewarm.core.settings import Settings
+from workers import context
+from workers.app import make_app
+from workers.context import WorkerContext
+from workers.names import HANDLE_DEMAND, PLANNER_QUEUE
+from workers.process import serve_metrics, setup_logging
+
+log = logging.getLogger("prewarm.planner")
+
+
+def run_planner(settings: Settings, *, loglevel: str = "INFO", metrics_port: int | None = None) -> int:
+    """`prewarm planner`: the planner-queue worker, a listener for unmet demand, and replica counts on /metrics."""
+    setup_logging(loglevel)
+    ctx = WorkerContext.build(settings)
+    context.install(ctx)
+    ctx.metrics.registry.register(RegistryCollector(ctx.registry.counts))
+    port = settings.metrics.port if metrics_port is None else metrics_port
+    serve_metrics(ctx, port)
+    app = make_app(settings)
+    stop = threading.Event()
+
+    def listen() -> None:
+        """Scale from zero as soon as the gateway announces unmet demand (the beat's scan is the safety net)."""
+        while not stop.is_set():
+            try:
+                pubsub = ctx.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(keys.DEMAND_CHANNEL)
+                while not stop.is_set():
+                    msg = pubsub.get_message(timeout=1.0)
+                    if msg and isinstance(msg.get("data"), str):
+                        app.send_task(HANDLE_DEMAND, args=[msg["data"]])
+            except redis.RedisError as exc:
+                log.warning("demand listener: %s; reconnecting", exc)
+                stop.wait(1.0)
+
+    threading.Thread(target=listen, name="demand-listener", daemon=True).start()
+    argv = ["worker", "-Q", PLANNER_QUEUE, "-P", "threads", "-c", "2", "-n", "planner@%h",
+            f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
+    try:
+        app.worker_main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        stop.set()
+    return 0

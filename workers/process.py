@@ -1,0 +1,25 @@
+"""What every long-running worker process sets up the same way: logging and its /metrics endpoint."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from workers.context import WorkerContext
+
+log = logging.getLogger("prewarm.process")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve_metrics(ctx: WorkerContext, port: int | None) -> Any:
+    if not port:
+        return None
+    server = start_http_server(port, addr="0.0.0.0", registry=ctx.metrics.registry)
+    log.info("metrics on :%d/metrics", port)
+    return server
