@@ -93,9 +93,12 @@ def test_reap_fails_replicas_whose_heartbeat_expired(planner: dict[str, Any]) ->
     reg: ReplicaRegistry = planner["registry"]
     long_ago = time.time() - 600
     reg.register(Replica("tiny", "r1", "gone", 0, state=ReplicaState.PENDING, created_at=long_ago), now=long_ago)
-    planner["app"].send_task(REAP)
-    wait_for(lambda: (reg.get("tiny@r1/gone/0") or Replica("x", "r", "n", 0)).state is ReplicaState.FAILED, 20,
-             "the reaper to fail the silent replica")
+
+    def reaped() -> bool:  # one reap per second, as the beat sends them: the registry has just been flushed,
+        planner["app"].send_task(REAP)  # so the reaper first waits a heartbeat TTL of continuous activity
+        return (reg.get("tiny@r1/gone/0") or Replica("x", "r", "n", 0)).state is ReplicaState.FAILED
+
+    wait_for(reaped, 20, "the reaper to fail the silent replica", poll=1.0)
     assert reg.get("tiny@r1/gone/0").reason == "heartbeat expired"  # type: ignore[union-attr]
     with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
         text = resp.read().decode()

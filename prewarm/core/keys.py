@@ -45,6 +45,10 @@ HEARTBEATS = f"{PREFIX}:heartbeats"
 
 #: Stream of every state transition (audit trail and metrics source), capped at EVENTS_MAXLEN.
 EVENTS = f"{PREFIX}:events"
+# Hash {seen, since} in Redis's own clock: when the registry last saw a heartbeat or a reap, and
+# since when it has seen them without a gap (a Redis stall or restart resets `since`; the reaper
+# waits a heartbeat TTL past it, so agents alive through the stall heartbeat before any reap).
+REGISTRY_ACTIVITY = f"{PREFIX}:registry:activity"
 EVENTS_MAXLEN = 100_000
 
 # --- gateway ------------------------------------------------------------------------------
