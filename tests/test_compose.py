@@ -49,6 +49,16 @@ def test_compose_file_is_valid(config: dict[str, Any]) -> None:
     }
 
 
+def test_redis_persists_to_a_volume(config: dict[str, Any]) -> None:
+    """Issue 13: forecast history and planner state survive `docker compose restart redis`."""
+    redis_svc = config["services"]["redis"]
+    command = redis_svc["command"]
+    assert arg(command, "--appendonly") == "yes" and arg(command, "--dir") == "/data"
+    mounts = [(v["source"], v["target"]) if isinstance(v, dict) else tuple(v.split(":")[:2]) for v in redis_svc["volumes"]]
+    assert ("redis-data", "/data") in mounts, mounts
+    assert "redis-data" in config["volumes"]
+
+
 def test_every_command_is_a_prewarm_subcommand(config: dict[str, Any]) -> None:
     services = prewarm_services(config)
     assert len(services) >= 7

@@ -242,6 +242,22 @@ def test_redis_is_optional_with_an_external_url_or_secret() -> None:
         render({"redis": {"enabled": False}})
 
 
+def test_bundled_redis_persists_its_data() -> None:
+    """Issue 13: a restart of the bundled Redis must not lose the forecast history and the planner's state."""
+    docs = render()
+    dep = find(docs, "Deployment", "-redis")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--save") + 1] != "" and args[args.index("--dir") + 1] == "/data"
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    claim = dep["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    pvc = find(docs, "PersistentVolumeClaim", "-redis")
+    assert pvc["metadata"]["name"] == claim and pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    off = render({"redis": {"persistence": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "PersistentVolumeClaim"]
+
+
 def _rbac_rules(docs: list[dict[str, Any]], sa: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
     """(namespaced, cluster-wide) (group, resource, verb) triples granted to service account `sa`."""
     roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
