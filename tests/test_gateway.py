@@ -291,6 +291,32 @@ def test_a_long_stream_is_fine_while_chunks_keep_coming(redis_url: str) -> None:
         h.close()
 
 
+def test_full_replicas_answer_429_with_retry_after(redis_url: str) -> None:
+    """Issue 13 (backpressure): a bounded queue per replica; when every one is full, 429 at once."""
+    h = Harness(redis_url, replica_queue_limit=2)
+    try:
+        slow = Upstream("slow", delay_s=2.0)
+        h.add(0, slow)
+        held: list[Any] = []
+        threads = [threading.Thread(target=lambda: held.append(h.complete())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(slow.received) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        status, headers, body = h.complete()
+        assert status == 429 and int(headers["retry-after"]) >= 1, (status, body)
+        assert json.loads(body)["error"]["code"] == "overloaded"
+        assert time.monotonic() - started < 1.5  # at once, not after a wait behind the others
+        for t in threads:
+            t.join()
+        assert [r[0] for r in held] == [200, 200]
+        assert served_by(h.complete()) == "slow"
+    finally:
+        h.close()
+
+
 def test_unreachable_replica_is_marked_failed_and_traffic_moves(gw: Harness) -> None:
     good = Upstream("good")
     dead = Replica("m", "r1", "n1", 0, endpoint="http://127.0.0.1:9")  # nothing listens on the discard port

@@ -79,6 +79,7 @@ class GatewaySettings(_Group):
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
+    replica_queue_limit: int = Field(64, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
 
 
 class RegistrySettings(_Group):

@@ -200,6 +200,7 @@ class Gateway:
             view.serving, view.warm, view.loading, self.state.inflight,
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
             exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
+            replica_limit=self.cfg.replica_queue_limit,
         )
 
     # --- handlers -------------------------------------------------------------------------
@@ -271,6 +272,8 @@ class Gateway:
         self, request: web.Request, model: str, body: bytes, payload: dict[str, Any], warmup: bool, started: float
     ) -> web.StreamResponse:
         decision = self._route(await self._view(model), warmup)
+        if decision.outcome is RouteOutcome.SATURATED:
+            return self._saturated(model)
         if decision.replica is None:
             if not warmup:
                 await self._record_demand(model)
@@ -278,6 +281,8 @@ class Gateway:
             while decision.replica is None and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                 decision = self._route(await self._view(model, fresh=True), warmup)
+                if decision.outcome is RouteOutcome.SATURATED:
+                    return self._saturated(model)
         self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
         if decision.replica is None:
             return self._unavailable(f"no replica of {model!r} is ready; one is being started")
@@ -302,6 +307,13 @@ class Gateway:
         if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
             return refused[-1]
         return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")
+
+    def _saturated(self, model: str) -> web.Response:
+        """Backpressure: every ready replica has `replica_queue_limit` requests in flight. A bounded
+        queue and a quick 429 beat a long wait behind clients that hold streams open."""
+        self.metrics.routing_decisions.labels(model, RouteOutcome.SATURATED.value).inc()
+        return _error(429, f"every replica of {model!r} is at its limit of {self.cfg.replica_queue_limit} requests "
+                           "in flight; retry shortly", "overloaded", headers={"Retry-After": "1"})
 
     async def _record_demand(self, model: str) -> None:
         try:
