@@ -12,7 +12,9 @@ both replicas are still `ready` in the registry and that a plain request still g
   checks fail a replica);
 - a client that closes a stream mid-way ("stop generating") is not blamed on the replica;
 - hypothesis-generated bodies through the gateway to the real runtimes never take a
-  replica out of `ready`.
+  replica out of `ready`;
+- a node snapshot rewritten in place under a replica that maps it: the replica refuses
+  instead of answering garbage (or `NaN`, which is not JSON) with 200.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import logging
 import socket
 import time
+import urllib.error
+import urllib.request
 from typing import Any, Iterator
 
 import pytest
@@ -235,3 +239,60 @@ def test_fuzzed_bodies_never_take_a_replica_out_of_ready(stack: Stack, body: dic
         assert isinstance(parsed.get("error"), dict), parsed
     assert set(stack.states().values()) == {"ready"}, stack.states()
     assert not stack.gateway.state.failures, stack.gateway.state.failures
+
+
+# --- a snapshot modified in place under a replica that maps it --------------------------------------------
+def _strict_json(raw: str) -> Any:
+    def refuse(word: str) -> Any:
+        raise AssertionError(f"the runtime wrote {word}, which is not JSON")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+def test_a_snapshot_rewritten_in_place_takes_the_replica_out_not_garbage(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 13: a replica mapping a node snapshot that is then rewritten in place used to serve NaN or
+    garbage with 200 and stay ready (and emit `NaN`, which is not JSON). Now it refuses (503, so the
+    gateway goes elsewhere), says why on /readyz and /health, and the agent's health check fails it."""
+    tmp = tmp_path_factory.mktemp("snapshot-in-place")
+    model_dir = make_model(tmp / "models" / MODEL, MODEL, seed=0, name=MODEL, revision="r1")
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    writer = start_runtime(model_dir, tmp / "a", "--model-name", MODEL)
+    mapper = None
+    try:
+        wait_loaded(writer.url)
+        snaps = tmp / "a" / "snapshots"
+        deadline = time.monotonic() + 60
+        while not list(snaps.glob("*.snap")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [snap] = list(snaps.glob("*.snap"))
+        mapper = start_runtime(model_dir, tmp / "b", "--model-name", MODEL,
+                               env={"PREWARM_RUNTIME_SNAPSHOT_DIR": str(snaps)})
+        wait_loaded(mapper.url)
+        assert call(mapper.url + "/ready", "POST", {"passed": True}, token=TOKEN)[0] == 200
+        body = {"prompt": "hello", "max_tokens": 4, "logprobs": 2}
+        status, good, _ = call(mapper.url + "/v1/completions", "POST", body)
+        assert status == 200, good
+
+        with open(snap, "r+b") as f:  # in place: same inode, new bytes (0xff.. is NaN as float32)
+            f.seek(4 * 4096)
+            f.write(b"\xff" * (snap.stat().st_size - 5 * 4096))
+        for _ in range(3):
+            req = urllib.request.Request(mapper.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         method="POST", headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    status, raw = resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                status, raw = exc.code, exc.read().decode()
+            parsed = _strict_json(raw)
+            assert status == 503, (status, parsed)
+            assert parsed["error"]["code"] == "weights_changed", parsed
+        status, ready, _ = call(mapper.url + "/readyz")
+        assert status == 503 and "modified in place" in ready["reason"], ready
+        assert call(mapper.url + "/health")[0] == 503
+    finally:
+        writer.stop()
+        if mapper is not None:
+            mapper.stop()

@@ -228,8 +228,28 @@ def chunk_body(
     return body
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None: JSON has no NaN (`json.dumps` would
+    write the bare word `NaN`, which strict parsers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(data: Any) -> str:
+    """Strict JSON: never NaN or Infinity."""
+    try:
+        return json.dumps(data, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(data), allow_nan=False)
+
+
 def sse(data: Mapping[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else dumps(data)
     return f"data: {payload}\n\n".encode()
 
 

@@ -71,6 +71,11 @@ from prewarm.policy.validation import (
 
 log = logging.getLogger("prewarm.runtime")
 
+
+def _json(data: Any, *, status: int = 200, headers: Any = None) -> web.Response:
+    """Every JSON answer of the host: strict (a NaN from broken weights is null, never `NaN`)."""
+    return web.json_response(data, status=status, headers=headers, dumps=api.dumps)
+
 #: Phases after which phase 1 (embeddings, positions, final norm, head) is in memory.
 _SERVABLE_PHASES = frozenset({LoadPhase.FIRST_LAYERS, LoadPhase.REST, LoadPhase.DONE})
 
@@ -137,9 +142,16 @@ class ModelHost:
         except ValueError:
             return LoadPhase.NONE
 
+    def weights_fault(self) -> str | None:
+        check = getattr(self.engine, "weights_fault", None)
+        return check() if check is not None else None
+
     def ready(self) -> tuple[bool, str]:
         if self.engine.error is not None:
             return False, f"loading failed: {self.engine.error}"
+        fault = self.weights_fault()
+        if fault is not None:
+            return False, f"weights no longer trusted: {fault}"
         if not self.engine.loaded:
             return False, f"loading: phase {self._phase().value}, {self.engine.progress:.0%}"
         if self.engine.is_sleeping:
@@ -179,16 +191,16 @@ class ModelHost:
             return await handler(request)
         except api.ApiError as exc:
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
-            return web.json_response(exc.body(), status=exc.status, headers=headers)
+            return _json(exc.body(), status=exc.status, headers=headers)
         except web.HTTPException:
             raise
         except TemporaryError as exc:  # the engine fell asleep or unloaded between admission and compute
             err = api.unavailable(str(exc), exc.retry_after, "unavailable")
-            return web.json_response(err.body(), status=503, headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+            return _json(err.body(), status=503, headers={"Retry-After": str(max(1, round(exc.retry_after)))})
         except Exception as exc:  # noqa: BLE001 - an engine fault is a 500 with a body, never a traceback page
             log.exception("internal error on %s %s", request.method, request.path)
             err = api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
-            return web.json_response(err.body(), status=500)
+            return _json(err.body(), status=500)
 
     def _control(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -214,18 +226,21 @@ class ModelHost:
 
     # -- probes ------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
+        return _json({"status": "alive"})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.error is not None:
-            return web.json_response({"status": "failed", "error": str(self.engine.error)}, status=503)
+            return _json({"status": "failed", "error": str(self.engine.error)}, status=503)
         if not self.engine.loaded:
-            return web.json_response({"status": "loading"}, status=503)
-        return web.json_response({"status": "ok"})
+            return _json({"status": "loading"}, status=503)
+        fault = self.weights_fault()
+        if fault is not None:
+            return _json({"status": "failed", "error": fault}, status=503)
+        return _json({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
         ok, reason = self.ready()
-        return web.json_response({"ready": ok, "reason": reason}, status=200 if ok else 503)
+        return _json({"ready": ok, "reason": reason}, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.fragmentation.labels(self.node).set(self.engine.fragmentation())
@@ -233,7 +248,7 @@ class ModelHost:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({
+        return _json({
             "model": self.model_name, **self.state.counts, "inflight": self.state.inflight,
             "fragmentation": float(self.engine.fragmentation()),  # 1 - allocated/reserved; 0.0 on CPU
             "device": str(self.engine.device), "sleeping": bool(self.engine.is_sleeping),
@@ -241,7 +256,7 @@ class ModelHost:
         })
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({
+        return _json({
             "object": "list",
             "data": [{
                 "id": self.model_name, "object": "model", "created": self.started_at, "owned_by": "prewarm",
@@ -305,6 +320,9 @@ class ModelHost:
                                type_="service_unavailable", code="load_failed")
         if self.state.pausing or self.engine.is_sleeping:
             raise api.unavailable("the model is sleeping; POST /wake_up first", 1, "sleeping")
+        fault = self.weights_fault()
+        if fault is not None:  # refused before any work: the gateway sends the request elsewhere
+            raise api.unavailable(f"this replica's weights are no longer trusted: {fault}", 5, "weights_changed")
         deadline = time.monotonic() + self.load_wait_s
         while not self.servable:
             if time.monotonic() >= deadline:
@@ -328,7 +346,7 @@ class ModelHost:
         if req.echo:
             text = self.engine.decode(ids) + text
         finish = "length" if len(out) >= req.max_tokens else "stop"
-        return web.json_response(
+        return _json(
             api.completion_body(api.completion_id(), self.model_name, text, finish, len(ids), len(out), logprobs)
         )
 
@@ -406,10 +424,10 @@ class ModelHost:
             if self.engine.is_sleeping:
                 raise api.ApiError(409, "the model is sleeping: POST /wake_up instead of /load", code="sleeping")
             self.engine.start_load()  # idempotent: a second call while loading or loaded does nothing
-        return web.json_response(self._load_body(), status=202 if not self.engine.loaded else 200)
+        return _json(self._load_body(), status=202 if not self.engine.loaded else 200)
 
     async def load_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._load_body())
+        return _json(self._load_body())
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = api.parse_level(request.query.get("level"))
@@ -430,7 +448,7 @@ class ModelHost:
                     self.state.pausing = False
                 if level == 2:
                     self.state.validated = False  # the weights are gone: what comes back must be validated again
-        return web.json_response({"is_sleeping": bool(self.engine.is_sleeping), "level": level})
+        return _json({"is_sleeping": bool(self.engine.is_sleeping), "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
         async with self._control_lock:
@@ -438,10 +456,10 @@ class ModelHost:
                 await self._run(self.engine.wake_up)
             if self.self_validate and not self.state.validated:
                 self.validate_itself()  # level 2 dropped the weights: what comes back is checked again
-        return web.json_response({"is_sleeping": bool(self.engine.is_sleeping), **self._load_body()})
+        return _json({"is_sleeping": bool(self.engine.is_sleeping), **self._load_body()})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": bool(self.engine.is_sleeping)})
+        return _json({"is_sleeping": bool(self.engine.is_sleeping)})
 
     async def _probe_body(self, request: web.Request) -> str:
         raw = await request.read()
@@ -462,7 +480,7 @@ class ModelHost:
     async def validation_inputs(self, request: web.Request) -> web.Response:
         prompt = await self._probe_body(request)
         self._require_loaded()
-        return web.json_response(await self._run(probe.validation_inputs, self.engine, self.model_name, prompt))
+        return _json(await self._run(probe.validation_inputs, self.engine, self.model_name, prompt))
 
     async def validate(self, request: web.Request) -> web.Response:
         """Run all three checks in-process; body: {"baseline_s": float|null, "requests": n, "mark_ready": bool}."""
@@ -476,7 +494,7 @@ class ModelHost:
             raise api.bad_request(f"'requests' must be an integer in 1..100, got {n!r}", "requests")
         mark = data.get("mark_ready", True)
         self._require_loaded()
-        return web.json_response(await self.run_validation(float(baseline) if baseline is not None else None, n,
+        return _json(await self.run_validation(float(baseline) if baseline is not None else None, n,
                                                            mark=bool(mark)))
 
     async def run_validation(self, baseline_s: float | None, requests: int, *, mark: bool) -> dict[str, Any]:
@@ -538,4 +556,4 @@ class ModelHost:
         self.state.validated = passed
         self.state.report = report
         ok, reason = self.ready()
-        return web.json_response({"ready": ok, "reason": reason})
+        return _json({"ready": ok, "reason": reason})
