@@ -69,7 +69,7 @@ class AppThread:
 
 @dataclass
 class Upstream:
-    """An OpenAI-compatible upstream; `mode` is one of ok, fail, close_mid_stream, close_mid_body."""
+    """An OpenAI-compatible upstream; `mode` is one of ok, fail, bad_request, close_mid_stream, close_mid_body."""
 
     name: str
     mode: str = "ok"
@@ -93,6 +93,8 @@ class Upstream:
             await asyncio.sleep(self.delay_s)
         if self.mode == "fail":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "bad_request":
+            return web.json_response({"error": {"message": "bad prompt", "type": "invalid_request_error"}}, status=400)
         if self.mode == "close_mid_body":
             resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Content-Length": "1000"})
             await resp.prepare(request)

@@ -296,3 +296,13 @@ def test_a_snapshot_rewritten_in_place_takes_the_replica_out_not_garbage(
         writer.stop()
         if mapper is not None:
             mapper.stop()
+
+
+def test_runtime_refusals_are_openai_shaped(runtimes: list[RuntimeProcess]) -> None:
+    """Issue 13 (minor): /v1/chat/completions on the built-in runtime was a plain-text 404."""
+    for method, path, code in (("POST", "/v1/chat/completions", 404), ("GET", "/v1/completions", 405),
+                               ("GET", "/nowhere", 404)):
+        status, body, _ = call(runtimes[0].url + path, method, {"model": MODEL, "messages": []} if method == "POST"
+                               else None)
+        assert status == code, (path, status, body)
+        assert isinstance(body, dict) and body["error"]["message"] and body["error"]["type"], body

@@ -364,6 +364,37 @@ def test_models_health_metrics_and_counters(gw: Harness) -> None:
     assert 'gateway_routing_decisions_total{model="m",outcome="serving"} 3.0' in text
 
 
+def test_requests_a_replica_refuses_as_invalid_are_not_demand(gw: Harness) -> None:
+    """Issue 13 (minor): 400s from the runtime used to count as demand (a cheap way to make the planner
+    scale up)."""
+    up = Upstream("s", mode="bad_request")
+    gw.add(0, up)
+    for _ in range(5):
+        assert gw.complete()[0] == 400
+    up.mode = "ok"
+    assert served_by(gw.complete()) == "s"
+    time.sleep(1.3)  # one counter flush
+    assert _user_count(gw.reg.client) == 1
+
+
+def test_client_chosen_model_names_are_not_labels_while_redis_is_down() -> None:
+    """Issue 13 (minor): 13 requests with made-up model names during an outage made 286 series."""
+    with EmbeddedRedis() as server:
+        h = Harness(server.url)
+        try:
+            h.add(0, Upstream("s"))
+            assert served_by(h.complete()) == "s"
+            server.stop()
+            time.sleep(0.05)
+            for i in range(13):
+                assert h.complete(model=f"made-up-{i}")[0] == 503
+            text = request(h.url, path="/metrics")[2].decode()
+            assert "made-up" not in text
+            assert 'model="unknown"' in text
+        finally:
+            h.close()
+
+
 def test_redis_outage_gives_503_never_500() -> None:
     with EmbeddedRedis() as server:
         h = Harness(server.url)
@@ -377,7 +408,10 @@ def test_redis_outage_gives_503_never_500() -> None:
                 assert status == 503, body
                 assert "retry-after" in headers
             assert request(h.url, path="/v1/models")[0] == 503
-            assert request(h.url, path="/healthz")[0] == 200
+            status, _, health = request(h.url, path="/healthz")
+            assert status == 200 and json.loads(health) == {"status": "degraded", "registry": "unavailable"}
+            assert str(server.port) not in health.decode()  # issue 13: no internal address to clients
+            assert request(h.url, path="/readyz")[0] == 503
             assert request(h.url, path="/metrics")[0] == 200
             server.start()
             h.reg.heartbeat(Replica("m", "r1", "n1", 0, endpoint=h.upstreams[0].url, state=ReplicaState.READY), now=time.time())

@@ -45,6 +45,13 @@ def _error(status: int, message: str, code: str, *, headers: dict[str, str] | No
     return web.json_response(body, status=status, headers=headers)
 
 
+def _is_demand(status: int) -> bool:
+    """Whether an answered request is demand the planner should serve: everything but a request
+    the replica refused as invalid (4xx) — counting those would let any client make the planner
+    scale up with cheap bad requests. Too many requests (429) is demand."""
+    return not 400 <= status < 500 or status == 429
+
+
 @dataclass
 class _ModelCache:
     at: float = 0.0
@@ -148,6 +155,7 @@ class Gateway:
             app.router.add_post(path, self.handle_proxy)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/healthz", self.handle_health)
+        app.router.add_get("/readyz", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
         return app
 
@@ -204,13 +212,24 @@ class Gateway:
         )
 
     # --- handlers -------------------------------------------------------------------------
-    async def handle_health(self, _request: web.Request) -> web.Response:
+    async def _registry_ok(self) -> bool:
         try:
             await self.redis.ping()
-            registry = "ok"
+            return True
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            registry = f"unavailable: {exc}"
-        return web.json_response({"status": "ok", "registry": registry})
+            log.warning("health: registry unavailable: %s", exc)  # the address goes to the log, not to clients
+            return False
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves (a restart would not bring Redis back), with
+        the registry's state and no internal detail (no address: anyone can call this)."""
+        ok = await self._registry_ok()
+        return web.json_response({"status": "ok" if ok else "degraded", "registry": "ok" if ok else "unavailable"})
+
+    async def handle_ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 503 while the registry is unreachable (nothing can be routed)."""
+        ok = await self._registry_ok()
+        return web.json_response({"ready": ok, "registry": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self.metrics_registry)
@@ -257,12 +276,16 @@ class Gateway:
             if model not in await self._known_models():
                 self.metrics.routing_decisions.labels("unknown", "unknown_model").inc()
                 return _error(404, f"model {model!r} is not served here", "model_not_found")
-            if not warmup:
-                self.counter.add(model, time.time())
             response = await self._route_and_proxy(request, model, body, payload, warmup, started)
         except RegistryUnavailable as exc:
+            # a model name a client chose is a label only once it is known to be served: while Redis
+            # is down, arbitrary names would each make new Prometheus series
+            if model not in self.state.models | self.configured_models:
+                model = "unknown"
             self.metrics.routing_decisions.labels(model, "registry_unavailable").inc()
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)
+        if not warmup and model != "unknown" and _is_demand(response.status):
+            self.counter.add(model, time.time())
         self.metrics.requests.labels(model, kind, str(response.status)).inc()
         if not warmup:
             self.metrics.request_duration.labels(model).observe(time.monotonic() - started)

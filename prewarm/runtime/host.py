@@ -192,8 +192,17 @@ class ModelHost:
         except api.ApiError as exc:
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after is not None else None
             return _json(exc.body(), status=exc.status, headers=headers)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            # aiohttp's own refusals (unknown path such as /v1/chat/completions, wrong method, body too
+            # large) in the OpenAI error shape too: a client library parses every error the same way
+            code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
+            message = f"{request.method} {request.path}: {exc.reason}"
+            if exc.status == 404 and request.path.startswith("/v1/"):
+                message += "; this runtime serves POST /v1/completions and GET /v1/models"
+            headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+            return _json(api.ApiError(exc.status, message, code=code).body(), status=exc.status, headers=headers)
         except TemporaryError as exc:  # the engine fell asleep or unloaded between admission and compute
             err = api.unavailable(str(exc), exc.retry_after, "unavailable")
             return _json(err.body(), status=503, headers={"Retry-After": str(max(1, round(exc.retry_after)))})
