@@ -350,6 +350,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not _redis_unreachable(exc):
+            raise
+        print(f"prewarm {args.command}: Redis is unreachable ({exc}); check PREWARM_REDIS_URL and that Redis is up",
+              file=sys.stderr)
+        return 1
+
+
+def _redis_unreachable(exc: BaseException) -> bool:
+    """A Redis that cannot be reached at start is an operator's fix, not a 70-line traceback."""
+    import redis
+
+    from prewarm.core.errors import RegistryUnavailable
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RegistryUnavailable, redis.ConnectionError, redis.TimeoutError)):
+            return True
+        if type(exc).__module__.startswith("kombu") and "connect" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:

@@ -59,6 +59,8 @@ prometheus.io/path: /metrics
       key: {{ .Values.warmup.existingSecretKey }}
 - name: PREWARM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
+- name: PREWARM_METRICS_HOST  # Prometheus scrapes the pod IP; the default is loopback only
+  value: "0.0.0.0"
 {{- end -}}
 
 {{/* Environment of the planner (worker and beat): the plan's knobs and the actuator's targets. */}}
