@@ -81,7 +81,8 @@ def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_ba
         broker.start()  # same port, empty
         assert dispatch_due(ctx, app, now=now + 4) == ["up-broker"]
         assert dispatch_due(ctx, app, now=now + 6) == []  # leased: not sent twice
-        assert queued_tasks(broker_client, PLANNER_QUEUE) == [{"task": APPLY_EVENT, "args": ["up-broker"]}]
+        assert queued_tasks(broker_client, PLANNER_QUEUE) == [
+            {"task": APPLY_EVENT, "args": ["up-broker"], "id": f"up-broker/{APPLY_EVENT}"}]
         assert ctx.client.hget(keys.planned_event("up-broker"), "status") == "dispatched"
     finally:
         broker_client.close()
@@ -115,6 +116,9 @@ def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: Worke
         assert apply_event(ctx, app, "up-apply").outcome == "already_applied"  # a redelivered apply sends nothing
         assert sorted(m["args"][0] for m in queued_tasks(broker_client, node_queue("n1"))) == ["m@r1/n1/0", "m@r1/n1/1"]
         assert {m["task"] for m in queued_tasks(broker_client, node_queue("n1"))} == {PREWARM}
+        # issue 13: the task ids derive from the event, so the same event sent twice is the same task
+        assert sorted(m["id"] for m in queued_tasks(broker_client, node_queue("n1"))) == [
+            f"up-apply/{PREWARM}/m@r1/n1/0", f"up-apply/{PREWARM}/m@r1/n1/1"]
         assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-apply") is None  # applied: it left the queue
         assert dispatch_due(ctx, app, now=time.time() + 10_000) == []
     finally:

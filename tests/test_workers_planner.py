@@ -78,7 +78,8 @@ def test_unmet_demand_scales_from_zero_once(planner: dict[str, Any], redis_serve
     for _ in range(3):  # the gateway keeps announcing while nothing is ready: still one prewarm
         _record_demand(redis_server.url, "tiny")
     time.sleep(1.5)
-    assert queued_tasks(client, queue) == [{"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
+    assert [{k: m[k] for k in ("task", "args")} for m in queued_tasks(client, queue)] == [
+        {"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
     assert queued_tasks(client, node_queue("n8")) == []
 
 

@@ -39,8 +39,11 @@ def run_planner(settings: Settings, *, loglevel: str = "INFO", metrics_port: int
                 while not stop.is_set():
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and isinstance(msg.get("data"), str):
-                        app.send_task(HANDLE_DEMAND, args=[msg["data"]])
-            except redis.RedisError as exc:
+                        try:
+                            app.send_task(HANDLE_DEMAND, args=[msg["data"]])
+                        except Exception as exc:  # noqa: BLE001 - a kombu/broker error must not end the listener
+                            log.warning("demand for %s not sent (the beat's scan will catch it): %s", msg["data"], exc)
+            except Exception as exc:  # noqa: BLE001 - the listener outlives any error; it reconnects
                 log.warning("demand listener: %s; reconnecting", exc)
                 stop.wait(1.0)
 
