@@ -157,8 +157,8 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
              and client.hget(keys.planned_event("down-1"), "status") == "applied", 20,
              lambda: f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
     assert sorted(queued_tasks(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
-        {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None]},
-        {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None]},
+        {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None], "id": f"up-1/{PREWARM}/m@r1/n7/0"},
+        {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None], "id": f"up-1/{PREWARM}/m@r1/n7/1"},
     ]
     on_n6 = queued_tasks(client, node_queue("n6"))
     assert sorted(m["task"] for m in on_n6) == sorted([RETIRE, KEEP_WARM])
