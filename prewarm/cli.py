@@ -219,8 +219,16 @@ def _cmd_flower(args: argparse.Namespace, settings: Settings) -> int:
 
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: Flower watches the shared broker")
+    argv = ["flower", f"--port={args.port}", f"--address={args.address}"]
+    auth = os.environ.get("FLOWER_BASIC_AUTH", "").strip()
+    if auth:
+        argv.append(f"--basic_auth={auth}")
+    elif args.address not in ("127.0.0.1", "localhost", "::1"):
+        # Flower can revoke tasks and shut workers down: never open it beyond this host unauthenticated
+        raise SettingsError(f"Flower on {args.address} needs FLOWER_BASIC_AUTH=user:password "
+                            "(comma-separated for several users), or --address 127.0.0.1")
     app = make_app(settings)
-    app.start(["flower", f"--port={args.port}", f"--address={args.address}"])
+    app.start(argv)
     return 0
 
 

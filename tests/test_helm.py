@@ -6,6 +6,7 @@ the values the seed names checked to change what they should."""
 from __future__ import annotations
 
 import argparse
+import base64
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,17 @@ def test_bundled_redis_persists_its_data() -> None:
     assert pvc["metadata"]["name"] == claim and pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     off = render({"redis": {"persistence": {"enabled": False}}})
     assert not [d for d in off if d["kind"] == "PersistentVolumeClaim"]
+
+
+def test_flower_is_behind_basic_auth() -> None:
+    """Issue 13 (minor): Flower's UI was open with no auth."""
+    docs = render({"flower": {"basicAuth": "ops:pw"}})
+    ref = env_of(find(docs, "Deployment", "-flower"))["FLOWER_BASIC_AUTH"]["secretKeyRef"]
+    secret = find(docs, "Secret", "-flower")
+    assert secret["metadata"]["name"] == ref["name"]
+    assert base64.b64decode(secret["data"][ref["key"]]).decode() == "ops:pw"
+    generated = find(render(), "Secret", "-flower")
+    assert base64.b64decode(generated["data"]["basic-auth"]).decode().startswith("admin:")
 
 
 def _rbac_rules(docs: list[dict[str, Any]], sa: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:

@@ -137,3 +137,14 @@ def test_unreachable_redis_at_start_is_one_line_not_a_traceback(command: str, tm
                          timeout=120)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and "Redis is unreachable" in out.stderr, out.stderr[-2000:]
+
+
+def test_flower_beyond_this_host_needs_basic_auth(clean_env: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 13 (minor): `prewarm flower --address 0.0.0.0` served an open UI that can revoke tasks."""
+    from prewarm.cli import main
+
+    clean_env.setenv("PREWARM_REDIS_URL", "redis://127.0.0.1:1/0")
+    clean_env.delenv("FLOWER_BASIC_AUTH", raising=False)
+    assert main(["flower", "--address", "0.0.0.0"]) == 2
+    assert "FLOWER_BASIC_AUTH" in capsys.readouterr().err

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import redis
 
 from prewarm.core import keys
 from prewarm.core.metrics import RegistryCollector
