@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup system-deps bench lint clean
+.PHONY: demo test setup system-deps bench lint clean proto
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: system-deps $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/gateway.py --quick
+
+# The KEDA external scaler's gRPC modules are checked in; this regenerates them from the .proto.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. prewarm/gateway/kedaproto/externalscaler.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

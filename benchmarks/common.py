@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,11 +28,10 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, an observed value (numpy's inverted CDF); nan when empty."""
     if not values:
         return math.nan
-    ordered = sorted(values)
-    idx = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
-    return ordered[idx]
+    return float(np.percentile(np.asarray(values, dtype=float), q, method="inverted_cdf"))
 
 
 def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any], as_json: bool) -> None:

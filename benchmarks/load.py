@@ -12,7 +12,7 @@ random-weight model (CUDA when available), and one `prewarm gateway` routing by 
 registry.
 
 How the replicas come up: NOT through the Celery node agents. This script drives each
-runtime itself, exactly the steps of the agent's pipeline (workers/node/bringup.py), so the
+runtime itself through the agent's own bring-up (`workers.node.bringup.bring_up`), so the
 benchmark measures serving and nothing of the task machinery: register `pending` →
 `loading` (POST /load through `BuiltinRuntimeAdapter`, progress into the registry) →
 `warming` (signed warmup requests, validation inputs, the pure checks of
@@ -64,6 +64,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
 from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
@@ -73,8 +75,11 @@ from prewarm.runtime.manifest import load_manifest
 from prewarm.runtime.model import make_model
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
-from prewarm.policy.validation import tensor_specs, validate
-from prewarm.policy.warmup import WarmupPlan, generate_requests
+from prewarm.core.metrics import Metrics
+from prewarm.policy.validation import tensor_specs
+from workers.context import WorkerContext
+from workers.node.bringup import BringUpSpec, ValidationFailed
+from workers.node.bringup import bring_up as bring_up_replica
 
 MODEL = "loadbench"
 NODE = "bench-node"
@@ -88,49 +93,39 @@ BODY = json.dumps({"model": MODEL, "prompt": "Hello, how are you today?", "max_t
 
 
 def bring_up(reg: ReplicaRegistry, adapter: BuiltinRuntimeAdapter, replica: Replica, model_dir: Path,
-             settings: Settings, secret: str, timeout_s: float = 120.0, attempts: int = 3) -> Replica:
-    """pending → loading → warming → validated → ready, as workers/node/bringup.py does it.
+             settings: Settings, timeout_s: float = 120.0, attempts: int = 3) -> Replica:
+    """pending → loading → warming → validated → ready through `workers.node.bringup.bring_up`, the
+    bring-up the node agents and the pod warmer run.
 
-    One difference: a failed validation is warmed and checked again, up to `attempts`
-    times, because on a shared machine a noisy neighbour can push one warm batch past the
-    1.2 × baseline latency rule (the agent would fail the replica and prewarm a new one).
+    One difference: a failed validation is warmed and checked again (bring-up resumes from
+    `warming`), up to `attempts` times, because on a shared machine a noisy neighbour can push
+    one warm batch past the 1.2 × baseline latency rule (the agent would fail the replica and
+    prewarm a new one).
     """
+    ctx = WorkerContext(settings=settings, client=reg.client, registry=reg, metrics=Metrics(CollectorRegistry()))
     rid = replica.id
-    reg.register(replica, now=time.time())
-    reg.transition(rid, ReplicaState.LOADING, now=time.time(), expected=ReplicaState.PENDING)
-    adapter.load()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = adapter.load_status()
-        if status.error:
-            raise RuntimeError(f"runtime of {rid} failed to load: {status.error}")
-        reg.set_progress(rid, min(1.0, max(0.0, status.progress)), status.phase, now=time.time())
-        if status.loaded:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"runtime of {rid} did not load within {timeout_s}s")
-        time.sleep(0.05)
-    reg.transition(rid, ReplicaState.WARMING, now=time.time(), expected=ReplicaState.LOADING)
-    node_class = settings.agent.node_class
+    now = time.time()
+    reg.register(replica, now=now)
+    spec = BringUpSpec(model=MODEL, node=NODE, node_class=settings.agent.node_class, served_model=MODEL,
+                       expected=tensor_specs(load_manifest(model_dir).tensors), started_at=now,
+                       load_timeout_s=timeout_s)
+
+    def transition(to: ReplicaState, expected: ReplicaState, reason: str) -> Replica:
+        return reg.transition(rid, to, now=time.time(), expected=expected, reason=reason)
+
     for attempt in range(1, attempts + 1):
-        plan = WarmupPlan.from_settings(MODEL, settings.warmup, seed=attempt)
-        latencies = adapter.warmup(generate_requests(plan, secret=secret, now=time.time()))
-        probe = adapter.validation_inputs()
-        result = validate(
-            expected=tensor_specs(load_manifest(model_dir).tensors), live=probe.live, logits=probe.logits,
-            latencies_s=latencies, baseline_s=reg.baseline(MODEL, node_class),
-            mean_bound=settings.warmup.logits_mean_bound, latency_factor=settings.warmup.latency_factor,
-        )
-        if result.passed:
-            break
-        print(f"replica {rid}: validation attempt {attempt} failed: {result.reason}", file=sys.stderr)
-    else:
-        raise RuntimeError(f"replica {rid} failed validation {attempts} times: {result.reason}")
-    if result.record_baseline is not None:
-        reg.set_baseline_if_absent(MODEL, node_class, result.record_baseline)
-    if not adapter.mark_ready(result) or not adapter.ready():
-        raise RuntimeError(f"runtime of {rid} does not report /readyz 200 after validation")
-    return reg.transition(rid, ReplicaState.READY, now=time.time(), expected=ReplicaState.WARMING)
+        rec = reg.get(rid)
+        if rec is None:
+            raise RuntimeError(f"replica {rid} vanished from the registry")
+        try:
+            done = bring_up_replica(ctx, rec, spec, connect=lambda _rec: adapter, transition=transition)
+        except ValidationFailed as exc:
+            print(f"replica {rid}: validation attempt {attempt} failed: {exc}", file=sys.stderr)
+            continue
+        if not adapter.ready():
+            raise RuntimeError(f"runtime of {rid} does not report /readyz 200 after validation")
+        return done.replica
+    raise RuntimeError(f"replica {rid} failed validation {attempts} times")
 
 
 class Heartbeats(threading.Thread):
@@ -351,6 +346,7 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
     lat_s, rounds = (3, 1) if quick else (5, 6)
     secret = secrets.token_hex(16)
     settings = Settings.load()
+    settings.warmup.secret = SecretStr(secret)  # the warmup requests are signed with the runtimes' secret
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="prewarm-load-"))
         stack.callback(shutil.rmtree, tmp, True)
@@ -383,7 +379,7 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
             endpoint = f"http://127.0.0.1:{port}"
             adapter = BuiltinRuntimeAdapter(endpoint, token=secret, model=MODEL)
             ready.append(bring_up(reg, adapter, Replica(MODEL, revision, NODE, slot, endpoint=endpoint),
-                                  model_dir, settings, secret))
+                                  model_dir, settings))
         say(f"{len(ready)} replicas ready in {time.monotonic() - t0:.1f}s (registry: "
             f"{', '.join(r.id for r in ready)})")
         beats = Heartbeats(reg, ready, settings.registry.heartbeat_interval_s)

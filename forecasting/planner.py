@@ -105,6 +105,7 @@ class PlannerParams:
             bucket_s=float(s.bucket_s),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
             peak_hold_s=float(s.peak_hold_s),
+            min_serving=int(s.min_serving),
         )
 
     @property

@@ -76,6 +76,15 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--metrics-port", type=int, help="serve /metrics on this port (default: none)")
     p.set_defaults(handler=_cmd_k8s)
 
+    p = sub.add_parser("keda-scaler", help="serve the planner's replica targets to KEDA (external scaler, gRPC) "
+                       "and as the gauge prewarm_planner_target_replicas")
+    p.add_argument("--host", default="0.0.0.0", help="listen address")
+    p.add_argument("--port", type=int, default=9090, help="gRPC port of the external scaler")
+    p.add_argument("--metrics-port", type=int, help="serve /metrics (the target gauge) on this port (default: none)")
+    p.add_argument("--max-age", type=float, dest="max_age_s",
+                   help="refuse targets older than this many seconds (default: 3 x planner.interval_s)")
+    p.set_defaults(handler=_cmd_keda_scaler)
+
     p = sub.add_parser("serve-model", help="run the model host: OpenAI-compatible completions, load/sleep/wake control")
     p.add_argument("--model-dir", required=True, help="directory with config.json, model.safetensors, manifest.json")
     p.add_argument("--host", help="listen address (default: runtime.host)")
@@ -202,6 +211,26 @@ def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: the planner needs the shared Redis")
     return run_planner(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
+
+
+def _cmd_keda_scaler(args: argparse.Namespace, settings: Settings) -> int:
+    import logging
+    import signal
+    import threading
+
+    from prewarm.gateway.keda import run
+    from prewarm.registry.connection import sync_client
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: the scaler reads the planner's targets from the shared Redis")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    max_age = args.max_age_s if args.max_age_s is not None else 3 * settings.planner.interval_s
+    return run(sync_client(settings.redis), host=args.host, port=args.port, max_age_s=max_age,
+               metrics_port=args.metrics_port, stop=stop,
+               ready=lambda port: print(f"prewarm keda-scaler: listening on {args.host}:{port}", flush=True))
 
 
 def _cmd_beat(args: argparse.Namespace, settings: Settings) -> int:

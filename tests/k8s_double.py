@@ -12,7 +12,11 @@ loopback port) that implements exactly the endpoints `prewarm.adapters.k8s` and
   with 422 like the real validation;
 - `core/v1` pods list and watch (`?watch=true`, a chunked stream of JSON lines, ending at
   `timeoutSeconds`; an `ERROR` event with code 410 for an expired resourceVersion);
-- `core/v1` nodes list with label selectors (`k=v`, `k!=v`, `k`).
+- `core/v1` nodes list with label selectors (`k=v`, `k!=v`, `k`);
+- optionally (`add_deployment(..., controller=True)`) the part of the Deployment/ReplicaSet
+  controller the one-owner tests rely on: a change of `spec.replicas` creates pods (named
+  `<deployment>-<n>`, never reused, not Ready, on node `gpu-1`) or deletes the newest ones,
+  and every pod created is logged in `created` so a test can count creations.
 
 One global resourceVersion counter is bumped by every write, as etcd's revision is; a
 PATCH whose body carries a `metadata.resourceVersion` other than the object's current
@@ -76,6 +80,7 @@ class _State:
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     pod_events: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)  # names of pods the controller created, in order
     compacted: int = 0  # watches from a resourceVersion below this get 410 Gone
     faults: list[Fault] = field(default_factory=list)
     conflicts: int = 0
@@ -129,6 +134,11 @@ def json_patch(target: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, A
         elif op["op"] == "test" and parent.get(last) != op["value"]:
             raise ValueError(f"test failed at {op['path']}")
     return doc
+
+
+def _rfc3339(epoch_s: float) -> str:
+    """A creationTimestamp as the API server writes it (whole seconds, UTC)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch_s))
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -209,11 +219,51 @@ class KubeDouble:
         self.state.rv += 1
         return str(self.state.rv)
 
-    def add_deployment(self, namespace: str, name: str, replicas: int, labels: dict[str, str] | None = None) -> None:
+    def add_deployment(self, namespace: str, name: str, replicas: int, labels: dict[str, str] | None = None,
+                       *, controller: bool = False) -> None:
         with self.lock:
             self.state.deployments[(namespace, name)] = {
                 "replicas": replicas, "selector": labels or {"app": name}, "rv": self._next_rv(), "uid": str(uuid.uuid4()),
+                "controller": controller, "serial": 0,
             }
+            if controller:
+                self._reconcile((namespace, name))
+
+    def _reconcile(self, key: tuple[str, str]) -> None:
+        """The controller's work for one Deployment (lock held): pods up or down to spec.replicas."""
+        dep = self.state.deployments[key]
+        ns, name = key
+        mine = sorted((p for (pns, pname), p in self.state.pods.items()
+                       if pns == ns and selector_matches(",".join(f"{k}={v}" for k, v in dep["selector"].items()),
+                                                         p["metadata"]["labels"])),
+                      key=lambda p: int(p["metadata"]["name"].rsplit("-", 1)[1]))
+        for pod in mine[dep["replicas"]:][::-1]:
+            pod = self.state.pods.pop((ns, pod["metadata"]["name"]))
+            pod["metadata"]["resourceVersion"] = self._next_rv()
+            self.state.pod_events.append((self.state.rv, "DELETED", pod))
+        for _ in range(dep["replicas"] - len(mine)):
+            dep["serial"] += 1
+            pod_name = f"{name}-{dep['serial']}"
+            self.state.created.append(pod_name)
+            pod = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod_name, "namespace": ns, "labels": dict(dep["selector"]),
+                             "uid": str(uuid.uuid4()), "resourceVersion": self._next_rv(),
+                             "creationTimestamp": _rfc3339(time.time())},
+                "spec": {"nodeName": "gpu-1", "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
+                "status": {"phase": "Pending", "podIP": None, "conditions": [{"type": "Ready", "status": "False"}]},
+            }
+            self.state.pods[(ns, pod_name)] = pod
+            self.state.pod_events.append((self.state.rv, "ADDED", copy.deepcopy(pod)))
+        self.lock.notify_all()
+
+    def created(self) -> list[str]:
+        with self.lock:
+            return list(self.state.created)
+
+    def pod_names(self, namespace: str) -> list[str]:
+        with self.lock:
+            return sorted(name for ns, name in self.state.pods if ns == namespace)
 
     def replicas(self, namespace: str, name: str) -> int:
         with self.lock:
@@ -254,8 +304,9 @@ class KubeDouble:
             }
 
     def put_pod(self, namespace: str, name: str, labels: dict[str, str], *, ready: bool, ip: str = "",
-                node: str = "gpu-1") -> None:
+                node: str = "gpu-1", created_at: float | None = None) -> None:
         """Create or update a pod and emit the watch event (ADDED or MODIFIED)."""
+        created = _rfc3339(created_at) if created_at is not None else None
         with self.lock:
             key = (namespace, name)
             existing = self.state.pods.get(key)
@@ -263,6 +314,8 @@ class KubeDouble:
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
                              "uid": existing["metadata"]["uid"] if existing else str(uuid.uuid4()),
+                             "creationTimestamp": existing["metadata"]["creationTimestamp"] if existing
+                             else created or _rfc3339(time.time()),
                              "resourceVersion": self._next_rv()},
                 "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
                 "status": {"phase": "Running" if ip else "Pending", "podIP": ip or None,
@@ -360,6 +413,8 @@ class KubeDouble:
                 dep = self.state.deployments[key]
                 dep["replicas"] = int(patched["spec"]["replicas"])
                 dep["rv"] = self._next_rv()
+                if dep["controller"]:
+                    self._reconcile(key)
                 return 200, self._scale(key)
         m = _HPA.match(path)
         if m:

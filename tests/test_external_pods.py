@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prewarm import cli
+from prewarm.core import keys
 from prewarm.core.domain import Pool, ReplicaState
 from prewarm.adapters.k8s_watch import ReadyPod
 from prewarm.runtime.model import make_model
@@ -92,6 +93,7 @@ def _settings(mp: pytest.MonkeyPatch, redis_url: str, pod_port: int) -> Settings
         "PREWARM_AGENT_LOCK_TTL_S": "3",
         "PREWARM_KUBERNETES_POD_PORT": str(pod_port),
         "PREWARM_KUBERNETES_POD_READY_TIMEOUT_S": "10",
+        "PREWARM_WARMUP_KEEPALIVE_INTERVAL_S": "0.3",
     }.items():
         mp.setenv(k, v)
     return Settings.load()
@@ -158,6 +160,32 @@ def test_replica_ids_are_stable_per_pod() -> None:
     assert pod_slot(NS, "llm-7d9f-zzzzz") != slot and pod_slot("other-ns", "llm-7d9f-abcde") != slot
     with pytest.raises(Exception, match="nodeName"):
         pod_replica_id("tiny", "r1", _ready_pod("p", "http://10.0.0.1:8000", node=""))
+
+
+@pytest.mark.parametrize("running", ["good"], indirect=True)
+def test_a_pods_time_to_ready_is_the_planners_lead_and_keep_warm_reaches_it(
+    running: Running, good: RuntimeProcess
+) -> None:
+    """Creation to validated is recorded as agents record a cold start (the planner's lead in a
+    cluster: `load_time_p95`); a HOLD's keep-warm mark makes the pod warmer send it signed requests."""
+    double, ctx = running.double, running.ctx
+    created = time.time() - 40.0  # scheduled, pulled and started 40 s ago; Ready only now
+    double.put_pod(NS, "llm-t", LABELS, ready=True, ip="127.0.0.1", node="gpu-a", created_at=created)
+    rid = f"tiny@r1/gpu-a/{pod_slot(NS, 'llm-t')}"
+    wait_for(lambda: running.state(rid) in ("ready", "failed"), 30, f"{rid} to be ready")
+    assert running.state(rid) == "ready"
+    p95 = ctx.registry.load_time_p95("tiny")
+    assert p95 is not None and 39.0 <= p95 <= time.time() - created + 1.0  # whole seconds on the API server
+    assert running.sample("model_cold_start_seconds_count", model="tiny", node="gpu-a") == 1
+
+    warm0 = json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"]
+    time.sleep(1.0)  # no hold: no keep-alive traffic
+    assert json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"] == warm0
+    ctx.client.set(keys.keep_warm(rid), repr(time.time() + 60.0))  # what the executor's HOLD writes
+    wait_for(lambda: running.sample("warmup_requests_total", model="tiny", purpose="keepalive") >= 4, 10,
+             "two keep-alive rounds")
+    # signed: the runtime counted them as warmup traffic, not as user requests
+    assert json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"] >= warm0 + 4
 
 
 @pytest.mark.parametrize("running", ["good"], indirect=True)

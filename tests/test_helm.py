@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ import yaml
 
 from prewarm.cli import _build_parser
 from prewarm.adapters.k8s import API_CALLS
+from prewarm.gateway.keda import MODEL_KEY, TARGET_METRIC
+from tests.keda_crd import check_scaled_object
 from prewarm.core.settings import _GROUPS
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
@@ -109,6 +113,19 @@ def test_every_rendered_object_is_valid_kubernetes(values: str | None) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.parametrize("mode", ["keda", "hpa", "none"])
+def test_each_autoscaling_mode_renders_lints_and_validates(mode: str) -> None:
+    values = {"autoscaling": {"mode": mode}}
+    report = helm_python.lint(str(CHART), values, strict=True, namespace=NS)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    for doc in render(values):
+        if doc["kind"] == "ScaledObject":
+            check_scaled_object(doc)  # a CRD: checked against KEDA's documented fields (tests/keda_crd.py)
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
 def test_the_schema_refuses_bad_values() -> None:
     chart = _chart()
     for bad in (
@@ -121,6 +138,10 @@ def test_the_schema_refuses_bad_values() -> None:
         {"podWarmer": {"pool": "hot"}},
         {"podWarmer": {"port": 0}},
         {"podWarmer": {"deploymnet": "vllm"}},
+        {"autoscaling": {"mode": "cron"}},
+        {"autoscaling": {"targets": [{"model": "llama"}]}},  # a target names its Deployment
+        {"autoscaling": {"keda": {"pollingIntervall": 5}}},
+        {"hpa": {"enabled": True}},  # gone: autoscaling.mode chooses the owner of the count
     ):
         with pytest.raises(helm_python.HelmValuesError):
             chart.validate_schema(chart.merge_values(bad))
@@ -132,17 +153,23 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
     assert "PREWARM_PLANNER_WARM_POOL_SIZE" not in env_of(find(default, "Deployment", "-planner"))
     assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
     assert env_of(find(seeded, "Deployment", "-beat"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
-    hpa = find(default, "HorizontalPodAutoscaler", "-inference")
+    hpa = find(render({"autoscaling": {"mode": "hpa"}}), "HorizontalPodAutoscaler", "-inference")
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
-    other = render({"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}}}, "autoscaling": {"warmupPoolSize": 0}})
+    other = render({"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}}},
+                    "autoscaling": {"warmupPoolSize": 0, "mode": "hpa"}})
     assert find(other, "HorizontalPodAutoscaler", "-inference")["spec"]["behavior"]["scaleDown"][
         "stabilizationWindowSeconds"
     ] == 120
     planner_env = env_of(find(other, "Deployment", "-planner"))
     assert planner_env["PREWARM_PLANNER_STABILIZATION_S"] == "120"
     assert planner_env["PREWARM_PLANNER_WARM_POOL_SIZE"] == "0"  # zero is a value, not "unset"
-    assert planner_env["PREWARM_KUBERNETES_HPA"] == hpa["metadata"]["name"]
+    assert planner_env["PREWARM_KUBERNETES_AUTOSCALING"] == "hpa"
     assert planner_env["PREWARM_KUBERNETES_DEPLOYMENT"] == hpa["spec"]["scaleTargetRef"]["name"]
+    keda = find(render({"autoscaling": {"mode": "keda"},
+                        "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
+                "ScaledObject", "-inference")
+    assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
+        "stabilizationWindowSeconds": 90}
 
 
 def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
@@ -301,7 +328,7 @@ def test_rbac_grants_exactly_the_actuators_calls() -> None:
     # only the planner and the pod warmer run as the actuator; every other pod has no API token at all
     for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
         spec = pod_spec(doc)
-        if doc["metadata"]["name"].endswith(("-planner", "-pod-warmer")):
+        if doc["metadata"]["name"].endswith("-planner") or "-pod-warmer" in doc["metadata"]["name"]:
             assert spec["serviceAccountName"] == sa
         else:
             assert spec.get("serviceAccountName") != sa and spec.get("automountServiceAccountToken") is False
@@ -327,3 +354,116 @@ def test_every_variable_and_command_exists() -> None:
             used_vars.update(e["name"] for e in container.get("env", []) if e["name"].startswith("PREWARM_"))
     assert used_vars - known == set(), f"variables not in prewarm.core.settings: {sorted(used_vars - known)}"
     assert used_cmds - commands == set(), f"`prewarm` subcommands missing from the CLI: {sorted(used_cmds - commands)}"
+
+
+def test_keda_mode_points_one_scaled_object_per_model_at_the_scaler_service() -> None:
+    values = {"autoscaling": {"mode": "keda", "minReplicas": 0, "maxReplicas": 6,
+                              "targets": [{"model": "llama3", "deployment": "vllm-llama3", "maxReplicas": 4},
+                                          {"model": "qwen", "deployment": "vllm-qwen", "minReplicas": 1}]},
+              "inference": {"model": "tiny"}}
+    docs = render(values)
+    objects = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    assert set(objects) == {"pw-prewarm-inference", "vllm-llama3", "vllm-qwen"}  # one per model's Deployment
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]  # KEDA makes its own; nothing else scales
+    service = find(docs, "Service", "-keda-scaler")
+    scaler = find(docs, "Deployment", "-keda-scaler")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    for deployment, model, lo, hi in (("pw-prewarm-inference", "tiny", 0, 6), ("vllm-llama3", "llama3", 0, 4),
+                                      ("vllm-qwen", "qwen", 1, 6)):
+        so = objects[deployment]
+        check_scaled_object(so)
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "external" and trigger["metadata"][MODEL_KEY] == model
+        assert trigger["metadata"]["scalerAddress"] == f"{service['metadata']['name']}.{NS}.svc.cluster.local:{grpc_port}"
+        assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (lo, hi)
+    assert service["spec"]["selector"] == scaler["spec"]["selector"]["matchLabels"]
+    args = pod_spec(scaler)["containers"][0]["args"]
+    assert cli_refuses(args) is None and args[args.index("--port") + 1] == str(grpc_port)
+    planner_env = env_of(find(docs, "Deployment", "-planner"))
+    assert planner_env["PREWARM_KUBERNETES_AUTOSCALING"] == "keda"
+    assert json.loads(planner_env["PREWARM_KUBERNETES_DEPLOYMENTS"]) == {
+        "tiny": "pw-prewarm-inference", "llama3": "vllm-llama3", "qwen": "vllm-qwen"}
+    assert "replicas" not in find(docs, "Deployment", "-inference")["spec"]  # KEDA's to set, not Helm's
+    push = find(render({"autoscaling": {"mode": "keda", "keda": {"push": True}}}), "ScaledObject", "-inference")
+    assert push["spec"]["triggers"][0]["type"] == "external-push"  # KEDA then also holds StreamIsActive open
+
+
+def test_hpa_mode_scales_each_deployment_on_the_planners_target_metric() -> None:
+    docs = render({"autoscaling": {"mode": "hpa", "minReplicas": 0,
+                                   "targets": [{"model": "llama3", "deployment": "vllm-llama3"}]}})
+    hpas = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    assert set(hpas) == {"pw-prewarm-inference", "vllm-llama3"}
+    for deployment, model in (("pw-prewarm-inference", "tiny"), ("vllm-llama3", "llama3")):
+        spec = hpas[deployment]["spec"]
+        assert spec["minReplicas"] == 1  # an HPA cannot hold zero (without the alpha HPAScaleToZero gate)
+        (metric,) = spec["metrics"]
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"] == {"name": TARGET_METRIC, "selector": {"matchLabels": {"model": model}}}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    # the gauge's source is scraped: the scaler's pod carries the scrape annotations on its metrics port
+    scaler = find(docs, "Deployment", "-keda-scaler")
+    annotations = scaler["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9400" and "--metrics-port" in pod_spec(scaler)["containers"][0]["args"]
+    assert not [d for d in docs if d["kind"] == "ScaledObject"]
+
+
+def test_mode_none_leaves_the_count_to_the_planner() -> None:
+    docs = render({"autoscaling": {"mode": "none"}})
+    assert not [d for d in docs if d["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")]
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-keda-scaler")]
+    assert find(docs, "Deployment", "-inference")["spec"]["replicas"] == 2
+    env = env_of(find(docs, "Deployment", "-planner"))
+    assert env["PREWARM_KUBERNETES_AUTOSCALING"] == "none" and env["PREWARM_KUBERNETES_DEPLOYMENT"] == "pw-prewarm-inference"
+    namespaced, _ = _rbac_rules(docs, "pw-prewarm-actuator")
+    assert {("apps", "deployments/scale", "get"), ("apps", "deployments/scale", "patch")} <= namespaced
+
+
+@pytest.mark.parametrize("mode", ["keda", "hpa"])
+def test_every_variable_and_command_exists_in_each_mode(mode: str) -> None:
+    docs = render({"autoscaling": {"mode": mode, "targets": [{"model": "m", "deployment": "d"}]}})
+    known = known_env_vars()
+    for doc in (d for d in docs if d["kind"] in ("Deployment", "DaemonSet")):
+        for container in pod_spec(doc).get("initContainers", []) + pod_spec(doc)["containers"]:
+            if container["image"].startswith("redis:") or "command" in container:
+                continue
+            assert cli_refuses(container["args"]) is None, (doc["metadata"]["name"], container["args"])
+            names = {e["name"] for e in container.get("env", []) if e["name"].startswith("PREWARM_")}
+            assert names <= known, sorted(names - known)
+
+
+def test_the_scaled_object_check_refuses_what_keda_does_not_define() -> None:
+    good = find(render({"autoscaling": {"mode": "keda"}}), "ScaledObject", "-inference")
+    check_scaled_object(good)
+    for path, value in ((("spec", "minReplicas"), 1),  # an HPA field name, not KEDA's minReplicaCount
+                        (("spec", "triggers", 0, "metadata", "model"), 3),  # metadata is map[string]string
+                        (("spec", "advanced", "horizontalPodAutoscalerConfig", "behavior", "scaleDown",
+                          "stabilizationWindowSeconds"), "300"),
+                        (("spec", "fallback"), {"replicas": 2})):
+        bad = copy.deepcopy(good)
+        node: Any = bad
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(Exception):
+            check_scaled_object(bad)
+
+
+def test_each_target_with_a_revision_gets_its_own_pod_warmer() -> None:
+    """Multi-model: every model's Deployment has one owner of its count and one pod warmer registering its pods."""
+    docs = render({"autoscaling": {"mode": "keda", "targets": [
+        {"model": "llama3", "deployment": "vllm-llama3", "revision": "2024-06", "servedModel": "meta/llama3",
+         "port": 8000},
+        {"model": "qwen", "deployment": "vllm-qwen"}]}})  # no revision: its pods are warmed elsewhere
+    warmers = {dict(zip(a[2::2], a[3::2]))["--deployment"]: (d, a) for d in docs if d["kind"] == "Deployment"
+               and "-pod-warmer" in d["metadata"]["name"] for a in [pod_spec(d)["containers"][0]["args"]]}
+    assert set(warmers) == {"pw-prewarm-inference", "vllm-llama3"}
+    doc, args = warmers["vllm-llama3"]
+    opts = dict(zip(args[2::2], args[3::2]))
+    assert (opts["--model"], opts["--revision"], opts["--served-model"]) == ("llama3", "2024-06", "meta/llama3")
+    assert env_of(doc)["PREWARM_KUBERNETES_POD_PORT"] == "8000" and cli_refuses(args) is None
+    selectors = [json.dumps(d["spec"]["selector"], sort_keys=True) for d, _ in warmers.values()]
+    assert len(set(selectors)) == 2  # no two warmers' Deployments select each other's pods
+    for d, _ in warmers.values():
+        assert pod_spec(d)["serviceAccountName"] == "pw-prewarm-actuator"
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(d, version, strict=True)

@@ -9,6 +9,10 @@ computes the right thing at the expected speed:
     vLLM's sleep mode) -> warming (signed synthetic requests, `prewarm.policy.warmup`, sent
     through `OpenAICompatibleAdapter`; then validation) -> ready, with the pod's endpoint.
 
+The steps are `workers.node.bringup.bring_up`, the same bring-up the node agents run; this
+module adds what is particular to a pod: its replica id, the pod going away mid-warmup, its
+time to ready counted from the pod's creation, heartbeats and keep-alives while it lives.
+
 Validation over the OpenAI API: the numeric check reads the top-k log-probabilities of a
 probe's next token (`logprobs`) and the performance check compares the warm latency with
 the baseline recorded for the model on this node class (the first validated replica
@@ -52,22 +56,18 @@ from typing import Any, Callable, Mapping
 
 from kubernetes import client as k8s_client
 
-from prewarm.adapters.runtimes import (
-    OpenAICompatibleAdapter,
-    RuntimeUnavailable,
-)
-from prewarm.core.domain import TERMINAL_STATES, LoadPhase, Pool, Replica, ReplicaState, check_name, replica_id
-from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
-    TemporaryError
 from prewarm.adapters.k8s import call
 from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod, WatchStats, pod_is_ready
+from prewarm.adapters.runtimes import OpenAICompatibleAdapter
+from prewarm.core import keys
+from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_name, replica_id
+from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
+    TemporaryError, failure_reason
 from prewarm.core.settings import Settings
-from prewarm.policy.validation import CheckName, Outcome, ValidationReport, validate
 from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
+from workers.node.bringup import BringUpSpec, bring_up, owner_token
 from workers.node.lock import ReplicaLock
-from prewarm.core.errors import failure_reason
-from workers.node.bringup import ValidationFailed, owner_token
 
 log = logging.getLogger("prewarm.external")
 
@@ -125,28 +125,12 @@ class PodResult:
     replica_id: str
     outcome: PodOutcome
     reason: str = ""
-
-
-class PodValidationFailed(ValidationFailed):
-    """A check that must pass for an external server did not (its reason names which)."""
-
-    def __init__(self, rid: str, report: ValidationReport, problems: str) -> None:
-        PermanentError.__init__(self, f"replica {rid} failed validation: {problems}")
-        self.report = report
+    cold_start_s: float | None = None  # creation (or re-registration) to validated, for READY
 
 
 class PodGone(PermanentError):
     reason = "pod_gone"
     """The pod went away (or unready) while it was being warmed."""
-
-
-def required_problems(report: ValidationReport, *, require_logprobs: bool) -> str:
-    """What an external server's report lacks: every check must pass, except structural, which
-    may be unsupported, and numeric, which may be unsupported when logprobs are not required."""
-    may_be_unsupported = {CheckName.STRUCTURAL} | (set() if require_logprobs else {CheckName.NUMERIC})
-    bad = [c for c in report.checks
-           if c.outcome is Outcome.FAILED or (c.outcome is Outcome.UNSUPPORTED and c.name not in may_be_unsupported)]
-    return "; ".join(f"{c.name.value}: {c.detail}" for c in bad)
 
 
 @dataclass
@@ -223,26 +207,28 @@ class PodPrewarmer:
             # Handed over again (it was unready in between: its server may have restarted cold),
             # moved to another IP, or left half-done by a watcher that died: start over.
             self._end(rid, rec, f"pod {pod.name} was handed over again: warming it anew", fail_code="superseded")
+        # Time to ready runs from the pod's creation the first time this pod is seen (scheduling, image
+        # pull, server start and load are all part of a cold start in a cluster); a pod handed over
+        # again (its container restarted) counts from its new registration.
+        first_time = rec is None and pod.created_at is not None
         now = ctx.clock()
         fresh = Replica(model=t.model, revision=t.revision, node=pod.node, slot=pod_slot(pod.namespace, pod.name),
                         endpoint=pod.endpoint, pool=t.pool, state=ReplicaState.PENDING, created_at=now,
                         updated_at=now, heartbeat_at=now)
         ctx.registry.register(fresh, now=now)
         self._track(pod, fresh)
-        started = time.monotonic()
+        spec = BringUpSpec(model=t.model, node=pod.node, node_class=t.node_class, served_model=t.served_model,
+                           expected=None,  # such servers do not list their tensors: structural is "unsupported"
+                           started_at=pod.created_at if first_time and pod.created_at is not None else now,
+                           require_logprobs=t.require_logprobs, load_timeout_s=t.ready_timeout_s,
+                           label=f"pod={pod.name}")
         adapter = self.adapter_factory(pod.endpoint)
-        self._step(rid, ReplicaState.LOADING, ReplicaState.PENDING)
-        self._wait_loaded(rid, pod, adapter, lock)
-        self._step(rid, ReplicaState.WARMING, ReplicaState.LOADING)
-        report = self._warm_and_validate(rid, pod, adapter, lock)
-        if not adapter.mark_ready(report):
-            raise TemporaryError(f"pod {pod.name}: its server stopped passing its health check after validation")
-        self._check(rid, pod, lock)
-        rec = self._step(rid, ReplicaState.READY, ReplicaState.WARMING, report.reason)
-        self._track(pod, rec)
-        log.info("[COLDSTART] replica=%s model=%s node=%s pod=%s state=ready warm_s=%.3f endpoint=%s (%s)", rid,
-                 t.model, pod.node, pod.name, time.monotonic() - started, pod.endpoint, report.reason)
-        return PodResult(pod.name, rid, PodOutcome.READY, report.reason)
+        done = bring_up(ctx, fresh, spec, connect=lambda _rec: adapter,
+                        transition=lambda to, expected, reason: self._step(rid, to, expected, reason),
+                        check=lambda: self._check(rid, pod, lock), poll_s=self.poll_s)
+        self._track(pod, done.replica)
+        return PodResult(pod.name, rid, PodOutcome.READY, done.report.reason if done.report else "",
+                         done.cold_start_s)
 
     def _step(self, rid: str, to: ReplicaState, expected: ReplicaState, reason: str = "") -> Replica:
         try:
@@ -260,42 +246,6 @@ class PodPrewarmer:
             still = rid in self._tracked and self._tracked[rid].pod.uid == pod.uid
         if not still:
             raise PodGone(f"pod {pod.name} went away or turned unready while it was warmed")
-
-    def _wait_loaded(self, rid: str, pod: ReadyPod, adapter: OpenAICompatibleAdapter, lock: ReplicaLock) -> None:
-        deadline = time.monotonic() + self.target.ready_timeout_s
-        status = adapter.load()
-        while not status.loaded:
-            self._check(rid, pod, lock)
-            if time.monotonic() > deadline:
-                raise RuntimeUnavailable(f"pod {pod.name}: {pod.endpoint} did not pass its health check within "
-                                         f"{self.target.ready_timeout_s}s (kubernetes.pod_ready_timeout_s)")
-            time.sleep(self.poll_s)
-            status = adapter.load_status()
-        self.ctx.registry.set_progress(rid, 1.0, LoadPhase.DONE, now=self.ctx.clock())
-
-    def _warm_and_validate(self, rid: str, pod: ReadyPod, adapter: OpenAICompatibleAdapter,
-                           lock: ReplicaLock) -> ValidationReport:
-        ctx, t = self.ctx, self.target
-        wcfg = ctx.settings.warmup
-        plan = WarmupPlan.from_settings(t.served_model, wcfg)
-        latencies = adapter.warmup(generate_requests(plan, secret=wcfg.require_secret(), now=ctx.clock()))
-        ctx.metrics.warmup_requests.labels(t.model, "prewarm").inc(len(latencies))
-        self._check(rid, pod, lock)
-        probe = adapter.validation_inputs()
-        baseline = ctx.registry.baseline(t.model, t.node_class)
-        report = validate(expected=probe.expected or {}, live=probe.live, logits=probe.logits, latencies_s=latencies,
-                          baseline_s=baseline, mean_bound=wcfg.logits_mean_bound, latency_factor=wcfg.latency_factor,
-                          allow_unsupported=True)
-        for check in report.checks:
-            ctx.metrics.validation_results.labels(t.model, check.name.value, check.outcome.value).inc()
-        problems = required_problems(report, require_logprobs=t.require_logprobs)
-        if problems:
-            raise PodValidationFailed(rid, report, problems)
-        if report.record_baseline is not None:
-            recorded = ctx.registry.set_baseline_if_absent(t.model, t.node_class, report.record_baseline)
-            log.info("replica %s recorded the warm-latency baseline of %s on %s: %.4fs", rid, t.model, t.node_class,
-                     recorded)
-        return report
 
     def _fail(self, rid: str, pod: ReadyPod, exc: BaseException) -> PodResult:
         code = failure_reason(exc)
@@ -322,6 +272,32 @@ class PodPrewarmer:
             self._tracked[rec.id] = _Tracked(pod, rec)
 
     # --- while the pods live ------------------------------------------------------------
+    def keepalive_round(self) -> dict[str, int]:
+        """KEEP_WARM for pods: each ready tracked replica the planner holds (`keys.keep_warm(rid)` in the
+        future, set by the executor's HOLD) gets a round of signed synthetic requests, as agents send to
+        theirs. Returns {replica id: requests sent}."""
+        ctx, t = self.ctx, self.target
+        now = ctx.clock()
+        with self._mu:
+            tracked = dict(self._tracked)
+        sent: dict[str, int] = {}
+        for rid, tr in tracked.items():
+            until = ctx.client.get(keys.keep_warm(rid))
+            if until is None or float(until) <= now or tr.replica.state is not ReplicaState.READY:
+                continue
+            wcfg = ctx.settings.warmup
+            plan = WarmupPlan.from_settings(t.served_model, wcfg, count=max(1, min(wcfg.requests, 2)),
+                                            seed=wcfg.seed + int(now))
+            requests = generate_requests(plan, secret=wcfg.require_secret(), now=now)
+            try:
+                self.adapter_factory(tr.pod.endpoint).warmup(requests)
+            except (PrewarmError, OSError) as exc:
+                log.warning("keep-alive of %s (pod %s) failed: %s", rid, tr.pod.name, exc)
+                continue
+            ctx.metrics.warmup_requests.labels(t.model, "keepalive").inc(len(requests))
+            sent[rid] = len(requests)
+        return sent
+
     def sync(self, pods: Mapping[str, Any]) -> dict[str, str]:
         """One heartbeat round over `pods` (name -> pod object as listed): a tracked replica whose
         pod is there and Ready gets a heartbeat; one whose pod is gone or unready is retired.
@@ -419,8 +395,17 @@ def run_pod_prewarmer(
             except Exception as exc:  # noqa: BLE001 - the loop must outlive an API server or Redis blip
                 log.warning("pod heartbeat round failed: %s", exc)
 
+    def keeper() -> None:
+        while not beat_stop.wait(ctx.settings.warmup.keepalive_interval_s):
+            try:
+                prewarmer.keepalive_round()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
+                log.warning("pod keep-alive round failed: %s", exc)
+
     beater = threading.Thread(target=beat, name="pod-heartbeat", daemon=True)
     beater.start()
+    kept = threading.Thread(target=keeper, name="pod-keepalive", daemon=True)
+    kept.start()
     log.info("prewarming the pods of deployments/%s in %s (selector %s) as %s@%s", deployment, namespace, selector,
              target.model, target.revision)
     try:
@@ -430,6 +415,7 @@ def run_pod_prewarmer(
         pool.shutdown(wait=False, cancel_futures=True)
         beat_stop.set()
         beater.join(timeout=5)
+        kept.join(timeout=5)
     return PrewarmPodsStats(stats, tuple(prewarmer.results))
 
 

@@ -1,13 +1,15 @@
 """The Kubernetes actuator: a thin adapter over the official `kubernetes` client.
 
 The planner decides how many replicas a model needs and when; this module only carries
-that out against the cluster, three ways:
+that out against the cluster:
 
 - scale an inference Deployment through its scale subresource (`deployments/scale`), the
-  same call `kubectl scale` makes, so no other field of the Deployment is touched;
-- raise an HPA's `minReplicas` ahead of a forecast peak and restore it afterwards; the
-  operator's original value is kept in an annotation on the HPA itself, so a restarted
-  planner (or a human with kubectl) can still restore it;
+  same call `kubectl scale` makes, so no other field of the Deployment is touched (the
+  planner's path when neither KEDA nor an HPA owns the count, `kubernetes.autoscaling: none`);
+- raise an HPA's `minReplicas` and restore it afterwards (`prewarm k8s min-replicas` /
+  `restore`, an operator's tool: the planner no longer raises floors, since a raised floor
+  and the HPA's own scaling were two owners of one count); the operator's original value
+  is kept in an annotation on the HPA itself, so anyone with kubectl can still restore it;
 - list the GPU nodes (label `gpu.feature/preload=true`, `model.type`, allocatable
   `nvidia.com/gpu`) as `NodeView`s for placement.
 

@@ -43,6 +43,7 @@ class ReadyPod:
     endpoint: str  # http://<pod ip>:<port>
     labels: Mapping[str, str]
     resource_version: str
+    created_at: float | None = None  # metadata.creationTimestamp (epoch s): the start of its time to ready
 
 
 @dataclass(frozen=True)
@@ -175,4 +176,5 @@ class PodWatcher:
             endpoint=f"http://{pod.status.pod_ip}:{self.pod_port}",
             labels=dict(pod.metadata.labels or {}),
             resource_version=str(pod.metadata.resource_version or ""),
+            created_at=pod.metadata.creation_timestamp.timestamp() if pod.metadata.creation_timestamp else None,
         )

@@ -28,6 +28,8 @@ EXPORTED = (
     "warmup_cost_ratio",
     "gpu_fragmentation_rate",
     "prewarm_replicas",
+    "prewarm_planner_target_replicas",
+    "prewarm_planner_target_age_seconds",
     "prewarm_forecast_requests",
     "prewarm_actual_requests",
     "prewarm_forecast_timestamp_seconds",

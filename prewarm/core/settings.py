@@ -143,10 +143,14 @@ class KubernetesSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_KUBERNETES_", extra="forbid")
     group: ClassVar[str] = "kubernetes"
 
-    enabled: bool = False
+    enabled: bool = False  # the cluster owns the replica count; agents and the pod warmer only warm and register
     namespace: str = "default"
-    deployment: str | None = None  # inference Deployment to scale
-    hpa: str | None = None  # HPA whose minReplicas is raised ahead of a peak
+    # Which one path carries the planner's target to the Deployment: "keda" (the external scaler
+    # serves it), "hpa" (the HPA reads prewarm_planner_target_replicas as an External metric) or
+    # "none" (the planner sets the Deployment's replicas through the scale subresource).
+    autoscaling: Literal["keda", "hpa", "none"] = "none"
+    deployment: str | None = None  # inference Deployment to scale (autoscaling "none")
+    deployments: dict[str, str] = Field(default_factory=dict)  # model -> its Deployment, when there are several
     kubeconfig: str | None = None  # default: in-cluster config, then ~/.kube/config
     dry_run: bool = False
     node_selector: str = "gpu.feature/preload=true"
@@ -258,6 +262,7 @@ class PlannerSettings(_Group):
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
     min_history_buckets: int = Field(30, ge=2)  # below this, the forecast is the recent mean (cold start)
+    min_serving: int = Field(1, ge=0)  # serving replicas never planned below this; 0 lets a model scale to zero
 
 
 class MetricsSettings(_Group):

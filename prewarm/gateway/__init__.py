@@ -1,1 +1,3 @@
-"""The OpenAI-compatible HTTP gateway: looks up ready replicas in the registry and proxies to them."""
+"""prewarm's front doors, above the registry: the OpenAI-compatible HTTP gateway (`server`: looks
+up ready replicas and proxies to them) and the KEDA external scaler (`keda`: serves the planner's
+replica targets to autoscalers over gRPC and as a Prometheus gauge)."""

@@ -1,13 +1,22 @@
-"""Prewarming one replica: a state machine that resumes from the registry's state.
+"""Bringing one replica up: register → load → warm → validate → ready, in one function.
 
-`pending → loading → warming → ready`, one step after the other, each step starting from
-what the registry says was already done. A task that is delivered again (its worker was
-killed, a visibility timeout passed) therefore finds the work done, or takes over a load
-whose owner is dead (the replica lock expired) and continues where it stopped, reusing
-the runtime process it finds on the slot. The runtime does the heavy work in its own
-process; this module only drives it through its adapter and records what happened:
-progress into the registry, phase durations and the cold start into metrics and a
-`[COLDSTART]` log line, the warm-latency baseline of the first validated replica.
+`bring_up` is the one bring-up every replica goes through, whoever started its server: a
+node agent (`PrewarmJob` below, for the `prewarm_replica` task), the Kubernetes pod warmer
+(`workers/pods.py`, for a pod that turned Ready) and the load benchmark
+(`benchmarks/load.py`). What differs between them is passed in (`BringUpSpec` and the
+callbacks): how the server is reached once the replica is loading, what else stops the
+work (a lost lock, a deadline, a pod gone), whether the server can list its tensors for
+the structural check, and where the cold start is counted from. The outcome is typed
+(`PrewarmOutcome`, `BringUpResult`); a failure is one of the typed errors below or the
+adapter's, and the caller decides what it does to the replica (fail it, retry).
+
+Every step starts from what the registry says was already done, so a task that is
+delivered again finds the work done, or takes over a load whose owner is dead (the replica
+lock expired) and continues where it stopped, reusing the runtime process it finds on the
+slot. The runtime does the heavy work in its own process; this module only drives it and
+records what happened: progress into the registry, phase durations and the cold start into
+metrics and a `[COLDSTART]` log line, the warm-latency baseline of the first validated
+replica, and the cold start into the registry (`load_time_p95`: the planner's lead).
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence
 
+from prewarm.adapters.runtimes import LoadStatus, ValidationInputs
 from prewarm.core.domain import TERMINAL_STATES, LoadPhase, Replica, ReplicaState
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError, WeightsError
 from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
-from prewarm.policy.validation import ValidationReport, tensor_specs, validate
-from prewarm.policy.warmup import WarmupPlan, generate_requests
+from prewarm.policy.validation import CheckName, Outcome, TensorSpec, ValidationReport, tensor_specs, validate
+from prewarm.policy.warmup import WarmupPlan, WarmupRequest, generate_requests
 from workers.context import WorkerContext
 from workers.node.supervision import HostedRuntime, RuntimeExited
 from workers.node.lock import ReplicaLock
@@ -38,8 +49,8 @@ class ValidationFailed(PermanentError):
 
     reason = "validation_failed"
 
-    def __init__(self, rid: str, report: ValidationReport) -> None:
-        super().__init__(f"replica {rid} failed validation: {report.reason}")
+    def __init__(self, rid: str, report: ValidationReport, problems: str = "") -> None:
+        super().__init__(f"replica {rid} failed validation: {problems or report.reason}")
         self.report = report
 
 
@@ -66,6 +77,142 @@ class PrewarmResult:
     cold_start_s: float | None = None
 
 
+class ServerDriver(Protocol):
+    """What bring-up drives: the agent's `RuntimeClient`, or any `prewarm.adapters.runtimes` adapter."""
+
+    def load(self) -> LoadStatus: ...
+    def load_status(self) -> LoadStatus: ...
+    def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]: ...
+    def validation_inputs(self) -> ValidationInputs: ...
+    def mark_ready(self, report: ValidationReport) -> bool: ...
+
+
+@dataclass(frozen=True)
+class BringUpSpec:
+    """What varies between bring-ups of one replica."""
+
+    model: str  # registry name (metrics label)
+    node: str  # metrics label
+    node_class: str  # key of the warm-latency baseline
+    served_model: str  # the name the server knows the model by (the warmup requests' `model`)
+    expected: Mapping[str, TensorSpec] | None  # the manifest's tensors; None: the server cannot list its own
+    started_at: float  # epoch s the cold start is counted from (registration, or a pod's creation)
+    require_logprobs: bool = True  # without listed tensors: False accepts a numeric check "unsupported"
+    load_timeout_s: float | None = None  # None: only `check` ends a load that never finishes
+    label: str = ""  # extra words for the log lines (e.g. "pod=<name>")
+
+
+@dataclass(frozen=True)
+class BringUpResult:
+    replica: Replica
+    outcome: PrewarmOutcome
+    report: ValidationReport | None = None
+    cold_start_s: float | None = None
+
+
+#: Moves the replica and returns the stored record; callers map a lost race to their own error.
+Transition = Callable[[ReplicaState, ReplicaState, str], Replica]
+
+
+def required_problems(report: ValidationReport, spec: BringUpSpec) -> str:
+    """What the report lacks. With listed tensors every check must pass. A server that cannot list them
+    may leave structural unsupported, and numeric too when logprobs are not required."""
+    if spec.expected is not None:
+        return "" if report.passed else report.reason
+    may_be_unsupported = {CheckName.STRUCTURAL} | (set() if spec.require_logprobs else {CheckName.NUMERIC})
+    bad = [c for c in report.checks
+           if c.outcome is Outcome.FAILED or (c.outcome is Outcome.UNSUPPORTED and c.name not in may_be_unsupported)]
+    return "; ".join(f"{c.name.value}: {c.detail}" for c in bad)
+
+
+def bring_up(ctx: WorkerContext, rec: Replica, spec: BringUpSpec, *, connect: Callable[[Replica], ServerDriver],
+             transition: Transition, check: Callable[[], None] = lambda: None,
+             after_load: Callable[[ServerDriver], None] | None = None, poll_s: float = 0.05) -> BringUpResult:
+    """From the registered replica's state (pending, loading or warming) to ready.
+
+    `connect` returns the server once the replica is loading (an agent starts or adopts its
+    runtime process there); `check` raises to stop (lock lost, deadline, pod gone) and is
+    called between steps and while polling. Raises `ValidationFailed` when a required check
+    fails and `TemporaryError` when the server stops answering ready; the replica is left
+    where it stopped, for the caller to fail or to resume."""
+    rid = rec.id
+    if rec.state is ReplicaState.PENDING:
+        rec = transition(ReplicaState.LOADING, ReplicaState.PENDING, "")
+    if rec.state not in (ReplicaState.LOADING, ReplicaState.WARMING):
+        raise PermanentError(f"replica {rid} is in state {rec.state.value}, which a bring-up cannot continue")
+    server = connect(rec)
+    if rec.state is ReplicaState.LOADING:
+        _load(ctx, rid, server, spec, check, poll_s)
+        if after_load is not None:
+            after_load(server)
+        rec = transition(ReplicaState.WARMING, ReplicaState.LOADING, "")
+    report = _warm_and_validate(ctx, rid, server, spec, check)
+    check()
+    if not server.mark_ready(report):
+        raise TemporaryError(f"the server of {rid} did not report ready after validation", 1.0)
+    check()
+    rec = transition(ReplicaState.READY, ReplicaState.WARMING, report.reason if spec.expected is None else "")
+    cold = max(0.0, ctx.clock() - spec.started_at)
+    ctx.metrics.cold_start.labels(spec.model, spec.node).observe(cold)
+    ctx.registry.record_load_time(spec.model, cold)  # the planner's lead: load_time_p95
+    log.info("[COLDSTART] replica=%s model=%s node=%s %sstate=ready cold_start_s=%.3f endpoint=%s", rid, spec.model,
+             spec.node, f"{spec.label} " if spec.label else "", cold, rec.endpoint)
+    return BringUpResult(rec, PrewarmOutcome.READY, report, cold)
+
+
+def _load(ctx: WorkerContext, rid: str, server: ServerDriver, spec: BringUpSpec, check: Callable[[], None],
+          poll_s: float) -> None:
+    deadline = None if spec.load_timeout_s is None else time.monotonic() + spec.load_timeout_s
+    status = server.load()
+    last: tuple[float, LoadPhase] | None = None
+    while True:
+        check()
+        if status.error:
+            kind = WeightsError if status.error_kind == WeightsError.reason else PermanentError
+            raise kind(f"runtime of {rid} failed to load: {status.error}")
+        progress = (1.0, LoadPhase.DONE) if status.loaded else (min(1.0, max(0.0, status.progress)), status.phase)
+        if progress != last:
+            ctx.registry.set_progress(rid, progress[0], progress[1], now=ctx.clock())
+            last = progress
+        if status.loaded:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            from prewarm.adapters.runtimes import RuntimeUnavailable
+
+            raise RuntimeUnavailable(f"the server of {rid} did not load (pass its health check) within "
+                                     f"{spec.load_timeout_s}s")
+        time.sleep(poll_s)
+        status = server.load_status()
+
+
+def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec: BringUpSpec,
+                       check: Callable[[], None]) -> ValidationReport:
+    wcfg = ctx.settings.warmup
+    plan = WarmupPlan.from_settings(spec.served_model, wcfg)
+    requests = generate_requests(plan, secret=wcfg.require_secret(), now=ctx.clock())
+    latencies = server.warmup(requests)
+    ctx.metrics.warmup_requests.labels(spec.model, "prewarm").inc(len(requests))
+    check()
+    probe = server.validation_inputs()
+    listed = spec.expected is not None
+    expected = spec.expected if spec.expected is not None else (probe.expected or {})
+    report = validate(expected=expected, live=probe.live,
+                      logits=probe.logits, latencies_s=latencies, baseline_s=ctx.registry.baseline(spec.model,
+                                                                                                   spec.node_class),
+                      mean_bound=wcfg.logits_mean_bound, latency_factor=wcfg.latency_factor,
+                      allow_unsupported=not listed)
+    for c in report.checks:
+        ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()
+    problems = required_problems(report, spec)
+    if problems:
+        raise ValidationFailed(rid, report, problems)
+    if report.record_baseline is not None:
+        recorded = ctx.registry.set_baseline_if_absent(spec.model, spec.node_class, report.record_baseline)
+        log.info("replica %s recorded the warm-latency baseline of %s on %s: %.4fs", rid, spec.model,
+                 spec.node_class, recorded)
+    return report
+
+
 def resolve_model_dir(ctx: WorkerContext, model: str, revision: str, given: str | None) -> Path:
     """Where the weights are: the payload's path, else <models_dir>/<model>/<revision>, else <models_dir>/<model>."""
     root = Path(ctx.settings.runtime.models_dir)
@@ -87,6 +234,7 @@ class PrewarmJob:
         self.owner = owner
         self.deadline = deadline  # time.monotonic() value
         self.poll_s = 0.05
+        self._hosted: HostedRuntime | None = None  # the runtime process, once bring-up reached it
 
     # --- helpers ----------------------------------------------------------------------
     def _check(self, lock: ReplicaLock, hosted: HostedRuntime | None = None) -> None:
@@ -153,85 +301,32 @@ class PrewarmJob:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
 
         # Loading starts with the runtime process itself (interpreter, torch, CUDA context).
-        if rec.state is ReplicaState.PENDING:
-            rec = self._transition(ReplicaState.LOADING, ReplicaState.PENDING)
-        hosted = ctx.host.ensure(rec, str(model_dir), now=ctx.clock())
-        if rec.endpoint != hosted.endpoint:
-            ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
-        ctx.host.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
-        client = make_client(ctx.settings, hosted.endpoint)
+        def connect(rec: Replica) -> ServerDriver:
+            hosted = ctx.host.ensure(rec, str(model_dir), now=ctx.clock())
+            if rec.endpoint != hosted.endpoint:
+                ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
+            ctx.host.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
+            self._hosted = hosted
+            return make_client(ctx.settings, hosted.endpoint)
 
-        if rec.state is ReplicaState.LOADING:
-            self._load(lock, hosted, client)
-            rec = self._transition(ReplicaState.WARMING, ReplicaState.LOADING)
-        if rec.state is ReplicaState.WARMING:
-            report = self._warm_and_validate(lock, hosted, client, model_dir)
-            self._check(lock, hosted)
-            if not client.mark_ready(report):
-                raise TemporaryError(f"runtime of {self.rid} did not report ready after validation", 1.0)
-            rec = self._transition(ReplicaState.READY, ReplicaState.WARMING)
-            cold = max(0.0, ctx.clock() - rec.created_at)
-            ctx.metrics.cold_start.labels(ref.model, ref.node).observe(cold)
-            ctx.registry.record_load_time(ref.model, cold)
-            log.info("[COLDSTART] replica=%s model=%s node=%s state=ready cold_start_s=%.3f endpoint=%s",
-                     self.rid, ref.model, ref.node, cold, hosted.endpoint)
-            return PrewarmResult(self.rid, PrewarmOutcome.READY, cold)
-        raise PermanentError(f"replica {self.rid} is in state {rec.state.value}, which a prewarm cannot continue")
+        spec = BringUpSpec(model=ref.model, node=ref.node, node_class=ctx.settings.agent.node_class,
+                           served_model=ref.model, expected=tensor_specs(load_manifest(model_dir).tensors),
+                           started_at=rec.created_at)
+        done = bring_up(ctx, rec, spec, connect=connect,
+                        transition=lambda to, expected, reason: self._transition(to, expected, reason),
+                        check=lambda: self._check(lock, self._hosted), after_load=self._record_phases,
+                        poll_s=self.poll_s)
+        return PrewarmResult(self.rid, done.outcome, done.cold_start_s)
 
-    def _load(self, lock: ReplicaLock, hosted: HostedRuntime, client: RuntimeClient) -> None:
-        ctx, ref = self.ctx, self.req.replica
-        client.load()
-        last: tuple[float, LoadPhase] | None = None
-        while True:
-            self._check(lock, hosted)
-            status = client.load_status()
-            if status.error:
-                kind = WeightsError if status.error_kind == WeightsError.reason else PermanentError
-                raise kind(f"runtime of {self.rid} failed to load: {status.error}")
-            if (status.progress, status.phase) != last:
-                ctx.registry.set_progress(self.rid, min(1.0, max(0.0, status.progress)), status.phase,
-                                          now=ctx.clock())
-                last = (status.progress, status.phase)
-            if status.loaded:
-                break
-            time.sleep(self.poll_s)
-        phases = client.phase_durations()
+    def _record_phases(self, server: ServerDriver) -> None:
+        ref = self.req.replica
+        if not isinstance(server, RuntimeClient):
+            return
+        phases = server.phase_durations()
         for phase, seconds in phases.items():
-            ctx.metrics.loading_phase_duration.labels(ref.model, phase, ref.node).observe(seconds)
+            self.ctx.metrics.loading_phase_duration.labels(ref.model, phase, ref.node).observe(seconds)
         log.info("[COLDSTART] replica=%s model=%s node=%s state=loaded load_s=%.3f %s", self.rid, ref.model,
                  ref.node, sum(phases.values()), " ".join(f"{k}_s={v:.3f}" for k, v in phases.items()))
-
-    def _warm_and_validate(self, lock: ReplicaLock, hosted: HostedRuntime, client: RuntimeClient,
-                           model_dir: Path) -> ValidationReport:
-        ctx, ref = self.ctx, self.req.replica
-        wcfg = ctx.settings.warmup
-        plan = WarmupPlan.from_settings(ref.model, wcfg)
-        requests = generate_requests(plan, secret=wcfg.require_secret(), now=ctx.clock())
-        latencies = client.warmup(requests)
-        ctx.metrics.warmup_requests.labels(ref.model, "prewarm").inc(len(requests))
-        self._check(lock, hosted)
-        probe = client.validation_inputs()
-        manifest = load_manifest(model_dir)
-        baseline = ctx.registry.baseline(ref.model, ctx.settings.agent.node_class)
-        report = validate(
-            expected=tensor_specs(manifest.tensors),
-            live=probe.tensors,
-            logits=probe.logits,
-            latencies_s=latencies,
-            baseline_s=baseline,
-            mean_bound=wcfg.logits_mean_bound,
-            latency_factor=wcfg.latency_factor,
-        )
-        for check in report.checks:
-            ctx.metrics.validation_results.labels(ref.model, check.name.value, check.outcome.value).inc()
-        if not report.passed:
-            raise ValidationFailed(self.rid, report)
-        if report.record_baseline is not None:
-            recorded = ctx.registry.set_baseline_if_absent(ref.model, ctx.settings.agent.node_class,
-                                                           report.record_baseline)
-            log.info("replica %s recorded the warm-latency baseline of %s on %s: %.4fs", self.rid, ref.model,
-                     ctx.settings.agent.node_class, recorded)
-        return report
 
 
 def owner_token(task_id: str) -> str:
@@ -239,4 +334,5 @@ def owner_token(task_id: str) -> str:
     return f"{os.uname().nodename}:{os.getpid()}:{task_id}"
 
 
-__all__ = ["PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ValidationFailed", "owner_token", "resolve_model_dir"]
+__all__ = ["BringUpResult", "BringUpSpec", "PrewarmJob", "PrewarmOutcome", "PrewarmResult", "ServerDriver",
+           "ValidationFailed", "bring_up", "owner_token", "required_problems", "resolve_model_dir"]

@@ -17,18 +17,10 @@ from typing import Any, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus
+from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
 from prewarm.core.settings import Settings
 from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport
 from prewarm.policy.warmup import WarmupRequest
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What validation needs from the live model."""
-
-    tensors: Mapping[str, TensorSpec] | None  # None: the server cannot expose its tensors
-    logits: LogitStats | None
 
 
 def control_token(settings: Settings) -> str | None:
@@ -58,9 +50,8 @@ class RuntimeClient:
     def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
         return self.adapter.warmup(requests)
 
-    def validation_inputs(self) -> Probe:
-        vi = self.adapter.validation_inputs()
-        return Probe(tensors=vi.live, logits=vi.logits)
+    def validation_inputs(self) -> ValidationInputs:
+        return self.adapter.validation_inputs()
 
     def mark_ready(self, report: ValidationReport) -> bool:
         return self.adapter.mark_ready(report)

@@ -193,8 +193,11 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
                 app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]],
                               task_id=task_id(event_id, names.RETIRE, rid))
             else:
-                app.send_task(names.KEEP_WARM, args=[rid, hold_until(ctx, ev)],
-                              task_id=task_id(event_id, names.KEEP_WARM, rid))
+                until = hold_until(ctx, ev)
+                # the hold itself, for whoever keeps this replica warm: its agent (the task below) or,
+                # for a Kubernetes pod no agent hosts, the pod warmer's keep-alive loop
+                ctx.client.set(keys.keep_warm(rid), repr(until), exat=int(until) + 1)
+                app.send_task(names.KEEP_WARM, args=[rid, until], task_id=task_id(event_id, names.KEEP_WARM, rid))
     except ENQUEUE_ERRORS as exc:
         _requeue(ctx, event_id, now=ctx.clock(), error=exc)
         return Applied(event_id, ev.kind, tuple(chosen), "enqueue_failed")

@@ -34,7 +34,9 @@ from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_name
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.errors import PrewarmError
-from workers.planning.kubernetes import actuator_for, apply_target, cluster_target
+from prewarm.registry.targets import schedule_fields
+from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
+    target_schedule, with_demand_floor
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
 
@@ -136,7 +138,8 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     recent = y[y.index >= now - params.peak_hold_s] if len(y) else y
     pctx = PlanContext(model=spec, forecast=fc, replicas=ReplicaCounts(**counts), now=now, params=params,
-                       nodes=node_views(ctx), cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
+                       nodes=None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx),  # the scheduler places pods
+                       cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
                        recent_peak_rps=float(recent.max()) if len(recent) else 0.0)
     result, state = plan(pctx, _state_load(ctx, spec.name))
     _state_save(ctx, spec.name, state)
@@ -146,7 +149,7 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
         for ev in result.events:
             log.info("dry run: would submit %s", ev.to_payload())
     else:
-        new = submit_events(ctx, result.events)
+        new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, result.events))
     for d in result.dropped:
         ctx.metrics.dropped_events.labels(spec.name, "budget" if "budget" in d.reason.lower() else "other").inc()
     first = fc.iloc[0]
@@ -158,8 +161,12 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     ctx.metrics.forecast_timestamp.labels(spec.name).set(now)
     if len(y):
         ctx.metrics.actual_requests.labels(spec.name).set(float(y.iloc[-1]))
+    schedule = target_schedule(result, counts["ready"] + counts["loading"], now)
+    if owns_replicas(ctx.settings.kubernetes):
+        last = ctx.client.hget(keys.demand(spec.name), "last")
+        schedule = with_demand_floor(schedule, float(last) if last else None, now)
     if ctx.settings.kubernetes.enabled:
-        _apply_to_cluster(ctx, spec.name, cluster_target(result, counts["ready"] + counts["loading"], now))
+        _apply_to_cluster(ctx, spec.name, schedule[0][1])
     error = _forecast_error(ctx, spec.name, fc, y, now=now)
     if error is not None:
         ctx.metrics.forecast_error.labels(spec.name).set(error)
@@ -172,6 +179,7 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
         "dropped": str(len(result.dropped)), "pool_target": str(result.pool_target),
         "lead_s": f"{result.lead_s:.1f}", "warm_share": f"{result.warm_share:.3f}",
         "plan": json.dumps([ev.to_payload() for ev in result.events])[:20000],
+        **schedule_fields(schedule, planned_at=now),
     }
     ctx.client.hset(keys.last_forecast(spec.name), mapping=record)
     log.info("forecast_and_plan %s: %s, need now %d, %d event(s) (%d new), %d dropped", spec.name, status,
@@ -181,9 +189,15 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
 
 
 def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
-    """Hand the target to Kubernetes; a refusal is logged and counted, never fatal to the plan."""
+    """Hand the target to Kubernetes (the scale subresource, when the planner owns the count; with KEDA or
+    the HPA they read the recorded target); a refusal is logged and counted, never fatal to the plan."""
+    cfg = ctx.settings.kubernetes
+    if cfg.autoscaling != "none":
+        return
     try:
-        result = apply_target(actuator_for(ctx.settings.kubernetes), ctx.settings.kubernetes, target)
+        result = apply_target(actuator_for(cfg), cfg, model, target)
+        if result is None:
+            return
         log.info("kubernetes %s %s: %d -> %d%s", result.kind.value, result.target, result.before, result.after,
                  " (dry run)" if result.dry_run else "")
     except (PrewarmError, ValueError) as exc:

@@ -1,20 +1,31 @@
-"""Carry the plan to Kubernetes, when `kubernetes.enabled`: the cron-scaler way.
+"""Carry the plan to Kubernetes, when `kubernetes.enabled`: one owner of the replica count.
 
-Each `forecast_and_plan` ends with a serving target for the model: the live serving count
-after every scale event whose time has come (scale-ups are scheduled one cold start
-ahead of the need), plus the warm pool. With an HPA configured (`kubernetes.hpa`) the
-target becomes the HPA's `minReplicas` — raised ahead of a forecast peak, lowered again
-as the need falls, never under the operator's own floor (the actuator remembers it in an
-annotation) — so the HPA keeps reacting to load above the forecast. Without an HPA the
-Deployment (`kubernetes.deployment`) is scaled through its scale subresource.
+In a cluster the Deployment's replica count has exactly one owner, chosen by
+`kubernetes.autoscaling`:
+
+- `keda`: KEDA's external scaler (`prewarm keda-scaler`) serves the planner's target;
+- `hpa`: the HPA scales on the External metric `prewarm_planner_target_replicas`;
+- `none`: the planner sets the Deployment's replicas through the scale subresource.
+
+Either way the planner only computes and records a target schedule (`target_schedule`,
+written into its Redis record through `prewarm.registry.targets`); with `none` it also
+patches the Deployment. The planner's own SCALE_UP / SCALE_DOWN events are not sent to
+the node agents then (`events_for_executor`): Kubernetes starts and stops the pods, and
+the pod warmer warms, validates and registers each one, so a planned rise creates each
+pod once. HOLD events still go out: they keep ready replicas (pods included) warm. Unmet
+demand for a model with nothing running (scale from zero) re-plans it at once, and fresh
+unmet demand keeps its target at one or more (`with_demand_floor`), instead of a prewarm
+on a node agent.
 `kubernetes.dry_run` prints the patches and changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 from forecasting.planner import PlanResult
+from prewarm.core.domain import Pool, ScaleEvent, ScaleEventKind
 from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
 from prewarm.core.settings import KubernetesSettings
 
@@ -22,17 +33,62 @@ log = logging.getLogger("prewarm.planner.cluster")
 
 
 def cluster_target(result: PlanResult, live_serving: int, now: float) -> int:
-    """Replicas the cluster should run now: the serving target at `now` plus the warm pool, at least 1."""
-    return max(1, result.serving_target(live_serving, now) + result.pool_target)
+    """Replicas the cluster should run at `now`: the serving target then plus the warm pool (0 is allowed)."""
+    return max(0, result.serving_target(live_serving, now) + result.pool_target)
 
 
-def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, target: int) -> PatchResult:
-    """Set the HPA floor (or, without an HPA, the Deployment's replicas) to `target`."""
-    if cfg.hpa:
-        return actuator.raise_min_replicas(cfg.hpa, max(1, target), dry_run=cfg.dry_run)
-    if cfg.deployment:
-        return actuator.scale(cfg.deployment, max(0, target), dry_run=cfg.dry_run)
-    raise ValueError("kubernetes.enabled needs PREWARM_KUBERNETES_HPA or PREWARM_KUBERNETES_DEPLOYMENT")
+def target_schedule(result: PlanResult, live_serving: int, now: float) -> list[tuple[float, int]]:
+    """The target now, then the target at each later serving event's due time (scale-ups are due a lead
+    ahead of the need): what the scaler and the metric read between two planning rounds."""
+    times = sorted({ev.at for ev in result.events if ev.pool is Pool.SERVING and ev.at > now})
+    return [(now, cluster_target(result, live_serving, now))] + \
+        [(t, cluster_target(result, live_serving, t)) for t in times]
+
+
+#: Unmet demand (the gateway found nothing ready) this recent keeps at least one replica wanted in a
+#: cluster: the gateway's counters reach the forecast only once their bucket is complete.
+DEMAND_FLOOR_S = 120.0
+
+
+def with_demand_floor(schedule: list[tuple[float, int]], demand_last: float | None,
+                      now: float) -> list[tuple[float, int]]:
+    """Scale from zero in a cluster: while unmet demand is fresh, every step until it goes stale is at least 1."""
+    if demand_last is None or demand_last < now - DEMAND_FLOOR_S:
+        return schedule
+    until = demand_last + DEMAND_FLOOR_S
+    return [(t, max(n, 1) if t < until else n) for t, n in schedule]
+
+
+def owns_replicas(cfg: KubernetesSettings) -> bool:
+    """True when Kubernetes, not the node agents, owns the planned model's replica count."""
+    return cfg.enabled
+
+
+def events_for_executor(cfg: KubernetesSettings, events: Iterable[ScaleEvent]) -> list[ScaleEvent]:
+    """The events the executor carries out: all of them without a cluster; only HOLDs (keep-warm) with one."""
+    if not owns_replicas(cfg):
+        return list(events)
+    return [ev for ev in events if ev.kind is ScaleEventKind.HOLD]
+
+
+def deployment_for(cfg: KubernetesSettings, model: str) -> str | None:
+    """The Deployment serving `model`: its entry in `kubernetes.deployments` when that map is set (a model
+    missing from it has none: never someone else's), else the one `kubernetes.deployment`."""
+    if cfg.deployments:
+        return cfg.deployments.get(model)
+    return cfg.deployment
+
+
+def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, model: str, target: int) -> PatchResult | None:
+    """With `autoscaling: none`, set the model's Deployment to `target` replicas; with KEDA or the HPA,
+    nothing (they read the recorded target) and None is returned."""
+    if cfg.autoscaling != "none":
+        return None
+    deployment = deployment_for(cfg, model)
+    if not deployment:
+        raise ValueError(f"kubernetes.autoscaling=none needs the Deployment of {model}: set "
+                         "PREWARM_KUBERNETES_DEPLOYMENT (or PREWARM_KUBERNETES_DEPLOYMENTS)")
+    return actuator.scale(deployment, max(0, target), dry_run=cfg.dry_run)
 
 
 def actuator_for(cfg: KubernetesSettings) -> KubeActuator:

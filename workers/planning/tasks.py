@@ -29,6 +29,8 @@ from workers.context import WorkerContext
 from workers.planning.executor import apply_event, dispatch_due
 from workers.planning.nodes import choose_placement, live_nodes
 from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
+from workers.planning.forecast import plan_model, planned_models
+from workers.planning.kubernetes import owns_replicas
 
 log = logging.getLogger("prewarm.planner.tasks")
 
@@ -58,6 +60,17 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         return {"model": model, "outcome": "starting"}
     if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
         return {"model": model, "outcome": "claimed"}
+    if owns_replicas(ctx.settings.kubernetes):
+        # In a cluster the Deployment's owner starts pods, not an agent: plan the model now, with the
+        # demand as a floor of one replica (the scaler, the metric or the scale subresource carry it).
+        spec = next((s for s in planned_models(ctx) if s.name == model), None)
+        if spec is None:
+            log.warning("unmet demand for %s, which the planner does not plan (PREWARM_PLANNER_MODELS)", model)
+            return {"model": model, "outcome": "unknown_model"}
+        planned = plan_model(ctx, spec, now=now)
+        log.info("scale from zero: unmet demand for %s -> planned again, target now %s", model,
+                 ctx.client.hget(keys.last_forecast(model), "target"))
+        return {"model": model, "outcome": "planned", "need_now": planned.need_now}
     revision = resolve_revision(model, ctx.settings.planner.models, [(r.revision, r.updated_at) for r in replicas])
     if revision is None:
         log.warning("unmet demand for %s, but no revision is known (set PREWARM_PLANNER_MODELS=%s@<rev>)", model,

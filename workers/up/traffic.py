@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Collection
 
 import aiohttp
+import numpy as np
 
 _WORDS = ("deploy", "model", "latency", "tokens", "replica", "cache", "kernel", "batch", "queue", "warm")
 
@@ -44,10 +45,10 @@ class ReplayStats:
         return sum(n for s, n in self.statuses.items() if 200 <= s < 300)
 
     def percentile(self, q: float) -> float:
+        """The q-th percentile (0-100) of the answered requests' latencies; nan before any answer."""
         if not self.latencies:
             return float("nan")
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
+        return float(np.percentile(np.asarray(self.latencies), q, method="inverted_cdf"))
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stats: ReplayStats, offset: float,

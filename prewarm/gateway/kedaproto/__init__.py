@@ -1,0 +1,1 @@
+"""Python modules generated from KEDA's externalscaler.proto (`make proto` regenerates them)."""

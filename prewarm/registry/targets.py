@@ -1,0 +1,115 @@
+"""The planner's replica target per model, as recorded in Redis: written by the planner, read by
+whatever carries it to Kubernetes (the KEDA external scaler, the HPA's external metric).
+
+The planner (`workers.planning.forecast.plan_model`) records, in its per-model record
+(`keys.last_forecast(model)`), a step schedule of replica counts: the count it wants serving
+now (warm pool included; 0 is a real value: nothing wanted, KEDA may deactivate the
+Deployment) and each later count with the time it is due. Scale-ups are due one lead
+(measured cold start plus margin) ahead of the forecast need, so the schedule already holds
+"the rise a lead ahead". The planner runs every `planner.interval_s`, while KEDA and the HPA
+ask every few seconds; reading the schedule at the reader's `now` hands over a rise that
+falls due between two planning rounds on time. Reading a step function is a lookup, not a
+decision: the numbers are the planner's.
+
+This module is the one place that knows the record's target fields: a change of their shape
+is one edit here. A record older than `max_age_s` (the planner stopped) is refused with
+`TargetStale` rather than served, so KEDA applies its `fallback` and the HPA keeps its
+last count instead of following a plan nobody renews.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import redis
+
+from prewarm.core import keys
+from prewarm.core.errors import RegistryUnavailable, TemporaryError
+
+#: Fields of the planner record (`keys.last_forecast(model)`) this module owns.
+TARGET_FIELD = "target"  # the count wanted at planning time
+SCHEDULE_FIELD = "target_schedule"  # JSON [[due epoch s, replicas], ...], ascending
+PLANNED_AT_FIELD = "target_at"  # when the planner wrote the schedule (epoch s); its own field, because a
+# failed planning round rewrites the record's "at" and status but leaves the last schedule
+
+#: Every Redis error that means "cannot reach Redis now".
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+class TargetUnknown(TemporaryError):
+    """No planner record with a target exists (yet) for the model."""
+
+
+class TargetStale(TemporaryError):
+    """The planner's record is older than the reader accepts: the planner stopped renewing it."""
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    model: str
+    replicas: int  # what the planner wants running now (0: none)
+    planned_at: float  # when the planner wrote the schedule
+    age_s: float  # now - planned_at
+    next_at: float | None  # when the count changes next (None: not within the planned horizon)
+    next_replicas: int | None
+
+    @property
+    def active(self) -> bool:
+        """KEDA's activation: the Deployment is wanted at all."""
+        return self.replicas > 0
+
+
+def schedule_fields(schedule: Sequence[tuple[float, int]], *, planned_at: float) -> dict[str, str]:
+    """The record fields for a schedule (first step: now). The writer side of `read_target`."""
+    if not schedule:
+        raise ValueError("a target schedule needs at least the step for now")
+    steps = [[float(t), max(0, int(n))] for t, n in sorted(schedule)]
+    return {TARGET_FIELD: str(steps[0][1]), SCHEDULE_FIELD: json.dumps(steps), PLANNED_AT_FIELD: repr(planned_at)}
+
+
+def step_at(steps: Sequence[Sequence[float]], now: float) -> tuple[int, float | None, int | None]:
+    """The count of the last step due at or before `now` (the first step when none is), and the next change."""
+    current = int(steps[0][1])
+    for i, (t, n) in enumerate(steps):
+        if t > now:
+            nxt = next(((float(tt), int(nn)) for tt, nn in steps[i:] if int(nn) != current), None)
+            return current, nxt[0] if nxt else None, nxt[1] if nxt else None
+        current = int(n)
+    return current, None, None
+
+
+def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s: float) -> ReplicaTarget:
+    """The planner's target for `model` at `now`; TargetUnknown, TargetStale or RegistryUnavailable otherwise."""
+    try:
+        raw: list[str | None] = client.hmget(keys.last_forecast(model), [SCHEDULE_FIELD, TARGET_FIELD, PLANNED_AT_FIELD])
+    except _REDIS_DOWN as exc:
+        raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
+    schedule, target, at = raw
+    if at is None or (schedule is None and target is None):
+        raise TargetUnknown(f"no planner target recorded for model {model!r} (is the planner running and "
+                            f"planning it? PREWARM_PLANNER_MODELS)", retry_after=5.0)
+    try:
+        planned_at = float(at)
+        steps: list[Any] = json.loads(schedule) if schedule else [[planned_at, int(str(target))]]
+        if not steps or not all(len(s) == 2 and math.isfinite(float(s[0])) for s in steps):
+            raise ValueError("empty or malformed schedule")
+    except (ValueError, TypeError) as exc:
+        raise TargetUnknown(f"the planner record of {model!r} holds no readable target: {exc}") from exc
+    age = now - planned_at
+    if age > max_age_s:
+        raise TargetStale(f"the planner's target for {model!r} is {age:.0f}s old (more than {max_age_s:.0f}s): "
+                          f"the planner is not renewing it", retry_after=5.0)
+    replicas, next_at, next_replicas = step_at(steps, now)
+    return ReplicaTarget(model, max(0, replicas), planned_at, age, next_at, next_replicas)
+
+
+def recorded_models(client: "redis.Redis[str]") -> list[str]:
+    """Models that have a planner record (whether or not it holds a target)."""
+    prefix = keys.last_forecast("")
+    try:
+        return sorted(k[len(prefix):] for k in client.scan_iter(match=prefix + "*", count=200))
+    except _REDIS_DOWN as exc:
+        raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
