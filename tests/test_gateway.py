@@ -171,6 +171,22 @@ def test_signed_warmup_goes_to_warm_pool_and_is_not_counted(gw: Harness) -> None
     assert _user_count(gw.reg.client) == 0
 
 
+def test_a_replayed_warmup_request_is_user_traffic(gw: Harness) -> None:
+    """Issue 13 (minor): a captured signed warmup request could be replayed as warmup for 300 s."""
+    serving, warm = Upstream("serving"), Upstream("warm")
+    gw.add(0, serving)
+    gw.add(5, warm, pool=Pool.WARM)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    hdrs = signing.warmup_headers(SECRET, "POST", "/v1/completions", body, time.time())
+    first = request(gw.url, "POST", "/v1/completions", raw=body, headers=hdrs)
+    again = request(gw.url, "POST", "/v1/completions", raw=body, headers=hdrs)
+    assert json.loads(first[2])["served_by"] == "warm"
+    assert json.loads(again[2])["served_by"] == "serving"  # the replay is plain user traffic
+    assert signing.HEADER not in serving.headers[-1]
+    time.sleep(1.3)
+    assert _user_count(gw.reg.client) == 1
+
+
 def test_forged_warmup_gains_nothing(gw: Harness) -> None:
     serving, warm = Upstream("serving"), Upstream("warm")
     gw.add(0, serving)

@@ -35,7 +35,8 @@ from prewarm.core.settings import Settings
 log = logging.getLogger(__name__)
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
-_HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower()}
+_HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower(),
+                signing.HEADER_NONCE.lower()}
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 T = TypeVar("T")
 
@@ -97,6 +98,7 @@ class Gateway:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
+        self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
@@ -267,7 +269,8 @@ class Gateway:
 
         warmup = False
         if signing.HEADER in request.headers:
-            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time())
+            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time(),
+                                             self.nonces)
             if not warmup and self.cfg.warmup_forged == "refuse":
                 return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
         kind = "warmup" if warmup else "user"
@@ -314,7 +317,7 @@ class Gateway:
 
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
         if not warmup:
-            for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG):
+            for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG, signing.HEADER_NONCE):
                 headers.pop(h, None)
         stream = bool(payload.get("stream"))
         tried: set[str] = set()

@@ -18,6 +18,7 @@ real count in `usage.prompt_tokens`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -181,7 +182,7 @@ class WarmupRequest:
 
     def resigned(self, secret: str, now: float) -> "WarmupRequest":
         """The same request signed again at `now` (signatures expire; keepalives reuse requests)."""
-        return _with_headers(self, _signed_headers(secret, self.method, self.path, self.body, now))
+        return _with_headers(self, _signed_headers(secret, self.method, self.path, self.body, now, self.index))
 
 
 @dataclass(frozen=True)
@@ -277,12 +278,16 @@ def generate_requests(
         req = WarmupRequest(
             index=i, topic=topic, prompt=prompt, prompt_tokens=length, max_tokens=plan.max_tokens, body=body, headers=()
         )
-        out.append(_with_headers(req, _signed_headers(secret, req.method, req.path, body, now)))
+        out.append(_with_headers(req, _signed_headers(secret, req.method, req.path, body, now, i)))
     return tuple(out)
 
 
-def _signed_headers(secret: str, method: str, path: str, body: bytes, now: float) -> tuple[tuple[str, str], ...]:
-    headers = {"Content-Type": "application/json", **warmup_headers(secret, method, path, body, now)}
+def _signed_headers(secret: str, method: str, path: str, body: bytes, now: float,
+                    index: int) -> tuple[tuple[str, str], ...]:
+    # the nonce is derived, not drawn: the same (request, time) gives the same headers (pure), and a
+    # send at another time — a redelivery, a keep-alive — a new nonce
+    nonce = hashlib.sha256(f"{now:.3f}|{index}|".encode() + body).hexdigest()[:24]
+    headers = {"Content-Type": "application/json", **warmup_headers(secret, method, path, body, now, nonce)}
     return tuple(sorted(headers.items()))
 
 

@@ -59,7 +59,7 @@ from prewarm.runtime import probe
 from prewarm.core.domain import LoadPhase
 from prewarm.core.errors import TemporaryError, failure_reason
 from prewarm.core.metrics import Metrics
-from prewarm.core.signing import HEADER, is_valid_warmup
+from prewarm.core.signing import HEADER, NonceCache, is_valid_warmup
 from prewarm.policy.validation import (
     LogitStats,
     ValidationReport,
@@ -122,6 +122,7 @@ class ModelHost:
         self.latency_factor = latency_factor
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.state = HostState()
+        self.nonces = NonceCache()  # a replayed warmup request counts as user traffic
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prewarm-gen")
         self.started_at = int(time.time())
         self._idle = asyncio.Event()
@@ -293,7 +294,8 @@ class ModelHost:
         if request.headers.get(HEADER) is None:
             self.state.counts["user"] += 1
             return "user"
-        if is_valid_warmup(self.warmup_secret, request.headers, request.method, request.path, raw, time.time()):
+        if is_valid_warmup(self.warmup_secret, request.headers, request.method, request.path, raw, time.time(),
+                           self.nonces):
             self.state.counts["warmup"] += 1
             return "warmup"
         self.state.counts["forged_warmup"] += 1
