@@ -276,13 +276,13 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
         settings.runtime.device = args.device
     from prewarm.core.errors import PermanentError
 
+    bind = args.host or settings.runtime.host
     try:
         host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
-                                  node=args.node)
-    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device
+                                  node=args.node, bind=bind)
+    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device, no token
         print(f"prewarm serve-model: {exc}", file=sys.stderr)
         return 2
-    bind = args.host or settings.runtime.host
     port = settings.runtime.port if args.port is None else args.port
 
     def announce(bound: int) -> None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -34,7 +36,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prewarm.core.domain import Replica, ReplicaState
-from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from prewarm.core.settings import (
+    GatewaySettings,
+    RedisSettings,
+    RegistrySettings,
+    RuntimeSettings,
+    Settings,
+    WarmupSettings,
+)
 from prewarm.gateway.server import Gateway
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.runtime.model import make_model
@@ -306,3 +315,58 @@ def test_runtime_refusals_are_openai_shaped(runtimes: list[RuntimeProcess]) -> N
                                else None)
         assert status == code, (path, status, body)
         assert isinstance(body, dict) and body["error"]["message"] and body["error"]["type"], body
+
+
+def test_a_runtime_beyond_loopback_needs_its_own_token_and_an_api_key(
+        runtimes: list[RuntimeProcess], tmp_path: Path, redis_url: str) -> None:
+    """Issue 13 (minor): the runtime's /v1/*, /stats and /metrics had no auth while Helm and compose bind
+    it to 0.0.0.0, and its control token defaulted to the warmup secret, which the gateway holds too."""
+    import subprocess
+    import sys
+
+    model_dir = make_model(tmp_path / "m", MODEL, seed=0, name=MODEL, revision="r1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env.update({"PREWARM_WARMUP_SECRET": SECRET, "PREWARM_RUNTIME_DEVICE": "cpu"})
+    refused = subprocess.run([sys.executable, "-m", "prewarm.cli", "serve-model", "--model-dir", str(model_dir),
+                              "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "PREWARM_RUNTIME_TOKEN" in refused.stderr, refused.stderr[-1000:]
+
+    key = "runtime-api-key"
+    (tmp_path / "rt").mkdir()
+    rt = start_runtime(model_dir, tmp_path / "rt", "--model-name", MODEL, "--host", "0.0.0.0",
+                       env={"PREWARM_RUNTIME_API_KEY": key})
+    try:
+        wait_loaded(rt.url)
+        assert call(rt.url + "/ready", "POST", {"passed": True}, token=TOKEN)[0] == 200
+        for path, method, body in (("/v1/completions", "POST", {"prompt": "hi", "max_tokens": 1}),
+                                   ("/v1/models", "GET", None), ("/stats", "GET", None), ("/metrics", "GET", None)):
+            status, answer, _ = call(rt.url + path, method, body)
+            assert status == 401, (path, status, answer)
+            assert call(rt.url + path, method, body, token=SECRET)[0] == 401  # the warmup secret opens nothing
+            assert call(rt.url + path, method, body, token=key)[0] == 200, path
+        assert call(rt.url + "/sleep", "POST", token=SECRET)[0] == 403  # nor the control endpoints
+        assert call(rt.url + "/healthz")[0] == 200 and call(rt.url + "/readyz")[0] == 200  # probes stay open
+
+        # the gateway sends the key; a client's own Authorization never reaches the runtime
+        settings = Settings(
+            redis=RedisSettings(url=redis_url, socket_timeout_s=5, connect_timeout_s=2),
+            gateway=GatewaySettings(refresh_interval_s=0.05),
+            registry=RegistrySettings(heartbeat_interval_s=1.0, heartbeat_ttl_s=3600.0),
+            warmup=WarmupSettings(secret=SECRET), runtime=RuntimeSettings(api_key=key),
+        )
+        registry = ReplicaRegistry(redis.Redis.from_url(redis_url, decode_responses=True), settings.registry)
+        rep = Replica(MODEL, "r1", "n9", 0, endpoint=rt.url)
+        now = time.time()
+        registry.register(rep, now=now)
+        for s in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
+            registry.transition(rep.id, s, now=now)
+        with AppThread(Gateway(settings).app()) as gw:
+            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+                         headers={"Content-Type": "application/json", "Authorization": "Bearer nope"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            conn.close()
+        registry.client.close()
+    finally:
+        rt.stop()

@@ -233,7 +233,16 @@ def test_pod_warmer_warms_the_inference_pods() -> None:
     env = env_of(warmer)
     assert env["PREWARM_KUBERNETES_POD_PORT"] == "8002"
     assert env["PREWARM_KUBERNETES_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-    assert "PREWARM_KUBERNETES_POD_API_KEY" not in env
+    # issue 13: the chart's serve-model pods listen on 0.0.0.0 with their own control token, which the
+    # warmer uses; the gateway holds only their API key, never the control token
+    runtime_secret = find(docs, "Secret", "-runtime")["metadata"]["name"]
+    assert env["PREWARM_KUBERNETES_POD_API_KEY"] == {"secretKeyRef": {"name": runtime_secret, "key": "control-token"}}
+    pods = env_of(find(docs, "Deployment", "-inference"))
+    assert pods["PREWARM_RUNTIME_TOKEN"]["secretKeyRef"]["key"] == "control-token"
+    assert pods["PREWARM_RUNTIME_API_KEY"]["secretKeyRef"]["key"] == "api-key"
+    gateway = env_of(find(docs, "Deployment", "-gateway"))
+    assert gateway["PREWARM_RUNTIME_API_KEY"]["secretKeyRef"]["name"] == runtime_secret
+    assert "PREWARM_RUNTIME_TOKEN" not in gateway
 
     # a vLLM Deployment of the operator's instead, with its API key in a Secret
     vllm = find(render({"inference": {"enabled": False},

@@ -117,11 +117,13 @@ class _Response:
 class _HttpAdapter:
     """Shared HTTP plumbing: bearer token, timeouts, error mapping."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0,
+                 api_key: str | None = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise PermanentError(f"runtime base URL must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.token = token or None
+        self.api_key = api_key or None  # sent on the data endpoints (/v1/*, /stats, /metrics)
         self.timeout_s = timeout_s
 
     def _request(
@@ -140,6 +142,8 @@ class _HttpAdapter:
             h["Content-Type"] = "application/json"
         if control and self.token:
             h["Authorization"] = f"Bearer {self.token}"
+        elif not control and self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
         h.update(headers or {})
         req = urllib.request.Request(self.base_url + path, data=body, method=method, headers=h)
         try:
@@ -234,8 +238,9 @@ class _HttpAdapter:
 class BuiltinRuntimeAdapter(_HttpAdapter):
     """`prewarm serve-model`: explicit load with progress, tensors and logits for validation, /readyz."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0, model: str | None = None) -> None:
-        super().__init__(base_url, token, timeout_s)
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0, model: str | None = None,
+                 api_key: str | None = None) -> None:
+        super().__init__(base_url, token, timeout_s, api_key)
         self.model = model
 
     def _status(self, data: Any) -> LoadStatus:

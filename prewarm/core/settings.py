@@ -176,7 +176,8 @@ class RuntimeSettings(_Group):
     snapshot_dir: str = "/dev/shm/prewarm-snapshots"
     snapshot_max_bytes: int = Field(8 * 1024**3, gt=0)
     models_dir: str = ".prewarm/models"
-    token: SecretStr | None = None  # Bearer token of the control endpoints; unset: PREWARM_WARMUP_SECRET is used
+    token: SecretStr | None = None  # Bearer token of the control endpoints; unset (loopback only): the warmup secret
+    api_key: SecretStr | None = None  # Bearer token /v1/*, /stats and /metrics require (gateway, agents send it)
     workers: int = Field(2, ge=1)  # threads that run generation (the event loop never computes)
     load_wait_s: float = Field(0.0, ge=0)  # a request before phase 1 is in waits this long, then 503 + Retry-After
     drain_timeout_s: float = Field(30.0, gt=0)  # sleep waits this long for in-flight requests to finish

@@ -101,6 +101,8 @@ class Gateway:
         self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
+        key = settings.runtime.api_key
+        self.upstream_auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
         self.redis = async_client(settings.redis)
         self.reader = AsyncRegistryReader(self.redis)
@@ -316,6 +318,7 @@ class Gateway:
             self.metrics.cold_start_wait.labels(model).observe(time.monotonic() - started)
 
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
+        headers.update(self.upstream_auth)  # the runtimes' API key; a client's own Authorization never passes
         if not warmup:
             for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG, signing.HEADER_NONCE):
                 headers.pop(h, None)

@@ -102,6 +102,7 @@ class ModelHost:
         revision: str,
         control_token: str | None,
         warmup_secret: str | None,
+        api_key: str | None = None,
         workers: int = 2,
         load_wait_s: float = 0.0,
         drain_timeout_s: float = 30.0,
@@ -115,6 +116,7 @@ class ModelHost:
         self.model_name = model_name
         self.revision = revision
         self.control_token = control_token or None
+        self.api_key = api_key or None  # set: /v1/*, /stats and /metrics need it (or the control token)
         self.warmup_secret = warmup_secret or None
         self.load_wait_s = load_wait_s
         self.drain_timeout_s = drain_timeout_s
@@ -168,13 +170,13 @@ class ModelHost:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=4 * 1024 * 1024)
         r = app.router
-        r.add_post("/v1/completions", self.completions)
-        r.add_get("/v1/models", self.models)
+        r.add_post("/v1/completions", self._data(self.completions))
+        r.add_get("/v1/models", self._data(self.models))
         r.add_get("/healthz", self.healthz)
         r.add_get("/health", self.health)
         r.add_get("/readyz", self.readyz)
-        r.add_get("/metrics", self.prometheus)
-        r.add_get("/stats", self.stats)
+        r.add_get("/metrics", self._data(self.prometheus))
+        r.add_get("/stats", self._data(self.stats))
         r.add_post("/load", self._control(self.load))
         r.add_get("/load", self._control(self.load_status))
         r.add_post("/sleep", self._control(self.sleep))
@@ -211,6 +213,24 @@ class ModelHost:
             log.exception("internal error on %s %s", request.method, request.path)
             err = api.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="internal_error")
             return _json(err.body(), status=500)
+
+    def _data(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """With an API key configured, the data endpoints need it (or the control token): a runtime
+        that listens beyond loopback is not a way around the gateway."""
+        if self.api_key is None:
+            return handler
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            token = token.strip()
+            if scheme.lower() != "bearer" or not (
+                    hmac.compare_digest(token, self.api_key or "")
+                    or (self.control_token is not None and hmac.compare_digest(token, self.control_token))):
+                raise api.ApiError(401, "this runtime needs 'Authorization: Bearer <PREWARM_RUNTIME_API_KEY>'",
+                                   type_="authentication_error", code="invalid_api_key")
+            return await handler(request)
+
+        return guarded
 
     def _control(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def guarded(request: web.Request) -> web.StreamResponse:

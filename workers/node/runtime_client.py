@@ -37,8 +37,10 @@ class RuntimeClient:
     def __init__(self, settings: Settings, endpoint: str, *, model: str | None = None, timeout_s: float = 30.0) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
+        key = settings.runtime.api_key
+        self.api_key = key.get_secret_value() if key is not None else None
         self.adapter = BuiltinRuntimeAdapter(self.endpoint, token=control_token(settings), timeout_s=timeout_s,
-                                             model=model)
+                                             model=model, api_key=self.api_key)
 
     # --- through the adapter ------------------------------------------------------------
     def load(self) -> LoadStatus:
@@ -61,7 +63,9 @@ class RuntimeClient:
 
     # --- the runtime's own observations ------------------------------------------------
     def _get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.endpoint + path, timeout=self.timeout_s) as resp:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        req = urllib.request.Request(self.endpoint + path, headers=headers)
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
             return bytes(resp.read())
 
     def _stats(self) -> dict[str, Any]:

@@ -132,3 +132,22 @@ scaleDown:
 scaleUp:
   stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleUp.stabilizationWindowSeconds }}
 {{- end -}}
+
+
+{{/* The runtimes' API key (/v1/*, /stats, /metrics): the gateway, the agents and the runtimes. */}}
+{{- define "prewarm.runtimeApiKeyEnv" -}}
+- name: PREWARM_RUNTIME_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
+      key: api-key
+{{- end -}}
+
+{{/* The runtimes' control token: agents, runtimes and the pod warmer only, never the gateway. */}}
+{{- define "prewarm.runtimeTokenEnv" -}}
+- name: PREWARM_RUNTIME_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
+      key: control-token
+{{- end -}}
