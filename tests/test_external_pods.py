@@ -213,7 +213,7 @@ def test_ready_pod_is_warmed_validated_registered_and_retired_when_deleted(
     for check, result in (("structural", "unsupported"), ("numeric", "passed"), ("performance", "passed")):
         assert running.sample("prewarm_validation_results_total", model="tiny", check=check, result=result) == 1
     assert running.sample("warmup_requests_total", model="tiny", purpose="prewarm") == 3
-    assert ctx.registry.baseline("tiny", ctx.settings.agent.node_class) is not None
+    assert ctx.registry.baseline("tiny", ctx.settings.agent.node_class, "r1") is not None
 
     # heartbeats while the pod stays Ready
     first = rec.heartbeat_at

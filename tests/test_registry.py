@@ -190,6 +190,10 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     assert reg.set_baseline_if_absent("llama", "h200", 0.05) == 0.05
     assert reg.set_baseline_if_absent("llama", "h200", 0.09) == 0.05
     assert reg.baseline("llama", "cpu") is None
+    # issue 13: per revision and node class, and refreshed (it expires, then is measured again)
+    assert reg.set_baseline_if_absent("llama", "h200", 0.07, "r2") == 0.07
+    assert reg.baseline("llama", "h200", "r2") == 0.07 and reg.baseline("llama", "h200", "r3") is None
+    assert 0 < redis_client.ttl(keys.baseline("llama", "h200", "r2")) <= keys.BASELINE_TTL_S
 
 
 def test_redis_restart_is_repopulated_by_heartbeats() -> None:

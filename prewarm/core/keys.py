@@ -78,8 +78,12 @@ DEMAND_TTL_S = 3600
 
 # --- agent and planner ----------------------------------------------------------------------
 #: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
-def baseline(model: str, node_class: str) -> str:
-    return f"{PREFIX}:baseline:{model}:{node_class}"
+def baseline(model: str, node_class: str, revision: str = "") -> str:
+    return f"{PREFIX}:baseline:{model}@{revision}:{node_class}" if revision else f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+# A baseline is re-measured after this long: hardware, drivers and the runtime change under it.
+BASELINE_TTL_S = 7 * 86400
 
 
 #: List of recent cold-start durations (seconds) of a model, newest first, capped at LOADTIMES_KEEP.

@@ -310,16 +310,23 @@ class ReplicaRegistry:
         return values[idx]
 
     @_wrap_redis_errors
-    def baseline(self, model: str, node_class: str) -> float | None:
-        v = self.client.hget(keys.baseline(model, node_class), "latency_s")
+    def baseline(self, model: str, node_class: str, revision: str = "") -> float | None:
+        """The warm-latency baseline of `model@revision` on `node_class` (expires: `keys.BASELINE_TTL_S`)."""
+        v = self.client.hget(keys.baseline(model, node_class, revision), "latency_s")
         return float(v) if v is not None else None
 
     @_wrap_redis_errors
-    def set_baseline_if_absent(self, model: str, node_class: str, latency_s: float) -> float:
-        """Record the warm-latency baseline unless one exists; returns the recorded value."""
-        key = keys.baseline(model, node_class)
-        self.client.hsetnx(key, "latency_s", repr(float(latency_s)))
-        return float(self.client.hget(key, "latency_s") or latency_s)
+    def set_baseline_if_absent(self, model: str, node_class: str, latency_s: float, revision: str = "") -> float:
+        """Record the warm-latency baseline unless one exists; returns the recorded value. A new one
+        lives `keys.BASELINE_TTL_S`, then the next validation measures it again."""
+        key = keys.baseline(model, node_class, revision)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "latency_s", repr(float(latency_s)))
+        pipe.hget(key, "latency_s")
+        created, stored = pipe.execute()
+        if created:
+            self.client.expire(key, keys.BASELINE_TTL_S)
+        return float(stored)
 
 
 class AsyncRegistryReader:
