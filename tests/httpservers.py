@@ -78,6 +78,7 @@ class Upstream:
     chunks: int = 3
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # the client's (address, port) of each request: its connection
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -89,6 +90,7 @@ class Upstream:
         body = await request.json()
         self.received.append(body)
         self.headers.append(dict(request.headers))
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.mode == "fail":
