@@ -370,3 +370,43 @@ def test_a_runtime_beyond_loopback_needs_its_own_token_and_an_api_key(
         registry.client.close()
     finally:
         rt.stop()
+
+
+def test_slow_headers_and_too_many_connections_from_one_client_are_cut(redis_url: str, tmp_path: Path) -> None:
+    """Issue 13 (minor): no header-read timeout and no per-client cap (3,000 slow connections held for
+    75 s). A real `prewarm gateway` process: header timeout 2 s, at most 5 connections per address."""
+    from prewarm.registry.embedded import free_port, wait_for_port
+    from tests.celery_helpers import WorkerProcess, worker_env
+
+    port = free_port()
+    env = worker_env(redis_url, tmp_path, PREWARM_GATEWAY_HEADER_TIMEOUT_S="2",
+                     PREWARM_GATEWAY_MAX_CONNECTIONS_PER_CLIENT="5")
+    gw = WorkerProcess(["gateway", "--port", str(port)], env, tmp_path / "gateway.log")
+    gw.start(ready_marker="listening on", timeout=60)
+    try:
+        wait_for_port("127.0.0.1", port, 30.0, "prewarm gateway")
+        time.sleep(0.3)
+        started = time.monotonic()
+        held = []
+        for _ in range(5):  # slowloris: half a request line each, then nothing
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        extra.settimeout(1.5)
+        assert extra.recv(1) == b"", "a sixth connection from the same address was kept"
+        extra.close()
+        for s in held:  # each is closed once its header deadline passes
+            s.settimeout(10)
+            assert s.recv(1) == b""
+            s.close()
+        took = time.monotonic() - started
+        assert 1.5 <= took < 9, f"the slow connections were closed after {took:.1f}s"
+        # and the gateway serves normally afterwards
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert "Traceback" not in gw.log()
+    finally:
+        gw.stop()

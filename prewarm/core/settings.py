@@ -85,7 +85,9 @@ class GatewaySettings(_Group):
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
-    replica_queue_limit: int = Field(64, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
+    replica_queue_limit: int = Field(128, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection must send a request's headers within this (slowloris)
+    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (behind a proxy: raise it)
 
 
 class RegistrySettings(_Group):

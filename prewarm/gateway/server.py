@@ -29,6 +29,7 @@ from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaN
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
+from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -98,6 +99,7 @@ class Gateway:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
+        self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client)
         self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
@@ -152,7 +154,7 @@ class Gateway:
                 log.warning("counter flush failed: %s", exc)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_json_errors])
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.gate.middleware, _json_errors])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         for path in PROXIED_PATHS:
@@ -471,16 +473,17 @@ class Gateway:
 
 
 def run(settings: Settings, *, host: str | None = None, port: int | None = None, print_fn: Any = print) -> None:
-    """Serve the gateway until interrupted."""
+    """Serve the gateway until interrupted, behind its connection gate (header timeout, per-client cap)."""
     gw = Gateway(settings)
     host = host or settings.gateway.host
     port = settings.gateway.port if port is None else port
-    print_fn(f"prewarm gateway listening on http://{host}:{port} (registry {settings.redis.url})")
-    loop = None
+    print_fn(f"prewarm gateway listening on http://{host}:{port}")
+    factory = None
     try:  # uvloop roughly halves the event loop's cost per proxied request; optional
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        factory = uvloop.new_event_loop
     except ImportError:
         pass
-    web.run_app(gw.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, loop=loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(gw.app(), host, port, gw.gate))
