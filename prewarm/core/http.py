@@ -45,10 +45,9 @@ def pool() -> urllib3.PoolManager:
     global _POOL
     with _LOCK:
         if _POOL is None:
-            # a dropped keep-alive connection is re-opened once; a request is never re-sent after it
-            # reached the server (read=0), so a POST is never doubled
-            retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0, raise_on_status=False)
-            _POOL = urllib3.PoolManager(num_pools=64, maxsize=16, block=False, retries=retries)
+            # no retries: a request is never re-sent (a POST never doubled), and the callers have their own
+            # retry policies; a pooled connection the server dropped is noticed and replaced before use
+            _POOL = urllib3.PoolManager(num_pools=64, maxsize=16, block=False, retries=False)
         return _POOL
 
 
