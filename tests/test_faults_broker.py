@@ -124,3 +124,38 @@ def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: Worke
     finally:
         broker_client.close()
         app.close()
+
+
+def test_the_demand_listener_outlives_a_broker_that_refuses(ctx: WorkerContext, broker: EmbeddedRedis) -> None:
+    """Issue 13 (minor): the planner's demand listener caught only redis errors; a kombu error from
+    `send_task` (the broker down) ended its thread, and scale-from-zero waited for the beat's scan."""
+    import threading
+
+    from workers.planning.worker import listen_for_demand
+
+    app = make_app(Settings(redis=RedisSettings(url=broker.url)))
+    broker_client: "redis.Redis[str]" = redis.Redis.from_url(broker.url, decode_responses=True)
+    stop = threading.Event()
+    listener = threading.Thread(target=listen_for_demand, args=(ctx.client, app, stop), daemon=True)
+    try:
+        broker.stop()
+        listener.start()
+        deadline = time.monotonic() + 10
+        while ctx.client.pubsub_numsub(keys.DEMAND_CHANNEL)[0][1] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ctx.client.publish(keys.DEMAND_CHANNEL, "lost-while-down")
+        time.sleep(3.0)  # the send fails against the stopped broker
+        assert listener.is_alive(), "the listener died on a broker error"
+        broker.start()
+        deadline = time.monotonic() + 30
+        sent: list[str] = []
+        while not sent and time.monotonic() < deadline:
+            ctx.client.publish(keys.DEMAND_CHANNEL, "after")
+            time.sleep(0.5)
+            sent = [m["args"][0] for m in queued_tasks(broker_client, PLANNER_QUEUE)]
+        assert "after" in sent, sent
+    finally:
+        stop.set()
+        listener.join(10)
+        broker_client.close()
+        app.close()

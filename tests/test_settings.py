@@ -148,3 +148,26 @@ def test_flower_beyond_this_host_needs_basic_auth(clean_env: pytest.MonkeyPatch,
     clean_env.delenv("FLOWER_BASIC_AUTH", raising=False)
     assert main(["flower", "--address", "0.0.0.0"]) == 2
     assert "FLOWER_BASIC_AUTH" in capsys.readouterr().err
+
+
+def test_worker_metrics_bind_loopback_unless_told(clean_env: pytest.MonkeyPatch) -> None:
+    """Issue 13 (minor): agent and planner /metrics bound 0.0.0.0 unconditionally."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from prewarm.core.metrics import Metrics
+    from prewarm.registry.embedded import free_port
+    from workers.process import serve_metrics
+
+    for env, expected in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+        if env:
+            clean_env.setenv("PREWARM_METRICS_HOST", env)
+        ctx = SimpleNamespace(settings=Settings.load(), metrics=Metrics(CollectorRegistry()))
+        served = serve_metrics(ctx, free_port())  # type: ignore[arg-type]
+        server = served[0] if isinstance(served, tuple) else served
+        try:
+            assert server.server_address[0] == expected
+        finally:
+            server.shutdown()
+            server.server_close()
