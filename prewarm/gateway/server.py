@@ -5,7 +5,15 @@ replica using the registry's one-round-trip view, and proxies the request, strea
 included. When nothing is ready it holds the request up to `gateway.hold_timeout_s`
 (like Knative's activator) or answers 503 with Retry-After, and records the unmet demand
 in Redis either way. It never answers 500 for a condition it can name: bad input is a
-4xx, an unreachable or broken replica a 502, an unavailable registry a 503.
+4xx, an unreachable or broken replica a 502, an unavailable registry a 503, every replica
+at its in-flight limit (`replica_queue_limit`) a 429, a replica silent for the idle
+timeout (`upstream_timeout_s`, between two reads) a 504.
+
+What a client sends never counts against a replica (issue 13): only a connection that
+fails or breaks mid-answer does; any HTTP answer, a 500 included, proves the replica alive
+and is passed through, not re-sent. A broken replica that still answers is the agent's to
+find (its `/readyz` health check). A client that goes away mid-stream ends the relay and
+nothing else. Connection limits (header timeout, per-client cap) are in `guard.py`.
 """
 
 from __future__ import annotations
