@@ -184,7 +184,7 @@ def test_requests_that_break_the_runtime_do_not_fail_replicas(stack: Stack) -> N
     assert stack.complete()[0] == 200
 
 
-def test_client_closing_a_stream_is_not_blamed_on_the_replica(stack: Stack) -> None:
+def test_client_closing_a_stream_is_not_blamed_on_the_replica(stack: Stack, runtimes: list[RuntimeProcess]) -> None:
     errors = _Errors()
     loggers = [logging.getLogger(n) for n in ("aiohttp.server", "aiohttp.web", "prewarm.gateway")]
     for lg in loggers:
@@ -204,6 +204,8 @@ def test_client_closing_a_stream_is_not_blamed_on_the_replica(stack: Stack) -> N
         stack.assert_all_ready()
         assert stack.complete()[0] == 200
         assert not errors.records, [r.getMessage() for r in errors.records]
+        for rt in runtimes:  # nor is it an error at the runtime (it stops generating, no traceback)
+            assert "internal error" not in rt.output() and "Traceback" not in rt.output(), rt.output()[-2000:]
     finally:
         for lg in loggers:
             lg.removeHandler(errors)

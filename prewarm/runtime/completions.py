@@ -142,26 +142,29 @@ class CompletionHandlers(HostCore):
                 raise item
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            if req.echo:
-                await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, self.engine.decode(ids), None)))
             out: list[int] = []
             sent = ""
-            while kind != "end":
-                if kind == "error":
-                    log.error("generation failed mid-stream: %r", item)
-                    break
-                out.append(int(item))
-                text = self.engine.decode(out)
-                if not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a partial UTF-8 sequence
-                    await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, text[len(sent):], None)))
-                    sent = text
-                kind, item = await queue.get()
-            tail = self.engine.decode(out)[len(sent):]
-            finish = "length" if len(out) >= req.max_tokens else "stop"
-            usage = api.usage(len(ids), len(out)) if req.include_usage else None
-            await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, tail, finish, usage)))
-            await resp.write(api.sse("[DONE]"))
-            await resp.write_eof()
+            try:
+                if req.echo:
+                    await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, self.engine.decode(ids), None)))
+                while kind != "end":
+                    if kind == "error":
+                        log.error("generation failed mid-stream: %r", item)
+                        break
+                    out.append(int(item))
+                    text = self.engine.decode(out)
+                    if not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a partial UTF-8 sequence
+                        await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, text[len(sent):], None)))
+                        sent = text
+                    kind, item = await queue.get()
+                tail = self.engine.decode(out)[len(sent):]
+                finish = "length" if len(out) >= req.max_tokens else "stop"
+                usage = api.usage(len(ids), len(out)) if req.include_usage else None
+                await resp.write(api.sse(api.chunk_body(cid, self.model_name, created, tail, finish, usage)))
+                await resp.write(api.sse("[DONE]"))
+                await resp.write_eof()
+            except ConnectionResetError:  # the client went away ("stop generating"): not an error here either
+                log.info("client of %s went away mid-stream after %d token(s)", self.model_name, len(out))
             return resp
         finally:
             cancel.set()  # a client that went away stops the generation at the next token
