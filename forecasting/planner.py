@@ -1,76 +1,57 @@
-"""The planner: turns a demand forecast into scale events, before the demand arrives.
+"""The one planner: state and observations in, a decision and the next state out.
 
-It is a pure policy (`plan(ctx, state) -> (result, state)`, `now` inside the context): no
-clock, no I/O, so the same function drives the Celery `forecast_and_plan` task, the
-dry-run printer and the trace-replay simulator, and a test can walk it through time.
+`step(inputs, state) -> (decision, state)` is pure (no clock, no I/O, `now` inside the
+inputs), and it is the only planner: the live `forecast_and_plan` task and the
+simulator's `prewarm` policy both call it, every `interval_s`, with inputs built by the
+same function (`observed_from_counts`) from the same per-bucket counters the gateway
+records (requests and peak requests in flight per fine bucket; request rate per coarse
+bucket for the seasonal profile). A backtest therefore scores what ships.
 
-The rules (issue 4):
-- replicas needed per bucket = ceil(forecast quantile / per-replica capacity x (1 + headroom)),
-  plus the replicas of any scheduled batch job running in that bucket;
-- a rise is met by a SCALE_UP at `bucket start - lead`, lead = the measured cold start p95
-  (the configured default until one is measured) + a margin, so replicas are ready in time;
-- a fall is acted on only after the stabilization window, and never while the forecast
-  rises again within the window plus the lead: those replicas get a HOLD (keep them loaded
-  and warm them with synthetic requests: the dynamic warmup trigger);
-- a fixed warm pool (a size, or a percentage of the forecast baseline) in pool `warm`;
-- a budget: warm capacity beyond need (pool, early prewarms, holds) stays under a share of
-  total GPU time; when it binds, the events dropped and the reason are part of the result;
-- placement of new replicas: among ready nodes with room, those holding the model's
-  snapshot first, then the least loaded.
+One decision per helper, in order (as Ray Serve's autoscaling policy reads):
+1. `lead_of`: the lead is the measured cold-start p95 (the default until one is
+   measured) plus a margin;
+2. `forecast_peak` (`forecasting.nowcast`): the planning quantile of the peak in-flight
+   demand over the next lead, and the quality of the forecaster's recent forecasts;
+3. `_mode`: the forecast-quality gate. While the forecaster's recent relative error is
+   above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
+   nothing observed within the last `stabilization_s` may be released. Scale-ups stay
+   predictive either way;
+4. `_serving_target`: the replicas the forecast needs over the lead (plus any batch job
+   running within it), at least `min_serving`; in reactive mode never below the recent
+   observed need. A predicted fall is released as soon as the forecast over the next lead
+   stays below what is left: no window after the fact, no floor from another scaler, so
+   the plan can go below what a stabilised reactive scaler keeps;
+5. `_budget`: warm capacity beyond the next bucket's need (early scale-ups, holds, the
+   warm pool) stays within `budget_share` of the planned capacity; what it cuts is
+   reported;
+6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
+   rise is predicted within the lead, the warm pool's events; ids derive from (model,
+   kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
+7. `place`: the one placement function (snapshot holders first, then the least loaded).
 
-Event ids are derived from (model, kind, target bucket, pool), so a re-plan of the same
-decision yields the same id and the executor can deduplicate.
+Warm cost has one definition here (`warm_cost`): the share of replica-time above need.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
-import pandas as pd
+import numpy as np
 from croniter import croniter
 
+from forecasting.batch import BatchJob, batch_replicas
+from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
-from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import PlannerSettings
 
-
-@dataclass(frozen=True)
-class BatchJob:
-    """A scheduled batch job: at each cron time it needs `replicas` more for `duration_s`."""
-
-    cron: str
-    model: str  # a model name or a model key (name@revision)
-    replicas: int
-    duration_s: float
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if not croniter.is_valid(self.cron):
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: invalid cron expression {self.cron!r}")
-        if self.replicas <= 0:
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: replicas must be > 0, got {self.replicas}")
-        if self.duration_s <= 0:
-            raise InvalidPayload(f"batch job {self.name or self.model!r}: duration_s must be > 0, got {self.duration_s}")
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "BatchJob":
-        try:
-            return cls(
-                cron=str(data["cron"]),
-                model=str(data["model"]),
-                replicas=int(data["replicas"]),
-                duration_s=float(data["duration_s"]),
-                name=str(data.get("name", "")),
-            )
-        except KeyError as exc:
-            raise InvalidPayload(f"batch job is missing field {exc.args[0]!r}") from exc
-
-    def applies_to(self, model: ModelSpec) -> bool:
-        return self.model in (model.name, model.key)
+PREDICTIVE = "predictive"
+REACTIVE = "reactive"
+MODES = (PREDICTIVE, REACTIVE)
 
 
 @dataclass(frozen=True)
@@ -78,33 +59,38 @@ class PlannerParams:
     """Mirror of `prewarm.core.settings.PlannerSettings` (the fields the pure planner reads)."""
 
     quantile: float = 0.9
-    headroom: float = 0.1
+    headroom: float = 0.0
     lead_margin_s: float = 10.0
     default_cold_start_s: float = 8.7
     stabilization_s: float = 300.0
     warm_pool_size: int | None = None
-    warm_pool_percent: float = 10.0
+    warm_pool_percent: float = 0.0
     budget_share: float = 0.12
-    bucket_s: float = 60.0
-    min_serving: int = 1  # never plan fewer serving replicas than this
-    peak_hold_s: float = 480.0  # the observed peak of this long ago still floors the need (bursts recur)
+    bucket_s: float = 60.0  # coarse buckets: the seasonal profile's history
+    fine_bucket_s: float = 10.0  # fine buckets: requests and peak in flight, what the nowcast reads
+    interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
+    min_serving: int = 1
+    queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a)
+    error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
+    score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
+    level_s: float = 60.0  # the nowcast's level: the mean of the last minute
+    phase_period_s: float = 600.0  # errors recurring at one phase of this period (on the clock) are calibrated apart
+    phase_span_s: float = 6 * 3600.0  # ... over this much history
+    profile_refit_s: float = 3600.0
+    history_s: float = 3 * 86400.0  # coarse history the profile is learned from
+    schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
     batch_jobs: tuple[BatchJob, ...] = ()
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
         """Build from the `planner` settings group."""
         return cls(
-            quantile=s.quantile,
-            headroom=s.headroom,
-            lead_margin_s=s.lead_margin_s,
-            default_cold_start_s=s.default_cold_start_s,
-            stabilization_s=s.stabilization_s,
-            warm_pool_size=s.warm_pool_size,
-            warm_pool_percent=s.warm_pool_percent,
-            budget_share=s.budget_share,
-            bucket_s=float(s.bucket_s),
+            quantile=s.quantile, headroom=s.headroom, lead_margin_s=s.lead_margin_s,
+            default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,
+            warm_pool_size=s.warm_pool_size, warm_pool_percent=s.warm_pool_percent, budget_share=s.budget_share,
+            bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
+            error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            peak_hold_s=float(s.peak_hold_s),
             min_serving=int(s.min_serving),
         )
 
@@ -115,7 +101,7 @@ class PlannerParams:
 
 @dataclass(frozen=True)
 class ReplicaCounts:
-    """The model's replicas now: serving ready, serving loading (incl. warming), warm pool."""
+    """The model's replicas now: serving ready, serving loading (incl. warming), warm pool (loading ones too)."""
 
     ready: int = 0
     loading: int = 0
@@ -126,33 +112,62 @@ class ReplicaCounts:
         return self.ready + self.loading
 
 
-@dataclass(frozen=True)
-class PlanContext:
+@dataclass(frozen=True, eq=False)
+class Observed:
+    """What the gateway counted per fine bucket, complete buckets only, oldest first."""
+
+    start: float  # epoch second of the first bucket
+    bucket_s: float
+    requests: np.ndarray  # requests per bucket
+    peak: np.ndarray  # peak requests in flight per bucket
+    busy: np.ndarray  # request-seconds of the requests that ended in the bucket (mean in flight x bucket_s)
+
+    @property
+    def inflight(self) -> np.ndarray:
+        """Mean requests in flight per bucket."""
+        return self.busy / self.bucket_s
+
+    @property
+    def end(self) -> float:
+        return self.start + self.requests.size * self.bucket_s
+
+
+@dataclass(frozen=True, eq=False)
+class StepInputs:
     model: ModelSpec
-    forecast: pd.DataFrame  # index: bucket start (epoch or trace seconds); columns "q0.5", "q0.9", ... req/s
-    replicas: ReplicaCounts
     now: float
+    observed: Observed
+    replicas: ReplicaCounts
     params: PlannerParams = field(default_factory=PlannerParams)
-    nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
     cold_start_p95_s: float | None = None  # measured; None: params.default_cold_start_s
-    recent_peak_rps: float = 0.0  # highest observed rate in the last params.peak_hold_s: a floor under demand
+    profile_history: tuple[float, float, np.ndarray] | None = None  # (start, bucket_s, req/s): only when refit_due
+    nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
 
 
 @dataclass(frozen=True)
 class PlannerState:
-    """Carried between calls: when need first fell below the live count, the last decision."""
+    """Carried between steps: the learned profile (refit every `profile_refit_s`) and the mode."""
 
-    below_since: float | None = None
-    last_kind: ScaleEventKind | None = None
-    last_at: float | None = None
+    profile: Profile | None = None
+    profile_at: float | None = None
+    mode: str = REACTIVE
+    mode_since: float | None = None
 
+    def to_json(self) -> str:
+        return json.dumps({
+            "profile": None if self.profile is None else
+            {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days},
+            "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
+        })
 
-@dataclass(frozen=True)
-class BucketNeed:
-    start: float
-    demand_rps: float  # the planning quantile of the forecast
-    need: int  # serving replicas needed in the bucket (batch jobs included)
-    batch: int = 0  # of which for batch jobs
+    @classmethod
+    def from_json(cls, raw: str | None) -> "PlannerState":
+        if not raw:
+            return cls()
+        d = json.loads(raw)
+        p = d.get("profile")
+        profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]))
+        return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"))
 
 
 @dataclass(frozen=True)
@@ -162,25 +177,47 @@ class DroppedEvent:
 
 
 @dataclass(frozen=True)
-class PlanResult:
+class Decision:
     events: tuple[ScaleEvent, ...]
     dropped: tuple[DroppedEvent, ...]
-    needs: tuple[BucketNeed, ...]
-    lead_s: float
+    target: int  # serving replicas wanted now
     pool_target: int
-    warm_share: float  # planned warm capacity beyond need / planned GPU time over the horizon
+    need_next: int  # serving replicas the next fine bucket needs (planning quantile)
+    need_lead: int  # the most the lead needs (planning quantile, batch jobs included)
+    lead_s: float
+    mode: str
+    forecast: Forecast
+    warm_share: float  # planned warm capacity beyond need, as a share (`warm_cost`)
+    schedule: tuple[tuple[float, int], ...] = ()  # later cluster targets already known: (due epoch s, replicas)
 
-    def serving_target(self, live: int, t: float) -> int:
-        """The serving count once every serving event due at or before `t` is carried out."""
-        target = live
-        for ev in self.events:
-            if ev.pool is not Pool.SERVING or ev.at > t:
-                continue
-            if ev.kind is ScaleEventKind.SCALE_UP:
-                target += ev.replicas
-            elif ev.kind is ScaleEventKind.SCALE_DOWN:
-                target -= ev.replicas
-        return target
+    @property
+    def cluster_target(self) -> int:
+        """Replicas the cluster should run: the serving target plus the warm pool."""
+        return self.target + self.pool_target
+
+
+# -- definitions shared by the planner, the gauges, the report and the simulator ---------------------------------
+
+def warm_cost(live: Any, need: Any) -> float:
+    """THE warm-cost definition: the share of replica-time above need, sum(max(live - need, 0)) / sum(live).
+
+    Scalars or per-second arrays; used by the planner (planned), the `warmup_cost_ratio`
+    gauge and `prewarm up` (live now) and the simulator's scoring (over a replay).
+    """
+    if isinstance(live, (int, float)) and isinstance(need, (int, float)):  # one moment: no arrays needed
+        return max(0.0, float(live) - float(need)) / float(live) if live > 0 else 0.0
+    lv = np.asarray(live, dtype=np.float64)
+    nd = np.broadcast_to(np.asarray(need, dtype=np.float64), lv.shape)
+    total = float(lv.sum())
+    return float(np.maximum(lv - nd, 0.0).sum()) / total if total > 0 else 0.0
+
+
+def replicas_needed(demand: float, per_replica: float, headroom: float = 0.0) -> int:
+    """ceil(demand / per-replica capacity x (1 + headroom)); no demand needs no replica."""
+    if not demand > 0:
+        return 0
+    # round away float noise (0.1 * 3 = 0.30000000000000004 must not round up to one more)
+    return int(math.ceil(round(demand / per_replica * (1.0 + headroom), 9)))
 
 
 def event_id(model: ModelSpec, kind: ScaleEventKind, bucket_start: float, pool: Pool) -> str:
@@ -189,65 +226,19 @@ def event_id(model: ModelSpec, kind: ScaleEventKind, bucket_start: float, pool: 
     return f"{kind.value}-{hashlib.sha1(raw.encode()).hexdigest()[:16]}"
 
 
-def replicas_needed(demand_rps: float, capacity_rps: float, headroom: float) -> int:
-    """ceil(demand / capacity x (1 + headroom)); no demand needs no replica."""
-    if not demand_rps > 0:
-        return 0
-    # round away float noise (e.g. 0.1 * 3 = 0.30000000000000004 must not round up to 1 more)
-    return int(math.ceil(round(demand_rps / capacity_rps * (1.0 + headroom), 9)))
-
-
-def _batch_extra(params: PlannerParams, model: ModelSpec, starts: Sequence[float], bucket_s: float) -> list[int]:
-    extra = [0] * len(starts)
-    if not starts:
-        return extra
-    lo, hi = starts[0], starts[-1] + bucket_s
-    for job in params.batch_jobs:
-        if not job.applies_to(model):
-            continue
-        it = croniter(job.cron, datetime.fromtimestamp(lo - job.duration_s, tz=timezone.utc))
-        while True:
-            fire = float(it.get_next(float))
-            if fire >= hi:
-                break
-            end = fire + job.duration_s
-            for i, s in enumerate(starts):
-                if s < end and s + bucket_s > fire:
-                    extra[i] += job.replicas
-    return extra
-
-
-def _needs(ctx: PlanContext) -> list[BucketNeed]:
-    p = ctx.params
-    col = p.column
-    if col not in ctx.forecast.columns:
-        raise InvalidPayload(
-            f"forecast has no column {col!r} for planning quantile {p.quantile}; columns: {list(ctx.forecast.columns)}"
-        )
-    if len(ctx.forecast) == 0:
-        raise InvalidPayload("forecast is empty: nothing to plan from")
-    starts = [float(s) for s in ctx.forecast.index]
-    demand = [float(v) for v in ctx.forecast[col].to_numpy()]
-    extra = _batch_extra(p, ctx.model, starts, p.bucket_s)
-    out = []
-    for s, d, b in zip(starts, demand, extra):
-        d = max(d, ctx.recent_peak_rps)  # what just happened may happen again: the peak hold
-        n = max(replicas_needed(d, ctx.model.capacity_rps, p.headroom), p.min_serving)
-        out.append(BucketNeed(start=s, demand_rps=d, need=n + b, batch=b))
-    return out
-
-
-def _place(nodes: tuple[NodeView, ...], model: ModelSpec, n: int, used: dict[str, int]) -> tuple[str, ...]:
-    """Pick a node for each of `n` replicas: snapshot holders first, then the least loaded."""
+def place(nodes: Iterable[NodeView], model_key: str, n: int, used: dict[str, int] | None = None) -> tuple[str, ...]:
+    """THE placement rule: a node for each of `n` replicas, snapshot holders first, then the least
+    loaded (live replicas over slots), then by name; `used` counts what earlier picks took."""
+    used = {} if used is None else used
+    pool = list(nodes)
     chosen: list[str] = []
     for _ in range(n):
         best: tuple[tuple[int, float, str], NodeView] | None = None
-        for node in nodes:
+        for node in pool:
             taken = used.get(node.name, 0)
             if not node.ready or node.free_slots - taken <= 0:
                 continue
-            load = (node.replicas + taken) / max(1, node.replica_slots)
-            key = (0 if model.key in node.snapshots else 1, load, node.name)
+            key = (0 if model_key in node.snapshots else 1, (node.replicas + taken) / max(1, node.replica_slots), node.name)
             if best is None or key < best[0]:
                 best = (key, node)
         if best is None:
@@ -257,142 +248,223 @@ def _place(nodes: tuple[NodeView, ...], model: ModelSpec, n: int, used: dict[str
     return tuple(chosen)
 
 
-def plan(ctx: PlanContext, state: PlannerState) -> tuple[PlanResult, PlannerState]:
-    """One planning round at `ctx.now`: the events to carry out, what was dropped, and why."""
-    p, m, now = ctx.params, ctx.model, ctx.now
-    lead = (ctx.cold_start_p95_s if ctx.cold_start_p95_s is not None else p.default_cold_start_s) + p.lead_margin_s
-    needs = _needs(ctx)
-    # the bucket in progress (or the first forecast one if the forecast starts later)
-    cur = 0
-    for i, b in enumerate(needs):
-        if b.start <= now:
-            cur = i
-    upcoming = needs[cur:]
-    need_now = upcoming[0].need
-    live = ctx.replicas.live
-    horizon_end = needs[-1].start + p.bucket_s
-    events: list[ScaleEvent] = []
-    extras: list[tuple[ScaleEvent, float]] = []  # (event, replica-seconds beyond need)
+# -- inputs, the same way for the live task and the simulator ----------------------------------------------------
 
-    def make(kind: ScaleEventKind, at: float, n: int, bucket: float, pool: Pool, reason: str) -> ScaleEvent:
-        return ScaleEvent(
-            event_id=event_id(m, kind, bucket, pool), kind=kind, model=m.name, revision=m.revision,
-            at=at, replicas=n, pool=pool, reason=reason,
-        )
+def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
+    """Whether this step relearns the seasonal profile (the caller then passes `profile_history`)."""
+    return state.profile_at is None or now - state.profile_at >= params.profile_refit_s
 
-    # 1. scale-ups, ready by each rise
-    planned = live
-    for b in upcoming:
-        if b.need > planned:
-            at = max(now, b.start - lead)
-            why = f"forecast {p.column}={b.demand_rps:.3g} req/s" + (f" + batch {b.batch}" if b.batch else "")
-            ev = make(ScaleEventKind.SCALE_UP, at, b.need - planned, b.start, Pool.SERVING,
-                      f"{why} needs {b.need} replicas from {b.start:.0f}; lead {lead:.1f} s")
-            events.append(ev)
-            extras.append((ev, ev.replicas * max(0.0, b.start - at)))
-            planned = b.need
 
-    # 2. scale-down after stabilization, or hold through a dip
-    new_state = state
-    if need_now < live:
-        below_since = state.below_since if state.below_since is not None else now
-        next_since: float | None = below_since
-        window_end = now + p.stabilization_s + lead
-        in_window = [b for b in upcoming if b.start < window_end]
-        future_max = max(b.need for b in in_window)
-        if future_max > need_now:
-            held = min(live, future_max) - need_now
-            rise_at = next(b.start for b in in_window if b.need == future_max)
-            ev = make(ScaleEventKind.HOLD, now, held, upcoming[0].start, Pool.SERVING,
-                      f"need falls to {need_now} but the forecast rises to {future_max} by {rise_at:.0f} "
-                      f"(within stabilization {p.stabilization_s:.0f} s + lead {lead:.1f} s): keep {held} warm")
-            events.append(ev)
-            extras.append((ev, held * max(p.bucket_s, rise_at - now)))
-        if now - below_since >= p.stabilization_s and future_max < live:
-            ev = make(ScaleEventKind.SCALE_DOWN, now, live - future_max, upcoming[0].start, Pool.SERVING,
-                      f"need {need_now} < live {live} for {now - below_since:.0f} s "
-                      f"(stabilization {p.stabilization_s:.0f} s); no rise above {future_max} within "
-                      f"{p.stabilization_s + lead:.0f} s")
-            events.append(ev)
-            next_since = None if future_max <= need_now else below_since
-        new_state = replace(state, below_since=next_since)
-    else:
-        new_state = replace(state, below_since=None)
+def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> float:
+    """How much fine history a step reads: the scored window (plus a day while no profile is learned,
+    for the seasonal-naive candidate)."""
+    base = max(params.score_window_s, params.phase_span_s) + lead_s + params.level_s + 2 * params.fine_bucket_s
+    return base + (DAY_S if state.profile is None else 0.0)
 
-    # 3. the fixed warm pool
+
+def observed_from_counts(start: float, bucket_s: float, requests: Sequence[float] | np.ndarray,
+                         peak: Sequence[float] | np.ndarray, busy: Sequence[float] | np.ndarray) -> Observed:
+    """The planner's view of the gateway's fine counters (missing buckets are zero traffic)."""
+    return Observed(float(start), float(bucket_s), np.asarray(requests, dtype=np.float64),
+                    np.asarray(peak, dtype=np.float64), np.asarray(busy, dtype=np.float64))
+
+
+def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
+    return (cold_start_p95_s if cold_start_p95_s is not None else params.default_cold_start_s) + params.lead_margin_s
+
+
+# -- the step -----------------------------------------------------------------------------------------------------
+
+def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
+    p = inp.params
+    if not refit_due(state, inp.now, p) or inp.profile_history is None:
+        return state
+    start, bucket, rates = inp.profile_history
+    return replace(state, profile=fit_profile(rates, start, bucket), profile_at=inp.now)
+
+
+def _mode(fc: Forecast, p: PlannerParams) -> str:
+    """The forecast-quality gate: predictive scale-downs only while recent forecasts were good."""
+    return PREDICTIVE if fc.error is not None and fc.error <= p.error_threshold else REACTIVE
+
+
+def _observed_need(inp: StepInputs, slots: int) -> int | None:
+    """The most replicas needed in the last `stabilization_s` (None: less history than that)."""
+    obs, p = inp.observed, inp.params
+    k = int(math.ceil(p.stabilization_s / obs.bucket_s))
+    if k == 0:
+        return 0  # no stabilization window: nothing observed holds capacity
+    if obs.peak.size < k:
+        return None
+    return replicas_needed(float(obs.peak[-k:].max()), slots, p.headroom)
+
+
+def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
+    """The replicas the load needed in the last bucket before `before` (a batch run's start): what
+    the run's replicas come on top of. Once the run is visible in the gateway's counters the
+    forecast holds its load, and the planner takes the larger, never the sum."""
+    obs = inp.observed
+    k = min(obs.busy.size, int(math.floor((before - obs.start) / obs.bucket_s)))
+    if k <= 0:
+        return 0
+    return replicas_needed(margin(float(obs.inflight[k - 1])), inp.model.slots, inp.params.headroom)
+
+
+def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None) -> tuple[int, str]:
+    p, live = inp.params, inp.replicas.live
+    target = max(need_lead, p.min_serving)
+    why = f"forecast needs {need_lead} within the lead"
+    if mode == REACTIVE and target < live:
+        floor = live if observed_need is None else max(observed_need, target)
+        if floor > target:
+            why = (f"reactive: {floor} observed within {p.stabilization_s:.0f} s" if observed_need is not None
+                   else "reactive: less history than the stabilization window")
+        target = min(live, floor)
+    return target, why
+
+
+def _budget(target: int, need_next: int, pool: int, live: int, p: PlannerParams) -> tuple[int, int, list[str]]:
+    """Trim warm capacity beyond `need_next` (holds and early scale-ups first, then the pool) to the budget.
+
+    Capacity already live and kept by the reactive fallback is not trimmed below `live`'s
+    share the forecast asked for; the budget caps what the forecast adds."""
+    notes: list[str] = []
+    if p.budget_share >= 1.0:
+        return target, pool, notes
+    base = max(need_next, p.min_serving)
+
+    def share(t: int, q: int) -> float:
+        return warm_cost(t + q, base)
+
+    while target > base and share(target, pool) > p.budget_share:
+        notes.append(f"budget: warm share {share(target, pool):.1%} > {p.budget_share:.0%}; one early/held replica cut")
+        target -= 1
+    while pool > 0 and share(target, pool) > p.budget_share:
+        notes.append(f"budget: warm share {share(target, pool):.1%} > {p.budget_share:.0%}; warm pool cut to {pool - 1}")
+        pool -= 1
+    return target, pool, notes
+
+
+def _pool_target(p: PlannerParams, need_next: int) -> int:
     if p.warm_pool_size is not None:
-        pool_target = p.warm_pool_size
-    elif p.warm_pool_percent > 0:
-        pool_target = max(1, math.ceil(round(p.warm_pool_percent / 100.0 * need_now, 9)))
-    else:
-        pool_target = 0
-    pool_events: list[ScaleEvent] = []
-    if ctx.replicas.warm < pool_target:
-        pool_events.append(make(ScaleEventKind.SCALE_UP, now, pool_target - ctx.replicas.warm, upcoming[0].start,
-                                Pool.WARM, f"warm pool {ctx.replicas.warm} < target {pool_target}"))
-    elif ctx.replicas.warm > pool_target:
-        pool_events.append(make(ScaleEventKind.SCALE_DOWN, now, ctx.replicas.warm - pool_target, upcoming[0].start,
-                                Pool.WARM, f"warm pool {ctx.replicas.warm} > target {pool_target}"))
+        return p.warm_pool_size
+    if p.warm_pool_percent > 0:
+        return max(1, math.ceil(round(p.warm_pool_percent / 100.0 * need_next, 9)))
+    return 0
 
-    # 4. the budget: warm capacity beyond need under budget_share of planned GPU time
-    span = max(p.bucket_s, horizon_end - now)
-    need_cost = sum(b.need * p.bucket_s for b in upcoming)
-    pool_cost = pool_target * span
-    extra_cost = pool_cost + sum(c for _, c in extras)
+
+def _events(inp: StepInputs, target: int, pool: int, need_next: int, need_lead: int, why: str,
+            lead: float) -> list[ScaleEvent]:
+    m, now, live, warm = inp.model, inp.now, inp.replicas.live, inp.replicas.warm
+    bucket = math.floor(now / inp.params.fine_bucket_s) * inp.params.fine_bucket_s
+
+    def make(kind: ScaleEventKind, n: int, pool_: Pool, reason: str) -> ScaleEvent:
+        return ScaleEvent(event_id=event_id(m, kind, bucket, pool_), kind=kind, model=m.name, revision=m.revision,
+                          at=now, replicas=n, pool=pool_, reason=reason)
+
+    out: list[ScaleEvent] = []
+    if target > live:
+        out.append(make(ScaleEventKind.SCALE_UP, target - live, Pool.SERVING, f"{why}; live {live}; lead {lead:.1f} s"))
+    elif target < live:
+        out.append(make(ScaleEventKind.SCALE_DOWN, live - target, Pool.SERVING,
+                        f"{why}: {target} of {live} live are enough over the next {lead:.1f} s"))
+    kept = min(live, target)
+    if need_lead > need_next and kept > need_next:
+        out.append(make(ScaleEventKind.HOLD, kept - max(need_next, inp.params.min_serving), Pool.SERVING,
+                        f"the next bucket needs {need_next} but {need_lead} within {lead:.1f} s: keep warm"))
+        if out[-1].replicas <= 0:
+            out.pop()
+    if warm < pool:
+        out.append(make(ScaleEventKind.SCALE_UP, pool - warm, Pool.WARM, f"warm pool {warm} < target {pool}"))
+    elif warm > pool:
+        out.append(make(ScaleEventKind.SCALE_DOWN, warm - pool, Pool.WARM, f"warm pool {warm} > target {pool}"))
+    return out
+
+
+def _placed(inp: StepInputs, events: list[ScaleEvent]) -> tuple[list[ScaleEvent], list[DroppedEvent]]:
+    if inp.nodes is None:
+        return events, []
+    used: dict[str, int] = {}
+    out: list[ScaleEvent] = []
     dropped: list[DroppedEvent] = []
+    for ev in events:
+        if ev.kind is not ScaleEventKind.SCALE_UP:
+            out.append(ev)
+            continue
+        nodes = place(inp.nodes, inp.model.key, ev.replicas, used)
+        if len(nodes) < ev.replicas:
+            missing = ev.replicas - len(nodes)
+            dropped.append(DroppedEvent(replace(ev, replicas=missing),
+                                        f"placement: no ready node with room for {missing} of {ev.replicas}"))
+        if nodes:
+            out.append(replace(ev, replicas=len(nodes), nodes=nodes))
+    return out, dropped
 
-    def share() -> float:
-        total = need_cost + extra_cost
-        return extra_cost / total if total > 0 else 0.0
 
-    # drop the costliest optional capacity first: holds, then the pool, replica by replica
-    for ev, cost in sorted(((e, c) for e, c in extras if e.kind is ScaleEventKind.HOLD), key=lambda x: -x[1]):
-        if share() <= p.budget_share:
-            break
-        before = share()
-        extra_cost -= cost
-        events.remove(ev)
-        dropped.append(DroppedEvent(ev, f"budget: warm capacity {before:.1%} of planned GPU time > "
-                                        f"{p.budget_share:.0%}; the hold costs {cost / 3600:.2f} replica-hours"))
-    kept_pool = pool_target
-    while kept_pool > 0 and share() > p.budget_share:
-        before = share()
-        kept_pool -= 1
-        extra_cost -= span
-        dropped.append(DroppedEvent(
-            make(ScaleEventKind.SCALE_UP, now, 1, upcoming[0].start, Pool.WARM, "warm pool replica"),
-            f"budget: warm capacity {before:.1%} of planned GPU time > {p.budget_share:.0%}; "
-            f"warm pool cut to {kept_pool}"))
-    if kept_pool != pool_target:
-        pool_events = []
-        if ctx.replicas.warm < kept_pool:
-            pool_events.append(make(ScaleEventKind.SCALE_UP, now, kept_pool - ctx.replicas.warm, upcoming[0].start,
-                                    Pool.WARM, f"warm pool {ctx.replicas.warm} < target {kept_pool} (budget)"))
-        elif ctx.replicas.warm > kept_pool:
-            pool_events.append(make(ScaleEventKind.SCALE_DOWN, now, ctx.replicas.warm - kept_pool, upcoming[0].start,
-                                    Pool.WARM, f"warm pool {ctx.replicas.warm} > target {kept_pool} (budget)"))
-        pool_target = kept_pool
-    events.extend(pool_events)
+def _schedule(inp: StepInputs, lead: float, forecast_need: int, base: int, pool: int) -> tuple[tuple[float, int], ...]:
+    """Later targets the planner already knows of: each batch run within the schedule horizon is due one
+    lead ahead of its start and ends with it (the forecast part held as now; the next step re-plans)."""
+    p = inp.params
+    times: set[float] = set()
+    for job in p.batch_jobs:
+        if not job.applies_to(inp.model):
+            continue
+        it = croniter(job.cron, datetime.fromtimestamp(inp.now + lead, tz=timezone.utc))
+        while True:
+            fire = float(it.get_next(float))
+            if fire > inp.now + lead + p.schedule_horizon_s:
+                break
+            times.update((fire - lead, fire + job.duration_s))
+    out = []
+    for t in sorted(times):
+        batch, _ = batch_replicas(p.batch_jobs, inp.model, t, t + lead + 1.0)
+        out.append((t, max(forecast_need, base + batch, p.min_serving) + pool))
+    return tuple(out)
 
-    # 5. placement of new replicas
-    if ctx.nodes is not None:
-        used: dict[str, int] = {}
-        placed: list[ScaleEvent] = []
-        for ev in events:
-            if ev.kind is not ScaleEventKind.SCALE_UP:
-                placed.append(ev)
-                continue
-            nodes = _place(ctx.nodes, m, ev.replicas, used)
-            if len(nodes) < ev.replicas:
-                missing = ev.replicas - len(nodes)
-                dropped.append(DroppedEvent(replace(ev, replicas=missing),
-                                            f"placement: no ready node with room for {missing} of {ev.replicas}"))
-            if nodes:
-                placed.append(replace(ev, replicas=len(nodes), nodes=nodes))
-        events = placed
 
-    events.sort(key=lambda e: (e.at, e.pool.value, e.kind.value))
-    if events:
-        new_state = replace(new_state, last_kind=events[0].kind, last_at=events[0].at)
-    result = PlanResult(tuple(events), tuple(dropped), tuple(needs), lead, pool_target, share())
-    return result, new_state
+def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
+    """One planning step at `inp.now` (see the module docstring for the order of decisions)."""
+    p, slots = inp.params, inp.model.slots
+    state = _learn(inp, state)
+    lead = lead_of(p, inp.cold_start_p95_s)
+    obs = inp.observed
+    h = lead_buckets(lead, obs.bucket_s)
+    kw = dict(horizon=h, quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
+              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
+              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s))
+    # the mean load in flight is what a replica's slots serve when the forecast of it is good;
+    # while it is not (bursts), the peaks are planned and released only reactively
+    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    mode = _mode(fc, p)
+    if mode == REACTIVE:
+        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
+    batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
+    margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
+    fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
+    fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
+    # a batch job adds its replicas to the load before it starts (the next bucket's forecast),
+    # unless the forecast already covers it: a job the forecaster has learned is not provisioned twice
+    base = _base_need(inp, fired, margin) if batch_lead else 0
+    need_next = max(fc_next, base + batch_next)
+    need_lead = max(fc_lead, need_next, base + batch_lead)
+    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, slots))
+    if batch_lead:
+        why += f" (batch jobs {batch_lead})"
+    pool = _pool_target(p, need_next)
+    budget_target, pool, notes = _budget(target, need_next, pool, inp.replicas.live, p)
+    dropped: list[DroppedEvent] = []
+    if budget_target < target or notes:
+        cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
+                         kind=ScaleEventKind.SCALE_UP, model=inp.model.name, revision=inp.model.revision, at=inp.now,
+                         replicas=max(1, target - budget_target), reason="warm capacity beyond need")
+        dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
+    target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
+    events = _events(inp, target, pool, need_next, need_lead, why, lead)
+    events, placement_dropped = _placed(inp, events)
+    if mode != state.mode:
+        state = replace(state, mode=mode, mode_since=inp.now)
+    schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, margin), pool) if p.batch_jobs else ()
+    decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
+                        mode, fc, warm_cost(target + pool, max(need_next, p.min_serving)), schedule)
+    return decision, state

@@ -122,6 +122,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(handler=_cmd_planner)
 
+    p = sub.add_parser("plan", help="run the planner once against the shared Redis and print each model's scale events")
+    p.add_argument("--dry-run", action="store_true",
+                   help="forecast-only: print the events the planner would emit now, per model, and change nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object per model")
+    p.set_defaults(handler=_cmd_plan)
+
     p = sub.add_parser("beat", help="run the one Celery beat (a second one waits as a standby)")
     p.add_argument("--schedule-file", help="beat state file (default: <agent.state_dir>/beat-schedule)")
     p.add_argument("--loglevel", default="INFO")
@@ -144,6 +150,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-s", type=float, default=None, metavar="S",
+                   help="replay only the first S seconds of the trace (say so when quoting figures)")
+    p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
+                   help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
+                        "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     _fleet_args(p)
@@ -222,6 +233,44 @@ def _cmd_planner(args: argparse.Namespace, settings: Settings) -> int:
     return run_planner(settings, loglevel=args.loglevel, metrics_port=args.metrics_port)
 
 
+def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
+    import json
+    import time
+
+    from workers.context import WorkerContext
+    from workers.planning.forecast import decide, forecast_and_plan
+
+    if not settings.redis.url:
+        raise SettingsError("PREWARM_REDIS_URL is not set: the planner reads the gateway's counters in the shared Redis")
+    if args.dry_run:
+        settings.planner.dry_run = True
+    ctx = WorkerContext.build(settings)
+    now = time.time()
+    if not args.dry_run:
+        for m in forecast_and_plan(ctx, now=now):
+            print(json.dumps({"model": m.model, "status": m.status, "mode": m.mode, "events": list(m.events),
+                              "new_events": list(m.new_events), "dropped": m.dropped}))
+        return 0
+    for spec, inp, d in decide(ctx, now=now):
+        fc = d.forecast
+        if args.json:
+            print(json.dumps({"model": spec.name, "revision": spec.revision, "mode": d.mode, "target": d.target,
+                              "live": inp.replicas.live, "lead_s": d.lead_s, "forecast_error": fc.error,
+                              "events": [e.to_payload() for e in d.events],
+                              "dropped": [{"event": x.event.to_payload(), "reason": x.reason} for x in d.dropped]}))
+            continue
+        err = "-" if fc.error is None else f"{fc.error:.1%}"
+        print(f"{spec.name}@{spec.revision}: {d.mode} mode (recent forecast error {err}), live {inp.replicas.live}, "
+              f"target {d.target} (+{d.pool_target} warm), lead {d.lead_s:.1f} s — dry run, nothing done")
+        for e in d.events or ():
+            print(f"  would {e.kind.value} {e.replicas} ({e.pool.value}): {e.reason}")
+        if not d.events:
+            print("  no event")
+        for x in d.dropped:
+            print(f"  dropped {x.event.kind.value} {x.event.replicas}: {x.reason}")
+    return 0
+
+
 def _cmd_keda_scaler(args: argparse.Namespace, settings: Settings) -> int:
     import logging
     import signal
@@ -257,8 +306,16 @@ def _cmd_flower(args: argparse.Namespace, settings: Settings) -> int:
 
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: Flower watches the shared broker")
+    argv = ["flower", f"--port={args.port}", f"--address={args.address}"]
+    auth = os.environ.get("FLOWER_BASIC_AUTH", "").strip()
+    if auth:
+        argv.append(f"--basic_auth={auth}")
+    elif args.address not in ("127.0.0.1", "localhost", "::1"):
+        # Flower can revoke tasks and shut workers down: never open it beyond this host unauthenticated
+        raise SettingsError(f"Flower on {args.address} needs FLOWER_BASIC_AUTH=user:password "
+                            "(comma-separated for several users), or --address 127.0.0.1")
     app = make_app(settings)
-    app.start(["flower", f"--port={args.port}", f"--address={args.address}"])
+    app.start(argv)
     return 0
 
 
@@ -277,13 +334,13 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
         settings.runtime.device = args.device
     from prewarm.core.errors import PermanentError
 
+    bind = args.host or settings.runtime.host
     try:
         host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
-                                  node=args.node)
-    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device
+                                  node=args.node, bind=bind)
+    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device, no token
         print(f"prewarm serve-model: {exc}", file=sys.stderr)
         return 2
-    bind = args.host or settings.runtime.host
     port = settings.runtime.port if args.port is None else args.port
 
     def announce(bound: int) -> None:
@@ -388,6 +445,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not _redis_unreachable(exc):
+            raise
+        print(f"prewarm {args.command}: Redis is unreachable ({exc}); check PREWARM_REDIS_URL and that Redis is up",
+              file=sys.stderr)
+        return 1
+
+
+def _redis_unreachable(exc: BaseException) -> bool:
+    """A Redis that cannot be reached at start is an operator's fix, not a 70-line traceback."""
+    import redis
+
+    from prewarm.core.errors import RegistryUnavailable
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RegistryUnavailable, redis.ConnectionError, redis.TimeoutError)):
+            return True
+        if type(exc).__module__.startswith("kombu") and "connect" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
@@ -453,7 +533,9 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
     from forecasting.data.traces import HistoryError, load_trace
 
     try:
-        trace = load_trace(args.trace[0])
+        trace: object = load_trace(args.trace[0])
+        if args.limit_s is not None:
+            trace = _head(trace, args.limit_s)
         params = SimParams(
             slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
             cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
@@ -461,6 +543,8 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
         )
         policies = [p.strip() for p in (args.policies or "reactive,fixed_pool,keepalive,prewarm,oracle").split(",")
                     if p.strip()]
+        if args.sweep:
+            return _sweep(args, settings, trace, params, policies)
         with progress_bar() as progress:
             out = run_backtest(trace, params, policies, progress=progress,
                                policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
@@ -476,6 +560,46 @@ def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
         print(f"plot written to {path}")
     if args.json:
         print(json.dumps(out["result"], default=float))
+    return 0
+
+
+def _head(trace: object, seconds: float) -> object:
+    """The first `seconds` of a trace (request or rate trace), with its source saying so."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    src = f"{getattr(trace, 'source', 'trace')} (first {seconds / 3600:g} h)"
+    if hasattr(trace, "t"):
+        t = np.asarray(trace.t)
+        keep = t - t[0] < seconds
+        ctx, gen = getattr(trace, "context_tokens", None), getattr(trace, "generated_tokens", None)
+        return replace(trace, t=t[keep], source=src,  # type: ignore[type-var]
+                       context_tokens=None if ctx is None else np.asarray(ctx)[keep],
+                       generated_tokens=None if gen is None else np.asarray(gen)[keep])
+    keep = np.asarray(trace.window_start_s) < seconds  # type: ignore[attr-defined]
+    return replace(trace, window_start_s=np.asarray(trace.window_start_s)[keep],  # type: ignore[type-var, attr-defined]
+                   rate=np.asarray(trace.rate)[keep], source=src)  # type: ignore[attr-defined]
+
+
+def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: object, policies: list[str]) -> int:
+    import json
+
+    from forecasting.sim.report import plot_sweep, progress_bar
+    from forecasting.sim.scoring import run_sweep
+
+    with progress_bar() as progress:
+        sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
+                          policy_kwargs={"prewarm": {"planner_settings": settings.planner}}, progress=progress)
+    print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
+    for pt in sweep["points"]:
+        knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
+        print(f"  {pt['policy']:<10} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
+              f"p99 {pt['ttft_p99_s']:.3f} s{'  (default)' if pt['default'] else ''}")
+    path = plot_sweep(sweep, args.sweep)
+    print(f"sweep plot written to {path}")
+    if args.json:
+        print(json.dumps(sweep, default=float))
     return 0
 
 

@@ -12,19 +12,19 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator
 
-import pandas as pd
+import numpy as np
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
+from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from prewarm.core.domain import ModelSpec, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core import keys
 from prewarm.adapters.k8s import KubeActuator
 from prewarm.registry.targets import read_target
 from prewarm.core.settings import KubernetesSettings, Settings
 from tests.k8s_double import KubeDouble
-from workers.planning.kubernetes import apply_target, cluster_target, events_for_executor
+from workers.planning.kubernetes import apply_target, cluster_target, events_for_executor, target_schedule
 from workers.context import WorkerContext
 from workers.app import make_app
 from workers.planning.forecast import forecast_and_plan
@@ -73,13 +73,15 @@ def test_with_a_cluster_the_agents_get_only_keep_warm_events() -> None:
     assert events_for_executor(KubernetesSettings(enabled=True), [up, hold]) == [hold]
 
 
-def test_cluster_target_counts_due_scale_ups_and_the_pool() -> None:
-    model = ModelSpec("m", "r1", capacity_rps=10.0)
-    fc = pd.DataFrame({"q0.5": [5.0, 5.0, 35.0, 35.0], "q0.9": [5.0, 5.0, 35.0, 35.0]}, index=[0.0, 60.0, 120.0, 180.0])
-    params = PlannerParams(warm_pool_size=1, budget_share=1.0, default_cold_start_s=20.0, lead_margin_s=10.0)
-    result, _ = plan(PlanContext(model, fc, ReplicaCounts(ready=1), now=0.0, params=params), PlannerState())
-    assert cluster_target(result, 1, now=0.0) == 1 + 1  # the rise at 120 s is not due yet; the pool is
-    assert cluster_target(result, 1, now=90.0) == 4 + 1  # due at 120 - 30 s lead
+def test_cluster_target_is_the_serving_target_plus_the_pool_and_goes_down_too() -> None:
+    model = ModelSpec("m", "r1", slots=8)
+    params = PlannerParams(warm_pool_size=1, budget_share=1.0)
+    y = np.full(400, 40.0)
+    inp = StepInputs(model, 1_700_004_000.0, observed_from_counts(1_700_000_000.0, 10.0, y, y, y * 10.0),
+                     ReplicaCounts(ready=12), params)
+    decision, _ = step(inp, PlannerState())
+    assert decision.target == 7 and cluster_target(decision) == 7 + 1  # below the 12 live: the plan releases
+    assert target_schedule(decision, 1_700_004_000.0) == [(1_700_004_000.0, 8)]
 
 
 # --- the live planning task against the double: `_apply_to_cluster` for real -------------------------

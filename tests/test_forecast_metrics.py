@@ -1,22 +1,21 @@
-"""The planner's exported ratios: warm cost and forecast error (pure parts)."""
+"""The one warm-cost definition (`forecasting.planner.warm_cost`), tested once: the planner, the
+`warmup_cost_ratio` gauge, `prewarm up` and the simulator's scoring all call it."""
 
 from __future__ import annotations
 
-import pandas as pd
+import numpy as np
 import pytest
 
-from workers.planning.forecast import forecast_error, warm_cost_ratio
+from forecasting.planner import warm_cost
 
 
 @pytest.mark.parametrize(("live", "need", "ratio"), [(0, 0, 0.0), (4, 4, 0.0), (5, 4, 0.2), (3, 5, 0.0), (10, 7, 0.3)])
-def test_warm_cost_ratio(live: int, need: int, ratio: float) -> None:
-    assert warm_cost_ratio(live, need) == pytest.approx(ratio)
+def test_warm_cost_of_one_moment(live: int, need: int, ratio: float) -> None:
+    assert warm_cost(live, need) == pytest.approx(ratio)
 
 
-def test_forecast_error_joins_on_buckets() -> None:
-    predicted = pd.Series({0.0: 2.0, 60.0: 4.0, 120.0: 9.0})  # the last bucket is not observed yet
-    actual = pd.Series({0.0: 1.0, 60.0: 5.0})
-    assert forecast_error(predicted, actual) == pytest.approx(2.0 / 6.0)  # |2-1| + |4-5| over max(6, 6)
-    assert forecast_error(pd.Series(dtype=float), actual) is None
-    assert forecast_error(pd.Series({0.0: 1.0}), pd.Series({0.0: 0.0})) == 1.0  # a forecast for a silent stretch
-    assert forecast_error(pd.Series({0.0: 0.0}), pd.Series({0.0: 0.0})) == 0.0
+def test_warm_cost_is_the_share_of_replica_time_above_need() -> None:
+    live = np.array([2, 2, 4, 4, 0])
+    need = np.array([1, 2, 5, 2, 0])
+    # above need: 1 + 0 + 0 + 2 + 0 = 3 replica-seconds of 12
+    assert warm_cost(live, need) == pytest.approx(3 / 12)

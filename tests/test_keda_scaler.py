@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
-import pandas as pd
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
+from forecasting.planner import (
+    BatchJob,
+    PlannerParams,
+    PlannerState,
+    ReplicaCounts,
+    StepInputs,
+    observed_from_counts,
+    step,
+)
 from prewarm.core import keys
 from prewarm.core.domain import ModelSpec
 from prewarm.registry.embedded import free_port
@@ -46,11 +53,12 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
-SPEC = ModelSpec(MODEL, "r1", capacity_rps=10.0)
-#: One rise to 4 replicas (35 req/s at 10 req/s each) between 120 s and 240 s, nothing before or after.
-DEMAND = [0.0, 0.0, 35.0, 35.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+SPEC = ModelSpec(MODEL, "r1", slots=8)
+#: One rise to 4 replicas between 120 s and 240 s past each hour (a batch job the planner knows of), nothing
+#: else; the schedule looks 10 minutes ahead.
 PARAMS = PlannerParams(warm_pool_size=0, budget_share=1.0, default_cold_start_s=20.0, lead_margin_s=10.0,
-                       min_serving=0, stabilization_s=0.0, peak_hold_s=0.0)
+                       min_serving=0, stabilization_s=0.0, schedule_horizon_s=600.0,
+                       batch_jobs=(BatchJob(cron="2 * * * *", model=MODEL, replicas=4, duration_s=120.0),))
 
 
 def keda_replicas(*, active: bool, metric: float, target: float, current: int, min_rc: int = 0,
@@ -70,13 +78,13 @@ def keda_replicas(*, active: bool, metric: float, target: float, current: int, m
     return min(max(desired, min_rc, 1), max_rc)
 
 
-def record_plan(client: "redis.Redis[str]", *, live: int, now: float, origin: float = 0.0) -> list[tuple[float, int]]:
-    """Plan with the real planner at `now` (DEMAND starts at `origin`) and write the target as `plan_model` does."""
-    start = origin + math.floor((now - origin) / 60.0) * 60.0
-    fc = pd.DataFrame({"q0.5": DEMAND, "q0.9": DEMAND}, index=[origin + 60.0 * i for i in range(len(DEMAND))])
-    fc = fc[fc.index >= start]
-    result, _ = plan(PlanContext(SPEC, fc, ReplicaCounts(ready=live), now=now, params=PARAMS), PlannerState())
-    schedule = target_schedule(result, live, now)
+def record_plan(client: "redis.Redis[str]", *, live: int, now: float, inflight: float = 0.0) -> list[tuple[float, int]]:
+    """Plan with the real planner at `now` (an hour of `inflight` requests in flight behind it; the batch
+    rise of PARAMS) and write the target as `plan_model` does."""
+    y = [inflight] * 360
+    observed = observed_from_counts(now - 3600.0, 10.0, y, y, [v * 10.0 for v in y])
+    decision, _ = step(StepInputs(SPEC, now, observed, ReplicaCounts(ready=live), PARAMS), PlannerState())
+    schedule = target_schedule(decision, now)
     client.hset(keys.last_forecast(MODEL), mapping={"status": "planned", "at": repr(now),
                                                     **schedule_fields(schedule, planned_at=now)})
     return schedule
@@ -124,8 +132,8 @@ def keda_round(stub: pb_grpc.ExternalScalerStub, current: int) -> int:
 def test_a_rise_and_a_fall_reach_keda_from_and_to_zero(
         scaler: tuple[pb_grpc.ExternalScalerStub, Clock], redis_client: "redis.Redis[str]") -> None:
     stub, clock = scaler
-    # t=0: nothing forecast before 120 s; the rise to 4 is due at 90 s (the 20 s cold start + 10 s margin ahead)
-    assert record_plan(redis_client, live=0, now=0.0) == [(0.0, 0), (90.0, 4)]
+    # t=0: nothing wanted before 120 s; the rise to 4 is due at 90 s (the 20 s cold start + 10 s margin ahead)
+    assert record_plan(redis_client, live=0, now=0.0) == [(0.0, 0), (90.0, 4), (240.0, 0)]
     replicas = 0
     clock.t = 10.0
     replicas = keda_round(stub, replicas)
@@ -188,7 +196,7 @@ def _scrape(port: int) -> dict[str, float]:
 def test_the_same_target_is_a_prometheus_gauge(redis_client: "redis.Redis[str]") -> None:
     """What prometheus-adapter (the HPA's External metric) or KEDA's Prometheus scaler reads."""
     now = time.time()
-    record_plan(redis_client, live=0, now=now, origin=now - 100.0)  # the rise (due at origin + 90 s) is due now
+    record_plan(redis_client, live=0, now=now, inflight=24.0)  # 24 in flight: 4 replicas of 8 slots wanted now
     metrics_port = free_port()
     stop = threading.Event()
     started = threading.Event()
@@ -208,7 +216,7 @@ def test_the_same_target_is_a_prometheus_gauge(redis_client: "redis.Redis[str]")
 
 def test_prewarm_keda_scaler_command_serves_keda(redis_url: str, redis_client: "redis.Redis[str]") -> None:
     now = time.time()
-    record_plan(redis_client, live=4, now=now, origin=now - 130.0)  # in the middle of the rise: 4 replicas
+    record_plan(redis_client, live=4, now=now, inflight=24.0)  # 4 replicas wanted
     port = free_port()
     env = {**os.environ, "PREWARM_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "prewarm.cli", "keda-scaler", "--port", str(port),

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecasting.forecast.models import QuantileForecaster
+from forecasting.planner import StepInputs
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.scoring import run_backtest, weighted_quantile
@@ -94,29 +94,17 @@ def test_draining_replica_finishes_its_requests() -> None:
     assert int(run.live[20]) == 2 and int(run.live[45]) == 1
 
 
-class _SpyForecaster:
-    """The real QuantileForecaster, recording the last bucket it was shown at each call."""
-
-    calls: list[tuple[str, float, float]] = []  # (method, last index, decision time)
-    now: float = 0.0
-
-    def __init__(self) -> None:
-        self.inner = QuantileForecaster(quantiles=(0.5, 0.9, 0.99), bucket_s=60.0, max_horizon=10, max_iter=20)
-
-    def fit(self, y: pd.Series) -> "_SpyForecaster":
-        self.calls.append(("fit", float(y.index[-1]), self.now))
-        self.inner.fit(y)
-        return self
-
-    def predict(self, y: pd.Series, horizon: int) -> pd.DataFrame:
-        self.calls.append(("predict", float(y.index[-1]), self.now))
-        return self.inner.predict(y, horizon)
-
-
 class _SpyPrewarm(Prewarm):
-    def _forecast(self, now: float) -> None:
-        _SpyForecaster.now = now
-        super()._forecast(now)
+    """The shipped policy, recording what each step was shown."""
+
+    seen: list[tuple[float, float, float]] = []  # (decision time, end of the fine buckets, end of the coarse ones)
+
+    def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
+        inp = super().inputs(now, ready, loading)
+        hist = inp.profile_history
+        coarse_end = hist[0] + hist[1] * hist[2].size if hist is not None else -1.0
+        self.seen.append((inp.now, inp.observed.end, coarse_end))
+        return inp
 
 
 def test_prewarm_never_sees_the_future() -> None:
@@ -125,14 +113,15 @@ def test_prewarm_never_sees_the_future() -> None:
                       source="spy")
     params = SimParams(seed=1)
     work = build_workload(trace, params)
-    _SpyForecaster.calls = []
-    policy = _SpyPrewarm(forecaster=_SpyForecaster, forecast_every_s=300.0)
+    policy = _SpyPrewarm()
+    _SpyPrewarm.seen = []
     run = replay(work, policy, params)
     assert run.ttft.size == work.arrivals.size  # type: ignore[union-attr]
-    assert {c[0] for c in _SpyForecaster.calls} == {"fit", "predict"}
-    for method, last_index, now in _SpyForecaster.calls:
-        # the last bucket shown ended at or before the decision time
-        assert last_index + 60.0 <= now + 1e-9, (method, last_index, now)
+    assert len(_SpyPrewarm.seen) == 360  # one step every interval_s (10 s), as the live beat
+    for now, fine_end, coarse_end in _SpyPrewarm.seen:
+        # every bucket shown ended at or before the decision time
+        assert fine_end <= now + 1e-9 and coarse_end <= now + 1e-9, (now, fine_end, coarse_end)
+    assert any(c != -1.0 for _, _, c in _SpyPrewarm.seen)  # the profile is learned from the coarse history
     env = PolicyEnv(work=work, params=params)
     view = env.past_counts(1234.5)
     assert view.size == 1234
@@ -213,39 +202,22 @@ def test_score_after_excludes_a_warm_up_for_every_policy() -> None:
         score(run, work, P, after_s=7200.0)
 
 
-@pytest.mark.parametrize("base,pool,plan_extra,share,expected", [
-    (4, 1, 3, 0.12, 0),  # 1 spare of 5 is 20% > 12%: neither pool nor forecast extra
-    (8, 1, 3, 0.12, 1),  # 1 of 9 is 11%: the pool fits, the forecast's extra does not
-    (30, 1, 3, 0.12, 4),  # 4 of 34 is 11.8%: pool first, then 3 of forecast extra
-    (30, 0, -2, 0.12, 0),  # the forecast below the floors adds nothing
-    (3, 2, 5, 1.0, 7),  # no budget
-])
-def test_prewarm_warm_budget(base: int, pool: int, plan_extra: int, share: float, expected: int) -> None:
-    from forecasting.sim.policies import budgeted_extra
-
-    assert budgeted_extra(base, pool, plan_extra, share) == expected
-    if share < 1 and expected:
-        assert expected / (base + expected) <= share
-
-
-def test_prewarm_peak_hold_keeps_capacity_between_bursts() -> None:
-    # a burst of 40 requests of 10 s (5 replicas' worth) every 400 s, idle between: the HPA
-    # drops the replicas after its 300 s window and pays a cold start at every burst; the
-    # peak hold (480 s) has seen the first burst and keeps them for the next ones
+def test_prewarm_keeps_capacity_between_recurring_bursts() -> None:
+    # a burst of 40 requests of 10 s (5 replicas' worth) every 200 s, idle between: bursts cannot be
+    # forecast, so the quality gate keeps scale-downs reactive, and the capacity the first burst
+    # needed is still there for the next ones (they recur within the stabilization window)
     times, gen = [0.0], [1.0]
-    for b in range(5):
-        times += [60.0 + 400.0 * b + i * 0.01 for i in range(40)]
+    for b in range(8):
+        times += [60.0 + 200.0 * b + i * 0.01 for i in range(40)]
         gen += [396.0] * 40
-    times.append(2100.0)
+    times.append(1700.0)
     gen.append(1.0)
     trace = RequestTrace(t=np.asarray(times), context_tokens=np.zeros(len(times)), generated_tokens=np.asarray(gen),
                          source="bursts")
     work = build_workload(trace, P)
-    later = work.arrivals >= 400.0  # type: ignore[operator]
-    reactive = replay(work, make_policy("reactive"), P)
-    assert (reactive.wait[later] > P.wait_threshold_s).sum() >= 4 * 32  # every later burst waits
-    prewarm = replay(work, make_policy("prewarm"), P)
-    assert (prewarm.wait[~later] > P.wait_threshold_s).sum() == 32  # the first burst is unforeseeable
+    later = work.arrivals >= 200.0  # type: ignore[operator]
+    policy = Prewarm(record=True)
+    prewarm = replay(work, policy, P)
+    assert (prewarm.wait[~later] > P.wait_threshold_s).sum() > 0  # the first burst is unforeseeable
     assert prewarm.wait[later].max() <= P.wait_threshold_s
-    no_hold = replay(work, make_policy("prewarm", peak_hold_s=0.0), P)
-    assert (no_hold.wait[later] > P.wait_threshold_s).sum() > 0
+    assert set(policy.modes) == {"reactive"}

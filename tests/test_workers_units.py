@@ -170,3 +170,25 @@ def test_worker_processes_never_import_torch() -> None:
             "workers.beat; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_live_counts_a_loading_warm_replica_counts_as_warm() -> None:
+    """Otherwise every plan while it loads would start another warm replica."""
+    from prewarm.core.domain import Replica, ReplicaState
+    from workers.planning.executor import live_counts
+
+    reps = [Replica("m", "r", "n", 0, state=ReplicaState.READY, pool=Pool.SERVING),
+            Replica("m", "r", "n", 1, state=ReplicaState.LOADING, pool=Pool.SERVING),
+            Replica("m", "r", "n", 2, state=ReplicaState.LOADING, pool=Pool.WARM),
+            Replica("m", "r", "n", 3, state=ReplicaState.READY, pool=Pool.WARM),
+            Replica("m", "r", "n", 4, state=ReplicaState.RETIRED, pool=Pool.WARM)]
+    assert live_counts(reps) == {"ready": 1, "loading": 1, "warm": 2}
+
+
+def test_placement_slots_follow_the_planners_rule_and_its_wish() -> None:
+    from workers.planning.nodes import pick_slots
+
+    nodes = [NodeSlots("a", 4, frozenset({0})), NodeSlots("b", 4, frozenset({0, 1, 2}))]
+    assert pick_slots(nodes, 3, wanted=("b",)) == [("b", 3), ("a", 1), ("a", 2)]
+    snap = {"b": frozenset({"m@r"})}
+    assert pick_slots(nodes, 1, model_key="m@r", snapshots=snap) == [("b", 3)]  # the snapshot holder first

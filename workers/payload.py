@@ -139,6 +139,12 @@ def parse_nothing(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     _bind(task, args, kwargs, (), 0)
 
 
+def parse_forecast(args: Sequence[Any], kwargs: Mapping[str, Any]) -> float | None:
+    """`forecast_and_plan` takes nothing, or the `now` to plan at (a replay driver's clock)."""
+    b = _bind("forecast_and_plan", args, kwargs, ("now",), 0)
+    return _number(b["now"], "now") if "now" in b and b["now"] is not None else None
+
+
 def parse_event_id(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     b = _bind(task, args, kwargs, ("event_id",), 1)
     value = b["event_id"]

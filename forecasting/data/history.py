@@ -23,16 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Literal, Protocol
 
 import numpy as np
 import pandas as pd
 
-from prewarm.core import keys
+from prewarm.core import http, keys
 from forecasting.data.traces import (
     HistoryError,
     HistoryUnavailable,
@@ -299,16 +297,16 @@ def load_prometheus(
     params = urllib.parse.urlencode({"query": query, "start": repr(float(start)), "end": repr(float(end)), "step": repr(float(step_s))})
     url = f"{base_url.rstrip('/')}/api/v1/query_range?{params}"
     where = f"Prometheus at {base_url}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = _prometheus_error(exc.read())
-        if exc.code >= 500 and exc.code != 422:
-            raise HistoryUnavailable(f"{where} failed ({exc.code}) on {query!r}: {detail}", retry_after=10.0) from exc
-        raise HistoryError(f"{where} rejected query {query!r} ({exc.code}): {detail}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise HistoryUnavailable(f"{where} unreachable: {getattr(exc, 'reason', exc)}", retry_after=10.0) from exc
+    try:  # the process's pooled client: the forecast loop queries the same Prometheus every round
+        resp = http.fetch("GET", url, timeout=timeout_s)
+    except OSError as exc:
+        raise HistoryUnavailable(f"{where} unreachable: {exc}", retry_after=10.0) from exc
+    body = resp.body
+    if resp.status >= 400:
+        detail = _prometheus_error(body)
+        if resp.status >= 500 and resp.status != 422:
+            raise HistoryUnavailable(f"{where} failed ({resp.status}) on {query!r}: {detail}", retry_after=10.0)
+        raise HistoryError(f"{where} rejected query {query!r} ({resp.status}): {detail}")
     try:
         doc = json.loads(body)
     except ValueError as exc:
@@ -353,3 +351,30 @@ def _prometheus_error(body: bytes) -> str:
         return f"{doc.get('errorType', 'error')}: {doc.get('error', body[:200])}"
     except ValueError:
         return repr(body[:200])
+
+
+def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
+                       resolution_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
+    request-seconds ended) per bucket whose start lies in [start, end); missing keys are 0.
+
+    What the planner reads every step (`forecasting.planner.observed_from_counts`); the
+    simulator builds the same arrays from a trace. Unreadable values count as 0.
+    """
+    first = math.floor(start / resolution_s) * resolution_s
+    starts = np.arange(first, end, resolution_s, dtype=np.int64) if end > first else np.empty(0, dtype=np.int64)
+    out = []
+    for key_of in (keys.requests, keys.inflight_peak, keys.busy):
+        names = [key_of(model, resolution_s, int(b)) for b in starts]
+        values = np.zeros(starts.size, dtype=np.float64)
+        for lo in range(0, len(names), MGET_CHUNK):
+            got = _redis_call(f"reading counters of {model!r}", client.mget, names[lo:lo + MGET_CHUNK])
+            for j, v in enumerate(got):
+                if v is None:
+                    continue
+                try:
+                    values[lo + j] = max(0.0, float(_text(v)))
+                except ValueError:
+                    continue
+        out.append(values)
+    return float(first), out[0], out[1], out[2]

@@ -18,19 +18,11 @@ which is handed the future on purpose: it is the reference, not a contender.
   times, and kept until the tail (99th percentile, +10%); otherwise it is kept alive for
   a fixed window (the paper's conservative fallback: the histogram range, 4 hours). The
   paper's ARIMA branch for idle times beyond the range is replaced by that fallback.
-- `prewarm`: this project's forecaster and planner on the history before each decision
-  (refit as history doubles, then every 2 days; forecasts every 15 minutes, plans every
-  minute), acting through the HPA: it raises the floor the HPA (15 s sync) may not go
-  below, like raising `minReplicas` ahead of a peak. The signal is the peak in-flight
-  demand (arrivals spread over the mean service time, from past arrivals only), planned
-  with every slot busy: bursts within a minute are what cause cold starts, and a mean
-  rate hides them (`signal="mean"` plans the mean rate at the HPA's target instead).
-  Three floors, the most of which is kept: the HPA; the peak hold (the replicas for the
-  highest in-flight second of the last `peak_hold_s`: LLM bursts go from idle to several
-  replicas within seconds, faster than a cold start, and recur within minutes); the
-  planner's serving target (a persistence forecast until the model has history). On top,
-  the planner's warm pool and the forecast's capacity above the first two floors, both
-  within the warm budget (`budgeted_extra`). See `Prewarm` for the why of each part.
+- `prewarm`: the shipped planner (`forecasting.planner.step`), called every `interval_s`
+  with inputs built from the counters a gateway would have recorded by then (requests and
+  peak requests in flight per fine bucket, the coarse rate for the seasonal profile),
+  exactly as the live `forecast_and_plan` builds them. Nothing else: no simulated HPA
+  floor, no peak hold; what the planner decides is what the replay keeps.
 - `oracle`: knows the instant-service need second by second; keeps what is needed within
   one cold start ahead. A loose lower bound on GPU time.
 """
@@ -43,11 +35,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
-import pandas as pd
-from threadpoolctl import threadpool_limits
 
-from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
+from forecasting.planner import (
+    Decision,
+    PlannerParams,
+    PlannerState,
+    ReplicaCounts,
+    StepInputs,
+    lead_of,
+    observed_from_counts,
+    recent_span_s,
+    refit_due,
+    step,
+)
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.workload import SimParams
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
@@ -211,248 +213,99 @@ class Oracle(Policy):
         return self._want[t] if t < len(self._want) else 0
 
 
-ForecasterFactory = Callable[[], Any]
-
-
-def budgeted_extra(base: int, pool: int, plan_extra: int, share: float) -> int:
-    """Replicas to add on top of `base` (the need the past showed): pool, then forecast extra.
-
-    Warm capacity beyond need may be at most `share` of the total, so on top of `base`
-    replicas at most floor(base x share / (1 - share)); the pool comes first (the planner
-    sized it against its own need), then the forecast's extra over `base` (`plan_extra`,
-    may be negative: nothing to add).
-    """
-    if share >= 1.0:
-        return pool + max(0, plan_extra)
-    allowed = int(math.floor(round(base * share / (1.0 - share), 9)))
-    kept_pool = min(pool, allowed)
-    return kept_pool + max(0, min(plan_extra, allowed - kept_pool))
-
-
-def default_forecaster(quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> Any:
-    from forecasting.forecast.models import QuantileForecaster
-
-    return QuantileForecaster(quantiles=quantiles, bucket_s=60.0, max_horizon=30)
-
-
 class Prewarm(Policy):
-    """Peak hold + forecast plan + budgeted warm pool, on the past only (module docstring).
+    """The shipped planner (`forecasting.planner.step`) on the counters a gateway would have recorded.
 
-    Each decision (every `sync_s`) takes the most of three serving floors and adds the pool:
-
-    1. the HPA's recommendation on the mean load (15 s sync, 300 s stabilization): what the
-       cluster's own autoscaler would keep anyway;
-    2. the peak hold: the replicas the highest per-second in-flight demand of the last
-       `peak_hold_s` needs with every slot busy. Request-level LLM traffic comes in bursts
-       that go from idle to several replicas' worth within seconds, faster than a cold
-       start, and recur within minutes: capacity dropped in a gap is paid back as a cold
-       start at the next burst. A mean rate, or the HPA's 300 s window on it, hides this;
-    3. the planner's serving target from the forecast of each bucket's peak demand
-       (quantile `planner.quantile`): scale-ups a lead ahead of forecast rises, holds
-       through forecast dips (the dynamic warmup trigger). Until the forecaster has
-       `min_history_buckets` of history the forecast is the persistence forecast (the
-       highest bucket peak seen so far, flat), so the plan and its pool run from t=0.
-
-    The planner keeps its own serving count (it plans against what it decided, not against
-    replicas the other floors added, which it would otherwise hold for another window).
-    The warm pool is the planner's (`warm_pool_size`, or `warm_pool_percent` of the planned
-    need, at least one), from t=0. The pool and the forecast's capacity above floors 1-2
-    are warm capacity beyond what the past showed was needed, so both are kept within the
-    budget (`budgeted_extra`: at most `budget_share` of the total): a service too small to
-    afford a whole spare replica has none and relies on the peak hold, and a forecaster
-    that over-predicts (a 90th percentile of a bursty per-minute peak is close to its
-    maximum) cannot run the bill up. Measured on the Azure code trace (1 h): without the
-    peak hold 2.8% of requests wait for a cold start; with it and without the budget on
-    the forecast's extra, 1.6x reactive's GPU time instead of 1.2x.
+    Every `interval_s` (the live beat period) it builds the step's inputs exactly as the
+    live `forecast_and_plan` does (`forecasting.planner.observed_from_counts` over the
+    complete fine buckets before now: requests and peak requests in flight; the coarse
+    request rates for the seasonal profile when a refit is due), with the replica counts
+    the replay has now, and keeps what the decision says: the serving target plus the warm
+    pool. No other floor: no simulated HPA, no peak hold. `record=True` keeps every
+    decision (the equivalence test compares them with the live path's).
     """
 
     name = "prewarm"
 
-    def __init__(self, planner: PlannerParams | None = None, forecaster: ForecasterFactory | None = None,
-                 sync_s: float = 5.0, plan_every_s: float = 60.0, forecast_every_s: float = 900.0,
-                 horizon_buckets: int = 30, min_history_buckets: int = 10, refit_max_s: float = 2 * 86400.0,
-                 target: float = 0.7, signal: str = "peak", history_s: float = 8 * 86400.0,
-                 planner_settings: Any = None, peak_quantile: float | None = None,
-                 peak_hold_s: float | None = None) -> None:
-        if planner is None and planner_settings is not None:
-            planner = PlannerParams.from_settings(planner_settings)
-        if peak_quantile is not None:
-            # plan another quantile of the bucket's peak than the settings' (0.5 was tried:
-            # cheaper, but it misses bursts on the Azure code trace)
-            planner = replace(planner or PlannerParams(), quantile=peak_quantile)
-        if signal not in ("peak", "mean"):
-            raise ValueError(f"signal must be 'peak' or 'mean', got {signal!r}")
-        if peak_hold_s is not None:
-            # the live planner's field (`planner.peak_hold_s`), overridden for this replay.
-            # 0 disables the peak hold. 480 s: on the Azure code trace 420-600 s all keep cold-start
-            # hits at 0.02% (360 s: 0.37%), and each minute more costs ~2% GPU time there
-            if peak_hold_s < 0:
-                raise ValueError(f"peak_hold_s must be >= 0, got {peak_hold_s}")
-            planner = replace(planner or PlannerParams(), peak_hold_s=peak_hold_s)
-        self.signal, self.history_s = signal, history_s
-        self.params = planner or PlannerParams()
-        self.peak_hold_s = self.params.peak_hold_s
-        if forecaster is None:
-            qs = tuple(sorted({0.5, 0.9, 0.99, self.params.quantile}))
-            forecaster = lambda: default_forecaster(qs)  # noqa: E731  (the planning quantile is predicted)
-        self.factory = forecaster
-        self.period_s, self.plan_every_s, self.forecast_every_s = sync_s, plan_every_s, forecast_every_s
-        self.horizon, self.min_hist, self.refit_max_s = horizon_buckets, min_history_buckets, refit_max_s
-        self.hpa = Reactive(target=target)  # the HPA keeps its own 15 s sync period
-        self.target = target
-        self.fits = 0
-        self.fit_errors: list[str] = []
-        self.clipped = 0  # forecasts clipped to max_over_seen x the highest bucket seen
-        self.max_over_seen = 2.0
+    def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, record: bool = False,
+                 **overrides: Any) -> None:
+        if planner is None:
+            planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
+        self.params = replace(planner, **overrides) if overrides else planner
+        self.period_s = self.params.interval_s
+        self.record = record
+        self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
+        self.modes: dict[str, int] = {}
 
     def start(self, env: PolicyEnv) -> int:
         self.env = env
-        b = self.params.bucket_s
-        # "mean": plan the bucket's mean rate at the HPA's target utilization;
-        # "peak": plan the bucket's peak in-flight demand (as req/s) with every slot busy
-        util = self.target if self.signal == "mean" else 1.0
-        cap = env.params.slots * util / env.work.mean_service_s
-        self.model = ModelSpec(name="trace", revision="replay", capacity_rps=cap,
-                               slots=env.params.slots)
-        self.rates: list[float] = []  # req/s per full bucket so far
-        S = env.work.mean_service_s
-        k = int(math.floor(S))
-        self.kernel = np.ones(k + 1)
-        self.kernel[-1] = S - k
-        self.conc = np.zeros(env.work.counts.size)  # in-flight estimate per past second
-        self.conc_n = 0
-        self.fitted: Any = None
-        self.fit_at_n = 0
-        self.fit_at_t = -math.inf
-        self.frame: pd.DataFrame | None = None
-        self.forecast_t = -math.inf
-        self.plan_t = -math.inf
-        self.plan_result: Any = None
+        w, p = env.work, self.params
+        fb, cb = int(p.fine_bucket_s), int(p.bucket_s)
+        peak = w.peak if w.peak is not None else w.counts * w.mean_service_s
+        nf = w.counts.size // fb
+        self.fine_req = w.counts[: nf * fb].reshape(nf, fb).sum(axis=1)
+        self.fine_peak = peak[: nf * fb].reshape(nf, fb).max(axis=1)
+        # busy seconds per fine bucket: estimated from the arrivals until the replay has observed the bucket
+        busy = w.busy if w.busy is not None else w.counts * w.mean_service_s
+        self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1).astype(np.float64)
+        nc = w.counts.size // cb
+        self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
+        self.epoch = w.start_epoch
+        self.slots = env.params.slots
+        self.model = ModelSpec(name="trace", revision="replay", slots=self.slots)
+        self.cold_p95 = cold_start_p95(env.params)
         self.state = PlannerState()
-        self.bucket = b
-        self.epoch = env.work.start_epoch
-        self.hpa_rec = self.hpa.start(env)
-        self.hpa_t = 0.0
-        self.hpa_load = 0.0
-        # t=0: no past yet; the first minute's load stands in for it, as for every policy
-        self.seed_peak = env.initial_load()
-        self.plan_serving = max(self.hpa_rec, self.params.min_serving)
         self.pool = 0
-        self._plan(0.0)
-        return max(self.hpa_rec, self._hold_need()) + self.pool
+        self.decisions = []
+        self.modes = {}
+        return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
 
-    def _update_conc(self, now: float) -> None:
-        """Extend the in-flight estimate (past arrivals spread over the mean service time)."""
-        past = self.env.past_counts(now)
-        n = past.size
-        if n <= self.conc_n:
-            return
-        k = self.kernel.size - 1
-        lo = max(0, self.conc_n - k)
-        seg = past[lo:n].astype(np.float64)
-        self.conc[self.conc_n : n] = np.convolve(seg, self.kernel)[: seg.size][self.conc_n - lo :]
-        self.conc_n = n
+    def _observe(self, obs: Observation) -> None:
+        """The bucket that just ended, as the gateway counts it: requests in flight include those waiting
+        for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
+        mean of busy + queued requests over the bucket, when decisions fall on the fine buckets."""
+        fb = self.params.fine_bucket_s
+        k = int(round(obs.now / fb)) - 1
+        if abs(obs.period_s - fb) < 1e-9 and abs(obs.now - (k + 1) * fb) < 1e-9 and 0 <= k < self.fine_busy.size:
+            self.fine_busy[k] = obs.load_mean * fb
 
-    def _hold_need(self) -> int:
-        """Replicas for the highest in-flight second within the last `peak_hold_s`, all slots busy."""
-        if self.peak_hold_s <= 0:
-            return 0
-        n = self.conc_n
-        peak = float(self.conc[max(0, n - int(self.peak_hold_s)) : n].max()) if n else self.seed_peak
-        return int(math.ceil(round(peak / self.env.params.slots, 9)))
-
-    def _update_history(self, now: float) -> None:
-        full = int(now // self.bucket)
-        if full > len(self.rates):
-            b = int(self.bucket)
-            lo, hi = len(self.rates) * b, full * b
-            if self.signal == "mean":
-                past = self.env.past_counts(now)
-                new = past[lo:hi].reshape(-1, b).sum(axis=1) / self.bucket
-            else:
-                # the bucket's peak in-flight (if served at once), as an equivalent req/s
-                new = self.conc[lo:hi].reshape(-1, b).max(axis=1) / self.env.work.mean_service_s
-            self.rates.extend(new.tolist())
-
-    def _series(self) -> pd.Series:
-        """Full buckets before now, indexed by epoch bucket start (the forecaster's calendar)."""
-        idx = self.epoch + np.arange(len(self.rates), dtype=np.float64) * self.bucket
-        return pd.Series(self.rates, index=idx, dtype=np.float64)
-
-    def _persistence(self, now: float) -> pd.DataFrame:
-        """Before the model can be fitted: the recent peak demand (the peak hold's), flat."""
-        if self.signal == "mean":
-            past = self.env.past_counts(now)
-            recent = past[-int(self.bucket):]
-            level = float(recent.mean()) if recent.size else self.seed_peak / self.env.work.mean_service_s
-        else:
-            n = self.conc_n
-            window = int(self.peak_hold_s) if self.peak_hold_s > 0 else int(self.bucket)
-            seen = float(self.conc[max(0, n - window) : n].max()) if n else self.seed_peak
-            level = seen / self.env.work.mean_service_s
-        first = self.epoch + math.floor(now / self.bucket) * self.bucket
-        idx = first + np.arange(self.horizon, dtype=np.float64) * self.bucket
-        cols = sorted({0.5, 0.9, 0.99, self.params.quantile})
-        return pd.DataFrame({f"q{q:g}": np.full(self.horizon, level) for q in cols}, index=idx)
-
-    def _forecast(self, now: float) -> None:
-        n = len(self.rates)
-        if n < self.min_hist:
-            self.frame = None
-            return
-        y = self._series()
-        keep = int(self.history_s // self.bucket)
-        # one thread: the boosting's OpenMP pool only contends on a shared machine
-        with threadpool_limits(1):
-            if self.fitted is None or n >= 2 * self.fit_at_n or now - self.fit_at_t >= self.refit_max_s:
-                self.fit_at_n, self.fit_at_t = n, now
-                try:
-                    self.fitted = self.factory().fit(y.iloc[-keep:])
-                    self.fits += 1
-                except ValueError as exc:
-                    # as a deployment would: keep the last model (or the persistence forecast) and say so
-                    self.fit_errors.append(f"t={now:.0f}s: {exc}")
-                    if self.fitted is None:
-                        self.frame = None
-                        return
-            frame = self.fitted.predict(y.iloc[-keep:], self.horizon)
-        # a guard a deployment needs too: a forecast above twice the highest demand ever
-        # seen is a model error (e.g. after outage gaps), not a plan; clip it and count it
-        bound = self.max_over_seen * max(self.rates)
-        if bound > 0 and float(frame.to_numpy().max()) > bound:
-            self.clipped += 1
-            frame = frame.clip(upper=bound)
-        self.frame = frame
-        self.forecast_t = now
-
-    def _plan(self, now: float) -> None:
-        """One planning round against the planner's own serving count; updates it and the pool."""
-        frame = self.frame if self.frame is not None else self._persistence(now)
-        ctx = PlanContext(self.model, frame, ReplicaCounts(ready=self.plan_serving, loading=0, warm=self.pool),
-                          self.epoch + now, self.params, cold_start_p95_s=self.env.params.cold_start_s)
-        self.plan_result, self.state = plan(ctx, self.state)
-        self.plan_live = self.plan_serving
-        self.pool = self.plan_result.pool_target
-        self.plan_t = now
+    def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
+        """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
+        p = self.params
+        fb, cb = p.fine_bucket_s, p.bucket_s
+        lead = lead_of(p, self.cold_p95)
+        nb = min(int(now // fb), self.fine_req.size)
+        lo = max(0, nb - int(math.ceil(recent_span_s(self.state, p, lead) / fb)))
+        observed = observed_from_counts(self.epoch + lo * fb, fb, self.fine_req[lo:nb], self.fine_peak[lo:nb],
+                                        self.fine_busy[lo:nb])
+        history = None
+        if refit_due(self.state, self.epoch + now, p):
+            nc = min(int(now // cb), self.coarse_rate.size)
+            lc = max(0, nc - int(p.history_s // cb))
+            history = (self.epoch + lc * cb, cb, self.coarse_rate[lc:nc])
+        live = ready + loading
+        warm = min(self.pool, live)
+        counts = ReplicaCounts(ready=max(0, ready - warm), loading=loading, warm=warm)
+        return StepInputs(self.model, self.epoch + now, observed, counts, p, self.cold_p95, history)
 
     def decide(self, obs: Observation) -> int:
-        now = obs.now
-        # the HPA floor: re-evaluated on its own sync period, on the load averaged over it
-        self.hpa_load += obs.load_mean * obs.period_s
-        if now - self.hpa_t >= self.hpa.period_s:
-            span = now - self.hpa_t
-            hobs = Observation(now, obs.ready, obs.loading, self.hpa_load / span, obs.arrivals, span)
-            self.hpa_rec = self.hpa.recommend(hobs, current=max(self.hpa_rec, 1))
-            self.hpa_t, self.hpa_load = now, 0.0
-        self._update_conc(now)
-        self._update_history(now)
-        if len(self.rates) >= self.min_hist and (self.frame is None or now - self.forecast_t >= self.forecast_every_s):
-            self._forecast(now)
-        if now - self.plan_t >= self.plan_every_s:
-            self._plan(now)
-        self.plan_serving = max(0, self.plan_result.serving_target(self.plan_live, self.epoch + now))
-        base = max(self.hpa_rec, self._hold_need())
-        return base + budgeted_extra(base, self.pool, self.plan_serving - base, self.params.budget_share)
+        self._observe(obs)
+        inputs = self.inputs(obs.now, obs.ready, obs.loading)
+        decision, self.state = step(inputs, self.state)
+        self.pool = decision.pool_target
+        self.modes[decision.mode] = self.modes.get(decision.mode, 0) + 1
+        if self.record:
+            self.decisions.append((obs.now, inputs.replicas, decision))
+        return decision.target + decision.pool_target
+
+
+def cold_start_p95(params: SimParams) -> float:
+    """The cold-start p95 of the replay's replica model (what the live registry measures)."""
+    if params.cold_start_cv <= 0:
+        return params.cold_start_s
+    sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))
+    mu = math.log(params.cold_start_s) - sigma**2 / 2
+    return float(math.exp(mu + 1.6448536269514722 * sigma))
 
 
 def make_policy(name: str, **kw: Any) -> Policy:

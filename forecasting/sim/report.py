@@ -113,3 +113,40 @@ def print_table(result: Mapping[str, Any]) -> None:
                       f"{s['cold_start_share']:.3%}", f"{s['gpu_hours']:.2f}", ratio(s.get("gpu_hours_vs_reactive")),
                       ratio(s.get("gpu_hours_vs_oracle")), f"{s['warm_cost_ratio']:.1%}", str(s["cold_starts"]))
     console.print(table)
+
+
+def plot_sweep(sweep: Mapping[str, Any], out: str | Path, title: str = "") -> Path:
+    """GPU-hours (vs reactive's default) against cold-start hits, one curve per policy, defaults marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for pt in sweep["points"]:
+        by.setdefault(pt["policy"], []).append(pt)
+    floor = 1e-5  # a share of 0 is drawn at this floor on the log axis
+    for name, pts in by.items():
+        pts = sorted(pts, key=lambda p: p["gpu_hours_vs_reactive"])
+        x = [p["gpu_hours_vs_reactive"] for p in pts]
+        y = [max(floor, p["cold_start_share"]) for p in pts]
+        line, = ax.plot(x, y, marker="o", ms=4, lw=1.2, label=name)
+        for p, xi, yi in zip(pts, x, y):
+            if p["knob"]:
+                ax.annotate(f"{p['value']:g}", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            if p["default"]:
+                ax.plot([xi], [yi], marker="*", ms=12, color=line.get_color(), mec="k", mew=0.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPU-hours vs reactive (default)")
+    ax.set_ylabel(f"cold-start hits (share of requests; 0 drawn at {floor:g})")
+    knobs = ", ".join(sorted({f"{p['policy']}: {p['knob']}" for p in sweep["points"] if p["knob"]}))
+    ax.set_title(title or f"{Path(str(sweep['trace'])).name}: the cost/cold-start frontier (stars: defaults)\n{knobs}",
+                 fontsize=9)
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from forecasting.planner import warm_cost
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 
@@ -40,14 +41,13 @@ def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.
         (run.wait > params.wait_threshold_s).sum())
     live = run.live.astype(np.float64)
     need = work.need[: live.size].astype(np.float64)
-    live_sum = float(live.sum())
     return {
         "ttft_p50_s": weighted_quantile(run.ttft, w, 0.5),
         "ttft_p99_s": weighted_quantile(run.ttft, w, 0.99),
         "ttft_p999_s": weighted_quantile(run.ttft, w, 0.999),
         "cold_start_share": hits / total if total else 0.0,
         "gpu_hours": run.gpu_s / 3600.0,
-        "warm_cost_ratio": float(np.maximum(live - need, 0).sum()) / live_sum if live_sum else 0.0,
+        "warm_cost_ratio": warm_cost(live, need),
         "cold_starts": int(run.starts),
     }
 
@@ -94,8 +94,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         runs[name] = run
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
         if isinstance(policy, Prewarm):
-            scores[name] |= {"forecaster_fits": policy.fits, "forecaster_errors": list(policy.fit_errors),
-                             "forecasts_clipped": policy.clipped}
+            scores[name] |= {"planner_modes": dict(policy.modes)}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
@@ -113,3 +112,45 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         "policies": scores,
     }
     return {"result": out, "runs": runs, "work": work}
+
+
+#: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
+SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
+    "reactive": ("target", (0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
+    "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
+    "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
+}
+
+
+def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
+              knobs: dict[str, tuple[str, tuple[float, ...], float]] | None = None,
+              policy_kwargs: dict[str, dict[str, Any]] | None = None,
+              progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+    """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
+
+    Returns `{"trace", "reactive_gpu_hours", "points": [{policy, knob, value, default, gpu_hours,
+    gpu_hours_vs_reactive, cold_start_share, ttft_p99_s}]}`; the oracle is one point.
+    """
+    knobs = SWEEP_KNOBS if knobs is None else knobs
+    work = build_workload(trace, params)
+    base_gpu: float | None = None
+    points: list[dict[str, Any]] = []
+    for name in policies:
+        knob, values, default = knobs.get(name, ("", (float("nan"),), float("nan")))
+        for v in values:
+            kw = dict((policy_kwargs or {}).get(name, {}))
+            if knob:
+                kw[knob] = v
+            cb = (lambda f, n=f"{name} {knob}={v:g}": progress(n, f)) if progress is not None else None
+            s = score(replay(work, make_policy(name, **kw), params, cb), work, params)
+            if name == "reactive" and v == default:
+                base_gpu = s["gpu_hours"]
+            points.append({"policy": name, "knob": knob, "value": v, "default": bool(v == default or not knob),
+                           "gpu_hours": s["gpu_hours"], "cold_start_share": s["cold_start_share"],
+                           "ttft_p99_s": s["ttft_p99_s"]})
+    if base_gpu is None:
+        base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
+    for pt in points:
+        pt["gpu_hours_vs_reactive"] = pt["gpu_hours"] / base_gpu if base_gpu else None
+    return {"trace": work.source, "reactive_gpu_hours": base_gpu, "points": points}

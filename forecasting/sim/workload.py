@@ -71,14 +71,16 @@ class Workload:
     service: np.ndarray | None = None
     notes: tuple[str, ...] = ()
     start_epoch: float = 0.0  # epoch second of t == 0 (calendar features of the forecaster)
+    peak: np.ndarray | None = None  # peak requests in flight per second if served at once (what a gateway counts)
+    busy: np.ndarray | None = None  # request-seconds of the requests ending in each second (a gateway's busy time)
 
     @property
     def n_requests(self) -> float:
         return float(self.counts.sum())
 
 
-def _instant_need_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int, slots: int) -> np.ndarray:
-    """Per second, ceil(max in-flight requests / C) if every request started on arrival."""
+def _instant_peak_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int) -> np.ndarray:
+    """Per second, the most requests in flight if every request started on arrival."""
     times = np.concatenate([arrivals, arrivals + service])
     delta = np.concatenate([np.ones(arrivals.size), -np.ones(arrivals.size)])
     order = np.lexsort((delta, times))  # ends before starts at equal times
@@ -93,16 +95,15 @@ def _instant_need_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int,
     idx = np.where(np.isnan(carried), 0, np.arange(seconds))
     np.maximum.accumulate(idx, out=idx)
     carried = np.nan_to_num(carried[idx])
-    return np.ceil(np.maximum(peak, carried) / slots).astype(np.int64)
+    return np.maximum(peak, carried)
 
 
-def _instant_need_fluid(counts: np.ndarray, service_s: float, slots: int) -> np.ndarray:
-    """Per second, ceil(in-flight / C) with in-flight = arrivals spread over the service time."""
+def _instant_peak_fluid(counts: np.ndarray, service_s: float) -> np.ndarray:
+    """Per second, in-flight requests = arrivals spread over the service time."""
     whole = int(math.floor(service_s))
     kernel = np.ones(whole + 1)
     kernel[-1] = service_s - whole
-    conc = np.convolve(counts.astype(np.float64), kernel)[: counts.size]
-    return np.ceil(np.round(conc, 9) / slots).astype(np.int64)
+    return np.round(np.convolve(counts.astype(np.float64), kernel)[: counts.size], 9)
 
 
 def build_workload(trace: object, params: SimParams) -> Workload:
@@ -179,12 +180,19 @@ def _exact(source: str, duration: float, t: np.ndarray, prefill: np.ndarray, ser
            params: SimParams, notes: list[str]) -> Workload:
     seconds = int(duration)
     counts = np.bincount(np.minimum(t.astype(np.int64), seconds - 1), minlength=seconds).astype(np.float64)
-    need = _instant_need_exact(t, service, seconds, params.slots)
+    peak = _instant_peak_exact(t, service, seconds)
+    need = np.ceil(peak / params.slots).astype(np.int64)
+    ends = np.minimum((t + service).astype(np.int64), seconds - 1)
+    busy = np.bincount(ends, weights=service, minlength=seconds).astype(np.float64)
     return Workload(source, duration, counts, need, float(prefill.mean()), float(service.mean()), False,
-                    t, prefill, service, tuple(notes))
+                    t, prefill, service, tuple(notes), peak=peak, busy=busy)
 
 
 def _fluid(source: str, duration: float, counts: np.ndarray, prefill_m: float, service_m: float,
            params: SimParams, notes: list[str]) -> Workload:
-    need = _instant_need_fluid(counts, service_m, params.slots)
-    return Workload(source, duration, counts, need, prefill_m, service_m, True, notes=tuple(notes))
+    peak = _instant_peak_fluid(counts, service_m)
+    need = np.ceil(peak / params.slots).astype(np.int64)
+    lag = int(math.floor(service_m))
+    busy = np.concatenate([np.zeros(lag), counts[: counts.size - lag]]) * service_m
+    return Workload(source, duration, counts, need, prefill_m, service_m, True, notes=tuple(notes), peak=peak,
+                    busy=busy)

@@ -45,12 +45,30 @@ HEARTBEATS = f"{PREFIX}:heartbeats"
 
 #: Stream of every state transition (audit trail and metrics source), capped at EVENTS_MAXLEN.
 EVENTS = f"{PREFIX}:events"
+# Hash {seen, since} in Redis's own clock: when the registry last saw a heartbeat or a reap, and
+# since when it has seen them without a gap (a Redis stall or restart resets `since`; the reaper
+# waits a heartbeat TTL past it, so agents alive through the stall heartbeat before any reap).
+REGISTRY_ACTIVITY = f"{PREFIX}:registry:activity"
 EVENTS_MAXLEN = 100_000
 
 # --- gateway ------------------------------------------------------------------------------
 #: Counter of user requests for a model in one time bucket: history for the forecaster.
 def requests(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:requests:{model}:{resolution_s}:{bucket_start}"
+
+
+#: Peak user requests in flight for a model in one fine bucket (the planner's burst signal).
+def inflight_peak(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:inflight:{model}:{resolution_s}:{bucket_start}"
+
+
+#: Request-seconds of the user requests of a model that ended in one fine bucket (its mean load x bucket).
+def busy(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:busy:{model}:{resolution_s}:{bucket_start}"
+
+
+#: The resolution (seconds) of the in-flight peak and busy-time counters: the planner's fine buckets.
+FINE_RESOLUTION_S = 10
 
 
 #: Set of model names the gateway has counted requests for.
@@ -74,8 +92,12 @@ DEMAND_TTL_S = 3600
 
 # --- agent and planner ----------------------------------------------------------------------
 #: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
-def baseline(model: str, node_class: str) -> str:
-    return f"{PREFIX}:baseline:{model}:{node_class}"
+def baseline(model: str, node_class: str, revision: str = "") -> str:
+    return f"{PREFIX}:baseline:{model}@{revision}:{node_class}" if revision else f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+# A baseline is re-measured after this long: hardware, drivers and the runtime change under it.
+BASELINE_TTL_S = 7 * 86400
 
 
 #: List of recent cold-start durations (seconds) of a model, newest first, capped at LOADTIMES_KEEP.

@@ -34,6 +34,7 @@ EXPORTED = (
     "prewarm_actual_requests",
     "prewarm_forecast_timestamp_seconds",
     "prewarm_forecast_error_ratio",
+    "prewarm_planner_mode",
     "prewarm_planned_events_total",
     "prewarm_dropped_events_total",
     "prewarm_validation_results_total",
@@ -108,7 +109,7 @@ class Metrics:
         )
         self.warmup_cost_ratio = Gauge(
             "warmup_cost_ratio",
-            "Warm GPU time (pool, early prewarms, holds) divided by total GPU time",
+            "Share of replica-time above need (forecasting.planner.warm_cost)",
             ["model"],
             registry=registry,
         )
@@ -138,8 +139,14 @@ class Metrics:
         )
         self.forecast_error = Gauge(
             "prewarm_forecast_error_ratio",
-            "Relative absolute error of the p50 forecast over the last hour",
+            "Relative MAE of the median forecast at the lead over the scored window (the planner's quality gate)",
             ["model"],
+            registry=registry,
+        )
+        self.planner_mode = Gauge(
+            "prewarm_planner_mode",
+            "1 for the planner's active mode per model: predictive, or reactive (scale-downs) while forecasts are poor",
+            ["model", "mode"],
             registry=registry,
         )
         self.planned_events = Counter(

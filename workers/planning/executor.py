@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import redis
 from celery import Celery
@@ -39,7 +39,7 @@ from prewarm.core.domain import LIVE_STATES, NodeView, Replica, ReplicaState, Sc
 from prewarm.core.errors import InvalidPayload
 from workers import names
 from workers.context import WorkerContext
-from workers.planning.nodes import NodeSlots, choose_placement, live_nodes
+from workers.planning.nodes import live_nodes, pick_slots
 
 log = logging.getLogger("prewarm.planner.executor")
 
@@ -102,6 +102,12 @@ def _requeue(ctx: WorkerContext, event_id: str, *, now: float, error: BaseExcept
     ctx.metrics.dropped_events.labels(model, "enqueue_failed").inc()
 
 
+def task_id(event_id: str, task: str, replica_id: str = "") -> str:
+    """The id of the task an event causes, derived from the event (as arq derives job ids): an event
+    sent twice is the same task twice, and a node task settled once (`keys.task_done`) is not redone."""
+    return f"{event_id}/{task}/{replica_id}" if replica_id else f"{event_id}/{task}"
+
+
 def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
     """Send `apply_scale_event` for every event due at `now`; each is claimed by exactly one dispatcher.
 
@@ -114,7 +120,7 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
         if claim(keys=[keys.PLANNED_EVENTS, keys.planned_event(event_id)], args=[event_id, now, now + _lease_s(ctx)]) != 1:
             continue  # another dispatcher claimed it
         try:
-            app.send_task(names.APPLY_EVENT, args=[event_id])
+            app.send_task(names.APPLY_EVENT, args=[event_id], task_id=task_id(event_id, names.APPLY_EVENT))
         except ENQUEUE_ERRORS as exc:
             _requeue(ctx, event_id, now=now, error=exc)
             break
@@ -123,7 +129,7 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
 
 
 def node_views(ctx: WorkerContext) -> tuple[NodeView, ...]:
-    """The planner's view of the live nodes, for `PlanContext.nodes`."""
+    """The planner's view of the live nodes, for `StepInputs.nodes`."""
     views = []
     for ns in live_nodes(ctx):
         info = ctx.client.hgetall(keys.node_info(ns.node))
@@ -133,34 +139,18 @@ def node_views(ctx: WorkerContext) -> tuple[NodeView, ...]:
     return tuple(views)
 
 
-def _pick_slots(nodes: list[NodeSlots], wanted: Sequence[str], n: int) -> list[tuple[str, int]]:
-    """`n` (node, slot) pairs: the planner's placement first where it still fits, then most free slots."""
-    table = {ns.node: ns for ns in nodes}
-    chosen: list[tuple[str, int]] = []
-    for i in range(n):
-        pick: tuple[str, int] | None = None
-        if i < len(wanted) and wanted[i] in table and table[wanted[i]].free:
-            pick = (wanted[i], table[wanted[i]].free[0])
-        else:
-            pick = choose_placement(table.values())
-        if pick is None:
-            break
-        node, slot = pick
-        table[node] = NodeSlots(node, table[node].slots, table[node].used | {slot})
-        chosen.append(pick)
-    return chosen
-
-
 def _ready_of(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
+    """The ready replicas an event may pick, in its order: SCALE_DOWN retires the newest, HOLD keeps the
+    oldest warm — opposite ends, so a hold and a scale-down of one decision never pick the same replica."""
     recs = [r for r in ctx.registry.replicas_of(ev.model)
             if r.state is ReplicaState.READY and r.pool is ev.pool and r.revision == ev.revision]
-    return sorted(recs, key=lambda r: r.created_at, reverse=True)
+    return sorted(recs, key=lambda r: r.created_at, reverse=ev.kind is ScaleEventKind.SCALE_DOWN)
 
 
 def hold_until(ctx: WorkerContext, ev: ScaleEvent) -> float:
     """A HOLD keeps replicas warm for two planning periods; the next plan renews it if still needed."""
     p = ctx.settings.planner
-    return ev.at + 2 * max(p.interval_s, float(p.bucket_s))
+    return ev.at + 2 * max(p.interval_s, float(p.fine_bucket_s))
 
 
 def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
@@ -181,15 +171,17 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
     try:
         for rid in chosen:  # the same ids again on a re-apply: each task is idempotent
             if ev.kind is ScaleEventKind.SCALE_UP:
-                app.send_task(names.PREWARM, args=[rid, ev.pool.value, None])
+                app.send_task(names.PREWARM, args=[rid, ev.pool.value, None],
+                              task_id=task_id(event_id, names.PREWARM, rid))
             elif ev.kind is ScaleEventKind.SCALE_DOWN:
-                app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]])
+                app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]],
+                              task_id=task_id(event_id, names.RETIRE, rid))
             else:
                 until = hold_until(ctx, ev)
                 # the hold itself, for whoever keeps this replica warm: its agent (the task below) or,
                 # for a Kubernetes pod no agent hosts, the pod warmer's keep-alive loop
                 ctx.client.set(keys.keep_warm(rid), repr(until), exat=int(until) + 1)
-                app.send_task(names.KEEP_WARM, args=[rid, until])
+                app.send_task(names.KEEP_WARM, args=[rid, until], task_id=task_id(event_id, names.KEEP_WARM, rid))
     except ENQUEUE_ERRORS as exc:
         _requeue(ctx, event_id, now=ctx.clock(), error=exc)
         return Applied(event_id, ev.kind, tuple(chosen), "enqueue_failed")
@@ -210,19 +202,23 @@ def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
     if ev.replicas < 0:
         raise InvalidPayload(f"scale event {ev.event_id} asks for {ev.replicas} replicas")
     if ev.kind is ScaleEventKind.SCALE_UP:
-        slots = _pick_slots(live_nodes(ctx), ev.nodes, ev.replicas)
+        slots = pick_slots(live_nodes(ctx), ev.replicas, wanted=ev.nodes, model_key=f"{ev.model}@{ev.revision}")
         return [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
     return [r.id for r in _ready_of(ctx, ev)[: ev.replicas]]
 
 
 def live_counts(replicas: Iterable[Replica]) -> dict[str, int]:
-    """Ready / loading / warm counts of a model's replicas (the planner's `ReplicaCounts` fields)."""
+    """Ready / loading / warm counts of a model's replicas (the planner's `ReplicaCounts` fields).
+
+    A warm-pool replica counts as warm while it is still loading too: otherwise each new
+    plan would start another while the first one loads."""
     out = {"ready": 0, "loading": 0, "warm": 0}
     for r in replicas:
         if r.state not in LIVE_STATES:
             continue
         if r.pool.value == "warm":
-            out["warm"] += r.state is ReplicaState.READY
+            out["warm"] += r.state in (ReplicaState.READY, ReplicaState.PENDING, ReplicaState.LOADING,
+                                       ReplicaState.WARMING)
         elif r.state is ReplicaState.READY:
             out["ready"] += 1
         elif r.state in (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING):

@@ -2,8 +2,8 @@
 
 With `planner.fleet_budget_gb` set, `forecast_and_plan` runs this instead of planning each
 model alone:
-1. history: each model's complete buckets from the gateway's counters (the same reader as
-   the per-model loop), aligned into one ``counts[bucket, model]`` matrix;
+1. history: each model's complete buckets from the gateway's counters (`load_redis`),
+   aligned into one ``counts[bucket, model]`` matrix;
 2. catalog: each model's footprint (`planner.model_memory_gb`) and priority, with the
    registry's measured load time p95 as its time to ready from the node's cache;
 3. nodes: what agents publish (`keys.node_info`: `gpu_memory_gb`, `host_memory_gb`) and
@@ -27,8 +27,11 @@ import math
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from celery import Celery
 
+from forecasting.data.history import load_redis, rate_series
+from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
 from forecasting.fleet.round import RoundParams, RoundState, fleet_round
@@ -36,13 +39,15 @@ from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
 from workers import names
 from workers.context import WorkerContext
-from workers.planning.forecast import ModelPlan, history, planned_models
+from workers.planning.forecast import ModelPlan, planned_models
 from workers.planning.nodes import live_nodes
 
 log = logging.getLogger("prewarm.planner.fleet")
 
 #: How much history a fleet round reads per model (its estimator needs gaps, not weeks).
 FLEET_HISTORY_S = 86_400
+#: How far the dense models' forecasts look ahead.
+FLEET_HORIZON_S = 900
 _STATE = RoundState()
 
 
@@ -88,6 +93,23 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
     return tuple(out)
 
 
+def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket: float) -> pd.Series:
+    """Requests/s per complete bucket of ``model`` in [start, end) from the gateway's counters (empty if none)."""
+    resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
+    resolution = max((r for r in resolutions if bucket % r == 0), default=resolutions[0])
+    first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
+    if first is not None:
+        start = max(start, math.floor(float(first) / bucket) * bucket)
+    if start >= end:
+        return pd.Series(dtype=float)
+    try:
+        frame = load_redis(ctx.client, model, resolution_s=resolution, start=start, end=end)
+    except HistoryError as exc:
+        log.info("no request history for %s yet: %s", model, exc)
+        return pd.Series(dtype=float)
+    return rate_series(frame, model, bucket_s=int(bucket)) if not frame.empty else pd.Series(dtype=float)
+
+
 def _load_state(ctx: WorkerContext) -> FleetState:
     raw = ctx.client.hgetall(keys.FLEET_STATE)
     try:
@@ -111,7 +133,7 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     grid = end - bucket * np.arange(n, 0, -1, dtype=float)
     counts = np.zeros((n, len(names_)))
     for j, name in enumerate(names_):
-        y = history(ctx, name, now=now)
+        y = _history(ctx, name, start=float(grid[0]), end=end, bucket=bucket)
         if len(y):
             pos = np.searchsorted(grid, y.index.to_numpy(dtype=float))
             ok = (pos < n) & (grid[np.minimum(pos, n - 1)] == y.index.to_numpy(dtype=float))
@@ -119,7 +141,7 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     catalog = fleet_catalog(ctx, names_)
     busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
     nodes = _nodes(ctx, catalog, busy)
-    params = RoundParams(bucket_s=bucket, horizon=max(1, int(p.horizon_s // bucket)), quantile=p.quantile,
+    params = RoundParams(bucket_s=bucket, horizon=max(1, int(FLEET_HORIZON_S // bucket)), quantile=p.quantile,
                          headroom=1.0 + p.headroom,
                          fleet=FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb,
                                            cap_gb=p.fleet_budget_gb))

@@ -1,19 +1,22 @@
-"""`forecast_and_plan`: the loop that closes — gateway counters → forecast → plan → scale events.
+"""`forecast_and_plan`: the loop that closes — gateway counters → forecast → plan → act.
 
-Once per `planner.interval_s` (beat, planner queue), for every planned model:
-1. history: the gateway's own per-bucket request counters in Redis
-   (`forecasting.data.history.load_redis`), the last `planner.history_s`, without the bucket
-   still in progress (it is incomplete, not a dip);
-2. forecast: `QuantileForecaster` (p50 and the planning quantile) over `planner.horizon_s`;
-   with fewer than `planner.min_history_buckets` buckets the forecaster's flat empirical
-   quantiles stand in, and the status says so;
-3. plan: the pure `forecasting.planner.plan(ctx, state)` with the live replica counts, the
-   nodes' views and the measured cold-start p95; its state is carried in
-   `keys.planner_state(model)`;
-4. act: `workers.planning.executor.submit_events` (deduplicated by event id; dispatched when due),
-   or only logged when `planner.dry_run` is set.
-The forecast, the need and the outcome are written to `keys.last_forecast(model)` and to
-the `prewarm_forecast_*` metrics (what the stale-plan alert and `prewarm up` read).
+Once per `planner.interval_s` (beat, planner queue), for every planned model, four steps,
+one function each:
+1. `history`: the gateway's fine counters of the model (requests, peak in flight, busy
+   seconds per `planner.fine_bucket_s` bucket; complete buckets only) over the span the
+   planner reads, and, when the seasonal profile is due for a refit, the coarse request
+   rate over `planner.history_s` (`forecasting.data.history`);
+2. `inputs`: the pure planner's `StepInputs`, built with the same function the simulator
+   uses (`forecasting.planner.observed_from_counts`), with the registry's replica counts
+   (a warm replica still loading counts as warm), the nodes agents publish (none published:
+   placement is left to the executor or the cluster) and the measured cold-start p95;
+3. `plan`: `forecasting.planner.step(inputs, state)` — the one planner; its state (the
+   learned profile, the mode) is carried in `keys.planner_state(model)` as JSON;
+4. `act`: submit the events (deduplicated by id; dispatched when due) and hand the target
+   to Kubernetes when enabled — or, with `planner.dry_run`, neither: only the record and
+   the log say what would have been done.
+The decision is written to `keys.last_forecast(model)` and to the metrics: the forecast,
+its recent error, the planner's mode (`prewarm_planner_mode`), the warm cost.
 """
 
 from __future__ import annotations
@@ -24,21 +27,32 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import pandas as pd
+import numpy as np
 
-from forecasting.data.history import load_redis, rate_series
-from forecasting.forecast.models import QuantileForecaster
-from forecasting.planner import PlanContext, PlannerParams, PlannerState, ReplicaCounts, plan
+from forecasting.data.history import load_fine_counters, load_redis, rate_series
 from forecasting.data.traces import HistoryError
+from forecasting.planner import (
+    MODES,
+    Decision,
+    PlannerParams,
+    PlannerState,
+    ReplicaCounts,
+    StepInputs,
+    lead_of,
+    observed_from_counts,
+    recent_span_s,
+    refit_due,
+    step,
+    warm_cost,
+)
 from prewarm.core import keys
-from prewarm.core.domain import LIVE_STATES, ModelSpec, ScaleEventKind, check_name
-from prewarm.core.errors import InvalidPayload
-from prewarm.core.errors import PrewarmError
+from prewarm.core.domain import LIVE_STATES, ModelSpec, check_name
+from prewarm.core.errors import InvalidPayload, PrewarmError
+from workers.context import WorkerContext
+from workers.planning.executor import live_counts, node_views, submit_events
 from prewarm.registry.targets import schedule_fields
 from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
     target_schedule, with_demand_floor
-from workers.context import WorkerContext
-from workers.planning.executor import live_counts, node_views, submit_events
 
 log = logging.getLogger("prewarm.planner.forecast")
 
@@ -46,146 +60,177 @@ log = logging.getLogger("prewarm.planner.forecast")
 @dataclass(frozen=True)
 class ModelPlan:
     model: str
-    status: str  # "planned", "cold (n buckets)", "dry_run"
-    events: tuple[str, ...]  # ids of the events the plan holds
+    status: str  # "planned", "dry_run"
+    events: tuple[str, ...]  # ids of the events the decision holds
     new_events: tuple[str, ...]  # ids submitted for the first time
     dropped: int
     need_now: int
+    mode: str = ""
 
 
 def planned_models(ctx: WorkerContext) -> list[ModelSpec]:
     """`planner.models` (model@revision), else every model with a replica, at its latest revision."""
     cap = ctx.settings.planner.capacity_rps
+    slots = ctx.settings.gateway.replica_concurrency  # requests in flight that saturate a replica
     specs: dict[str, ModelSpec] = {}
     for entry in ctx.settings.planner.models:
         name, sep, rev = entry.partition("@")
         if not sep:
             raise InvalidPayload(f"PREWARM_PLANNER_MODELS entries must be model@revision, got {entry!r}")
-        specs[name] = ModelSpec(check_name(name, "model"), check_name(rev, "revision"),
-                                capacity_rps=cap)
+        specs[name] = ModelSpec(check_name(name, "model"), check_name(rev, "revision"), capacity_rps=cap, slots=slots)
     if specs:
         return list(specs.values())
     for name in ctx.registry.models():
         reps = sorted(ctx.registry.replicas_of(name), key=lambda r: r.updated_at)
         if reps:
-            specs[name] = ModelSpec(name, reps[-1].revision, capacity_rps=cap)
+            specs[name] = ModelSpec(name, reps[-1].revision, capacity_rps=cap, slots=slots)
     return list(specs.values())
 
 
 def _state_load(ctx: WorkerContext, model: str) -> PlannerState:
-    raw = ctx.client.hgetall(keys.planner_state(model))
-    if not raw:
-        return PlannerState()
     try:
-        return PlannerState(
-            below_since=float(raw["below_since"]) if raw.get("below_since") else None,
-            last_kind=ScaleEventKind(raw["last_kind"]) if raw.get("last_kind") else None,
-            last_at=float(raw["last_at"]) if raw.get("last_at") else None,
-        )
-    except (KeyError, ValueError):
+        return PlannerState.from_json(ctx.client.get(keys.planner_state(model)))
+    except (KeyError, ValueError, TypeError):
         log.warning("planner state of %s is unreadable; starting afresh", model)
         return PlannerState()
 
 
 def _state_save(ctx: WorkerContext, model: str, state: PlannerState) -> None:
-    ctx.client.hset(keys.planner_state(model), mapping={
-        "below_since": "" if state.below_since is None else repr(state.below_since),
-        "last_kind": "" if state.last_kind is None else state.last_kind.value,
-        "last_at": "" if state.last_at is None else repr(state.last_at),
-    })
+    ctx.client.set(keys.planner_state(model), state.to_json())
 
 
-def history(ctx: WorkerContext, model: str, *, now: float) -> pd.Series:
-    """Requests/s per complete bucket of the model from the gateway's counters (empty if never counted)."""
-    p = ctx.settings.planner
-    resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
-    resolution = max((r for r in resolutions if p.bucket_s % r == 0), default=resolutions[0])
-    end = math.floor(now / p.bucket_s) * p.bucket_s  # the bucket in progress is left out
+def history(ctx: WorkerContext, model: str, state: PlannerState, params: PlannerParams, *, now: float,
+            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray],
+                                                     tuple[float, float, np.ndarray] | None]:
+    """1. The fine counters the step reads, and the coarse rate when the profile is due for a refit."""
+    fb = int(params.fine_bucket_s)
+    end = math.floor(now / fb) * fb  # the bucket in progress is left out
+    span = recent_span_s(state, params, lead_of(params, cold_start_p95_s))
     first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
-    start = end - p.history_s if first is None else max(end - p.history_s, math.floor(float(first) / p.bucket_s) * p.bucket_s)
-    if start >= end:
-        return pd.Series(dtype=float)
-    try:
-        frame = load_redis(ctx.client, model, resolution_s=resolution, start=start, end=end)
-    except HistoryError as exc:
-        log.info("no request history for %s yet: %s", model, exc)
-        return pd.Series(dtype=float)
-    if frame.empty:
-        return pd.Series(dtype=float)
-    return rate_series(frame, model, bucket_s=p.bucket_s)
+    start = end - math.ceil(span / fb) * fb
+    if first is not None:
+        start = max(start, math.floor(float(first) / fb) * fb)
+    fine = load_fine_counters(ctx.client, model, start=start, end=end, resolution_s=fb) if start < end else \
+        (float(end), np.zeros(0), np.zeros(0), np.zeros(0))
+    coarse = None
+    if refit_due(state, now, params):
+        cb = int(params.bucket_s)
+        cend = math.floor(now / cb) * cb
+        cstart = cend - int(params.history_s)
+        if first is not None:
+            cstart = max(cstart, math.floor(float(first) / cb) * cb)
+        coarse = (float(cend), float(cb), np.zeros(0))
+        if cstart < cend:
+            try:
+                y = rate_series(load_redis(ctx.client, model, resolution_s=cb, start=cstart, end=cend), model,
+                                bucket_s=cb)
+                coarse = (float(y.index[0]) if len(y) else float(cstart), float(cb), y.to_numpy(dtype=np.float64))
+            except HistoryError as exc:
+                log.info("no coarse history for %s yet: %s", model, exc)
+    return fine, coarse
 
 
-def forecast(ctx: WorkerContext, y: pd.Series, *, now: float) -> tuple[pd.DataFrame, str]:
-    """Quantile forecast (req/s) of the buckets from the one in progress to the horizon."""
-    p = ctx.settings.planner
-    quantiles = tuple(sorted({0.5, p.quantile}))
-    horizon = max(1, math.ceil(p.horizon_s / p.bucket_s))
-    if len(y) == 0:
-        start = math.floor(now / p.bucket_s) * p.bucket_s
-        index = pd.Index(start + p.bucket_s * pd.RangeIndex(horizon).to_numpy(dtype=float), name="ts")
-        return pd.DataFrame({f"q{q:g}": 0.0 for q in quantiles}, index=index), "cold (no history)"
-    model = QuantileForecaster(quantiles=quantiles, bucket_s=float(p.bucket_s), max_horizon=horizon).fit(y)
-    status = "planned" if len(y) >= p.min_history_buckets else f"cold ({len(y)} buckets of history)"
-    return model.predict(y, horizon), status
-
-
-def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
-    p = ctx.settings.planner
-    params = PlannerParams.from_settings(p)
-    y = history(ctx, spec.name, now=now)
-    fc, status = forecast(ctx, y, now=now)
+def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: PlannerParams, *,
+           now: float) -> StepInputs:
+    """2. The step's inputs, as the simulator builds them (`observed_from_counts`)."""
+    p95 = ctx.registry.load_time_p95(spec.name)
+    (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
-    recent = y[y.index >= now - params.peak_hold_s] if len(y) else y
-    pctx = PlanContext(model=spec, forecast=fc, replicas=ReplicaCounts(**counts), now=now, params=params,
-                       nodes=None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx),  # the scheduler places pods
-                       cold_start_p95_s=ctx.registry.load_time_p95(spec.name),
-                       recent_peak_rps=float(recent.max()) if len(recent) else 0.0)
-    result, state = plan(pctx, _state_load(ctx, spec.name))
-    _state_save(ctx, spec.name, state)
-    if p.dry_run:
-        new: list[str] = []
-        status = "dry_run"
-        for ev in result.events:
-            log.info("dry run: would submit %s", ev.to_payload())
-    else:
-        new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, result.events))
-    for d in result.dropped:
-        ctx.metrics.dropped_events.labels(spec.name, "budget" if "budget" in d.reason.lower() else "other").inc()
-    first = fc.iloc[0]
-    col = params.column
-    need_now = next((b.need for b in reversed(result.needs) if b.start <= now), result.needs[0].need) \
-        if result.needs else 0
-    for q in fc.columns:
-        ctx.metrics.forecast_requests.labels(spec.name, q.removeprefix("q")).set(float(first[q]))
-    ctx.metrics.forecast_timestamp.labels(spec.name).set(now)
-    if len(y):
-        ctx.metrics.actual_requests.labels(spec.name).set(float(y.iloc[-1]))
-    schedule = target_schedule(result, counts["ready"] + counts["loading"], now)
+    # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
+    nodes = None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx) or None
+    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
+                      ReplicaCounts(**counts), params, p95, coarse, nodes)
+
+
+def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:
+    """The cluster target schedule: now, then the steps already known; fresh unmet demand floors it at one
+    in a cluster (scale from zero)."""
+    schedule = target_schedule(decision, now)
     if owns_replicas(ctx.settings.kubernetes):
         last = ctx.client.hget(keys.demand(spec.name), "last")
         schedule = with_demand_floor(schedule, float(last) if last else None, now)
+    return schedule
+
+
+def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision, schedule: list[tuple[float, int]]) -> list[str]:
+    """4. Carry the decision out — unless dry-run, which never acts (no event, no Kubernetes patch).
+
+    With a cluster, Kubernetes starts and stops the pods: only HOLDs reach the executor
+    (`events_for_executor`), and the target goes to the Deployment's one owner."""
+    if ctx.settings.planner.dry_run:
+        for ev in decision.events:
+            log.info("dry run: would submit %s", ev.to_payload())
+        return []
+    new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, decision.events))
     if ctx.settings.kubernetes.enabled:
         _apply_to_cluster(ctx, spec.name, schedule[0][1])
-    error = _forecast_error(ctx, spec.name, fc, y, now=now)
-    if error is not None:
-        ctx.metrics.forecast_error.labels(spec.name).set(error)
-    live = counts["ready"] + counts["loading"] + counts["warm"]
-    ctx.metrics.warmup_cost_ratio.labels(spec.name).set(warm_cost_ratio(live, need_now))
+    return new
+
+
+def _report(ctx: WorkerContext, spec: ModelSpec, inp: StepInputs, decision: Decision, new: list[str],
+            status: str, schedule: list[tuple[float, int]]) -> None:
+    """The decision in the metrics and in `keys.last_forecast` (what alerts and `prewarm up` read)."""
+    m, fc, obs = ctx.metrics, decision.forecast, inp.observed
+    m.forecast_requests.labels(spec.name, "0.5").set(fc.median)
+    m.forecast_requests.labels(spec.name, f"{inp.params.quantile:g}").set(fc.upper)
+    m.forecast_timestamp.labels(spec.name).set(inp.now)
+    if obs.requests.size:
+        m.actual_requests.labels(spec.name).set(float(obs.requests[-1]) / obs.bucket_s)
+    if fc.error is not None:
+        m.forecast_error.labels(spec.name).set(fc.error)
+    for mode in MODES:
+        m.planner_mode.labels(spec.name, mode).set(1.0 if mode == decision.mode else 0.0)
+    live = inp.replicas.live + inp.replicas.warm
+    m.warmup_cost_ratio.labels(spec.name).set(warm_cost(live, decision.need_next))
+    for d in decision.dropped:
+        m.dropped_events.labels(spec.name, "budget" if "budget" in d.reason.lower() else "other").inc()
     record: dict[str, Any] = {
-        "status": status, "at": repr(now), "revision": spec.revision, "history_buckets": str(len(y)),
-        "rps_q0.5": f"{float(first.get('q0.5', float('nan'))):.3f}", f"rps_{col}": f"{float(first[col]):.3f}",
-        "need_now": str(need_now), "events": str(len(result.events)), "new_events": str(len(new)),
-        "dropped": str(len(result.dropped)), "pool_target": str(result.pool_target),
-        "lead_s": f"{result.lead_s:.1f}", "warm_share": f"{result.warm_share:.3f}",
-        "plan": json.dumps([ev.to_payload() for ev in result.events])[:20000],
-        **schedule_fields(schedule, planned_at=now),
+        "status": status, "at": repr(inp.now), "revision": spec.revision, "history_buckets": str(obs.requests.size),
+        "mode": decision.mode, "method": fc.method,
+        "forecast_error": "" if fc.error is None else f"{fc.error:.3f}",
+        "coverage": "" if fc.coverage is None else f"{fc.coverage:.3f}",
+        "rps_q0.5": f"{fc.median:.3f}", f"rps_{inp.params.column}": f"{fc.upper:.3f}",
+        "need_now": str(decision.need_next), "need_lead": str(decision.need_lead),
+        "serving_target": str(decision.target),
+        "events": str(len(decision.events)), "new_events": str(len(new)), "dropped": str(len(decision.dropped)),
+        "pool_target": str(decision.pool_target), "lead_s": f"{decision.lead_s:.1f}",
+        "warm_share": f"{decision.warm_share:.3f}",
+        "plan": json.dumps([ev.to_payload() for ev in decision.events])[:20000],
     }
+    if not ctx.settings.planner.dry_run:  # the recorded target is what KEDA and the HPA act on: dry-run records none
+        record |= schedule_fields(schedule, planned_at=inp.now)
     ctx.client.hset(keys.last_forecast(spec.name), mapping=record)
-    log.info("forecast_and_plan %s: %s, need now %d, %d event(s) (%d new), %d dropped", spec.name, status,
-             need_now, len(result.events), len(new), len(result.dropped))
-    return ModelPlan(spec.name, status, tuple(ev.event_id for ev in result.events), tuple(new),
-                     len(result.dropped), need_now)
+    log.info("forecast_and_plan %s: %s, %s mode, target %d, %d event(s) (%d new), %d dropped", spec.name, status,
+             decision.mode, decision.target, len(decision.events), len(new), len(decision.dropped))
+
+
+def decide(ctx: WorkerContext, *, now: float) -> list[tuple[ModelSpec, StepInputs, Decision]]:
+    """What the planner would decide now for every planned model, read-only (`prewarm plan --dry-run`):
+    the same history, inputs and step as `plan_model`, nothing saved, submitted or patched."""
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    out = []
+    for spec in planned_models(ctx):
+        state = _state_load(ctx, spec.name)
+        inp = inputs(ctx, spec, state, params, now=now)
+        decision, _ = step(inp, state)
+        out.append((spec, inp, decision))
+    return out
+
+
+def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
+    """history → forecast → plan → act, for one model (the forecast is inside the pure step)."""
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    state = _state_load(ctx, spec.name)
+    inp = inputs(ctx, spec, state, params, now=now)
+    decision, state = step(inp, state)
+    _state_save(ctx, spec.name, state)
+    schedule = schedule_of(ctx, spec, decision, now=now)
+    new = act(ctx, spec, decision, schedule)
+    status = "dry_run" if ctx.settings.planner.dry_run else "planned"
+    _report(ctx, spec, inp, decision, new, status, schedule)
+    return ModelPlan(spec.name, status, tuple(ev.event_id for ev in decision.events), tuple(new),
+                     len(decision.dropped), decision.need_next, decision.mode)
 
 
 def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
@@ -203,37 +248,6 @@ def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
     except (PrewarmError, ValueError) as exc:
         log.error("kubernetes target %d for %s not applied: %s", target, model, exc)
         ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
-
-
-def warm_cost_ratio(live: int, need_now: int) -> float:
-    """Share of the live replicas beyond the current need: warm pool, early prewarms and holds."""
-    return max(0, live - need_now) / live if live else 0.0
-
-
-def forecast_error(predicted: pd.Series, actual: pd.Series) -> float | None:
-    """Absolute error of p50 forecasts against the observed rates of the same buckets, relative to the
-    larger of the two totals (so a forecast for a silent stretch scores 1.0, not infinity)."""
-    both = pd.concat([predicted.rename("p"), actual.rename("a")], axis=1, join="inner").dropna()
-    if both.empty:
-        return None
-    scale = max(float(both["a"].sum()), float(both["p"].sum()))
-    return float((both["p"] - both["a"]).abs().sum() / scale) if scale > 0 else 0.0
-
-
-def _forecast_error(ctx: WorkerContext, model: str, fc: pd.DataFrame, y: pd.Series, *, now: float) -> float | None:
-    """Log this forecast's first bucket and score the logged ones of the last hour against `y`."""
-    key = keys.forecast_log(model)
-    if "q0.5" in fc.columns and len(fc):
-        start = float(fc.index[0])
-        pipe = ctx.client.pipeline(transaction=False)
-        pipe.zremrangebyscore(key, start, start)  # one prediction per bucket: the latest
-        pipe.zadd(key, {f"{start!r}:{float(fc['q0.5'].iloc[0])!r}": start})
-        pipe.zremrangebyscore(key, "-inf", now - keys.FORECAST_LOG_S)
-        pipe.expire(key, 2 * keys.FORECAST_LOG_S)
-        pipe.execute()
-    logged = [m.rsplit(":", 1) for m in ctx.client.zrange(key, 0, -1)]
-    predicted = pd.Series({float(t): float(v) for t, v in logged}, dtype=float)
-    return forecast_error(predicted, y) if len(y) else None
 
 
 def forecast_and_plan(ctx: WorkerContext, *, now: float) -> list[ModelPlan]:

@@ -24,25 +24,23 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from forecasting.planner import PlanResult
-from prewarm.core.domain import Pool, ScaleEvent, ScaleEventKind
+from forecasting.planner import Decision
+from prewarm.core.domain import ScaleEvent, ScaleEventKind
 from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
 from prewarm.core.settings import KubernetesSettings
 
 log = logging.getLogger("prewarm.planner.cluster")
 
 
-def cluster_target(result: PlanResult, live_serving: int, now: float) -> int:
-    """Replicas the cluster should run at `now`: the serving target then plus the warm pool (0 is allowed)."""
-    return max(0, result.serving_target(live_serving, now) + result.pool_target)
+def cluster_target(decision: Decision) -> int:
+    """Replicas the cluster should run now: the planner's serving target plus the warm pool (0 is allowed)."""
+    return max(0, decision.cluster_target)
 
 
-def target_schedule(result: PlanResult, live_serving: int, now: float) -> list[tuple[float, int]]:
-    """The target now, then the target at each later serving event's due time (scale-ups are due a lead
-    ahead of the need): what the scaler and the metric read between two planning rounds."""
-    times = sorted({ev.at for ev in result.events if ev.pool is Pool.SERVING and ev.at > now})
-    return [(now, cluster_target(result, live_serving, now))] + \
-        [(t, cluster_target(result, live_serving, t)) for t in times]
+def target_schedule(decision: Decision, now: float) -> list[tuple[float, int]]:
+    """The target now, then each later step the planner already knows of (a batch job's rise, due one
+    lead ahead of it, and its end): what the scaler and the metric read between two planning steps."""
+    return [(now, cluster_target(decision))] + [(t, max(0, n)) for t, n in decision.schedule if t > now]
 
 
 #: Unmet demand (the gateway found nothing ready) this recent keeps at least one replica wanted in a

@@ -1,14 +1,17 @@
 """The live nodes the planner may place replicas on, read from what agents publish (`keys.node_info`).
 
-The choice of a node is the pure `choose_placement`; `live_nodes` is the one read behind it.
+The choice of a node is the planner's one placement rule (`forecasting.planner.place`),
+applied here to slots (`pick_slots`); `live_nodes` is the one read behind it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
+from forecasting.planner import place
 from prewarm.core import keys
+from prewarm.core.domain import NodeView
 from workers.context import WorkerContext
 
 
@@ -23,10 +26,34 @@ class NodeSlots:
         return [s for s in range(self.slots) if s not in self.used]
 
 
+def pick_slots(nodes: Iterable[NodeSlots], n: int, *, wanted: Sequence[str] = (), model_key: str = "",
+               snapshots: Mapping[str, frozenset[str]] | None = None) -> list[tuple[str, int]]:
+    """`n` (node, lowest free slot) pairs: the planner's placement (`wanted`) first where it still
+    fits, then `forecasting.planner.place` (snapshot holders, then the least loaded, then by name)."""
+    table = {ns.node: ns for ns in nodes}
+    snaps = snapshots or {}
+    chosen: list[tuple[str, int]] = []
+    for i in range(n):
+        if i < len(wanted) and wanted[i] in table and table[wanted[i]].free:
+            node = wanted[i]
+        else:
+            views = [NodeView(name=ns.node, replica_slots=ns.slots, replicas=len(ns.used),
+                              snapshots=snaps.get(ns.node, frozenset())) for ns in table.values()]
+            got = place(views, model_key, 1)
+            if not got:
+                break
+            node = got[0]
+        ns = table[node]
+        slot = ns.free[0]
+        table[node] = NodeSlots(node, ns.slots, ns.used | {slot})
+        chosen.append((node, slot))
+    return chosen
+
+
 def choose_placement(nodes: Iterable[NodeSlots]) -> tuple[str, int] | None:
-    """The node with the most free slots (ties: by name) and its lowest free slot; None when all are full."""
-    best = sorted((n for n in nodes if n.free), key=lambda n: (-len(n.free), n.node))
-    return (best[0].node, best[0].free[0]) if best else None
+    """One replica's (node, slot) by the same rule; None when every node is full."""
+    got = pick_slots(nodes, 1)
+    return got[0] if got else None
 
 
 def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:

@@ -90,6 +90,10 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         return {"model": model, "outcome": "no_capacity"}
     node, slot = placement
     rid = replica_id(model, revision, node, slot)
+    if ctx.settings.planner.dry_run:  # dry-run never acts: say what would have been started
+        log.info("dry run: scale from zero for %s would prewarm %s", model, rid)
+        ctx.client.delete(keys.demand_claim(model))
+        return {"model": model, "outcome": "dry_run", "replica_id": rid}
     app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
     log.info("scale from zero: unmet demand for %s -> prewarm %s", model, rid)
     return {"model": model, "outcome": "prewarm", "replica_id": rid}
@@ -130,7 +134,9 @@ def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
 def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("sweep_fragmentation", args, kwargs)
     ctx = _ctx(self)
-    sent = []
+    sent: list[str] = []
+    if ctx.settings.planner.dry_run:  # a recycle retires a replica: dry-run never acts
+        return {"checked": sent, "dry_run": True}
     for model in ctx.registry.models():
         for rec in ctx.registry.replicas_of(model):
             if rec.state is ReplicaState.READY:
@@ -142,6 +148,8 @@ def sweep_fragmentation(self: Task, *args: Any, **kwargs: Any) -> Any:
 def dispatch_due_events(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("dispatch_due_events", args, kwargs)
     ctx = _ctx(self)
+    if ctx.settings.planner.dry_run:  # nothing was submitted; events from before stay queued, not carried out
+        return {"dispatched": [], "dry_run": True}
     return {"dispatched": dispatch_due(ctx, self.app, now=ctx.clock())}
 
 
@@ -153,16 +161,18 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 
 def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
-    payload.parse_nothing("forecast_and_plan", args, kwargs)
+    at = payload.parse_forecast(args, kwargs)
     ctx = _ctx(self)
+    now = ctx.clock() if at is None else at
     if ctx.settings.planner.fleet_budget_gb > 0:  # many models, one GPU budget: one fleet round
         from workers.planning.fleet import fleet_and_plan
 
-        plans = fleet_and_plan(ctx, self.app, now=ctx.clock())
+        plans = fleet_and_plan(ctx, self.app, now=now)
     else:
-        plans = run_forecast_and_plan(ctx, now=ctx.clock())
+        plans = run_forecast_and_plan(ctx, now=now)
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
-                        "new_events": list(m.new_events), "dropped": m.dropped} for m in plans]}
+                        "new_events": list(m.new_events), "dropped": m.dropped, "mode": m.mode}
+                       for m in plans]}
 
 
 def register(app: Celery) -> None:

@@ -21,7 +21,7 @@ from forecasting.sim.report import plot as plot_policies
 from forecasting.sim.scoring import run_backtest
 from forecasting.sim.simulate import SimParams
 from forecasting.data.traces import RequestTrace, TraceFormat
-from prewarm.core.settings import Settings
+from prewarm.core.settings import PlannerSettings, Settings
 from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
@@ -41,6 +41,9 @@ class UpRun(Protocol):
     stats: TrafficStats
     warm_s: float
     total_s: float
+
+    @property
+    def warm_cost(self) -> float: ...
 
 
 def _plot_timeline(run: UpRun, path: Path) -> Path:
@@ -77,20 +80,44 @@ def _plot_timeline(run: UpRun, path: Path) -> Path:
     return path
 
 
+def _planner_settings(base: PlannerSettings, env: dict[str, str]) -> PlannerSettings:
+    """The planner settings the run's processes read: `base` overridden by the run's PREWARM_PLANNER_*."""
+    prefix = "PREWARM_PLANNER_"
+    over: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):].lower()
+        field = PlannerSettings.model_fields.get(name)
+        if field is None:
+            continue
+        try:
+            over[name] = json.loads(value) if value[:1] in "[{" else value
+        except ValueError:
+            over[name] = value
+    return PlannerSettings.model_validate(base.model_dump() | over)
+
+
 def _simulate(run: UpRun, wl: Workload, cold_start_s: float) -> tuple[dict[str, Any], Any]:
     """Replay the same arrivals in the simulator: replicas of the declared capacity, the measured cold start."""
     capacity = run.settings.planner.capacity_rps
     env_capacity = run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS")
     if env_capacity:
         capacity = float(env_capacity)
+    # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency);
+    # each of those slots then serves capacity / slots requests a second
+    slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
     params = SimParams(
-        slots=1, cold_start_s=cold_start_s,
-        prefill_base_s=1.0 / capacity, prefill_tokens_per_s=1e12, decode_tokens_per_s=1e12,
+        slots=slots, cold_start_s=cold_start_s,
+        prefill_base_s=slots / capacity, prefill_tokens_per_s=1e12, decode_tokens_per_s=1e12,
         mean_context_tokens=0.0, mean_generated_tokens=0.0,
     )
     trace = RequestTrace(t=np.asarray(wl.arrivals, dtype=np.float64), context_tokens=None, generated_tokens=None,
                          source=wl.description, start_epoch=0.0, format=TraceFormat.REQUEST_CSV)
-    out = run_backtest(trace, params, policies=("reactive", "prewarm"))
+    # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
+    planner = _planner_settings(run.settings.planner, run.sup.env)
+    out = run_backtest(trace, params, policies=("reactive", "prewarm"),
+                       policy_kwargs={"prewarm": {"planner_settings": planner}})
     return out["result"], out
 
 
@@ -108,7 +135,7 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
         "latency_p50_s": s.percentile(50),
         "latency_p99_s": s.percentile(99),
         "cold_start_share": s.waits_over / max(1, s.ok),
-        "warm_cost_ratio": run.warm_s / run.total_s if run.total_s else 0.0,
+        "warm_cost_ratio": run.warm_cost,
         "replica_seconds": run.total_s,
         "replicas_started": started,
         "cold_start_p95_s": cold,
@@ -139,8 +166,9 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     table.add_row("non-2xx / errors", f"{s.sent - s.ok - measured['errors']} / {measured['errors']}", "-", "-")
     run.console.print(table)
     run.console.print(
-        f"simulated on the same arrivals: cold start {cold:.1f} s (this run's measured p95), one request at a time "
-        f"per replica for {sim['params']['prefill_base_s']:.2f} s (the declared capacity, PREWARM_PLANNER_CAPACITY_RPS)"
+        f"simulated on the same arrivals with this run's planner settings: cold start {cold:.1f} s (this run's "
+        f"measured p95), {sim['params']['slots']} requests at a time per replica for "
+        f"{sim['params']['prefill_base_s']:.2f} s each (the declared capacity, PREWARM_PLANNER_CAPACITY_RPS)"
     )
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
     return result

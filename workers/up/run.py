@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from forecasting.planner import warm_cost
 from prewarm.core import keys
 from prewarm.registry.embedded import free_port
 from prewarm.runtime.model import load_manifest, make_model
@@ -59,6 +60,8 @@ class UpRun:
         self.started = 0.0
         self.warm_s = 0.0
         self.total_s = 0.0
+        self.live_dt: list[float] = []  # replica-seconds per sample
+        self.need_dt: list[float] = []  # the planner's need (replica-seconds) per sample
         self._sent_before = 0
 
     # -- setup ---------------------------------------------------------------------------------
@@ -98,9 +101,7 @@ class UpRun:
         demo = {
             "PREWARM_PLANNER_INTERVAL_S": "5",
             "PREWARM_PLANNER_BUCKET_S": "10",
-            "PREWARM_PLANNER_HORIZON_S": "60",
             "PREWARM_PLANNER_STABILIZATION_S": "20",
-            "PREWARM_PLANNER_PEAK_HOLD_S": "30",
             "PREWARM_PLANNER_LEAD_MARGIN_S": "3",
             "PREWARM_PLANNER_CAPACITY_RPS": "1.5",
             # Warm latency is compared with the first replica's; on a shared CPU it varies far
@@ -113,8 +114,6 @@ class UpRun:
             "PREWARM_REGISTRY_HEARTBEAT_INTERVAL_S": "2",
             "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "6",
         }
-        if wl.day_s:  # forecast once a compressed day has been seen
-            demo["PREWARM_PLANNER_MIN_HISTORY_BUCKETS"] = str(max(2, int(wl.day_s // 10)))
         if wl.batch_cron:
             demo["PREWARM_PLANNER_BATCH_JOBS"] = json.dumps(
                 [{"cron": wl.batch_cron, "model": MODEL, "replicas": 2, "duration_s": wl.batch_len_s, "name": "batch"}]
@@ -176,7 +175,18 @@ class UpRun:
         self._sent_before = self.stats.sent
         self.total_s += (serving + loading + warm) * dt
         self.warm_s += warm * dt
+        try:
+            need = int(self._last_plan().get("need_now") or 0)
+        except ValueError:
+            need = 0
+        self.live_dt.append((serving + loading + warm) * dt)
+        self.need_dt.append(need * dt)
         return counts
+
+    @property
+    def warm_cost(self) -> float:
+        """The one warm-cost definition (`forecasting.planner.warm_cost`) over this run: replica-time above need."""
+        return warm_cost(self.live_dt, self.need_dt) if self.live_dt else 0.0
 
     def _view(self, counts: dict[tuple[str, str, str], int], phase: str) -> Group:
         reps = Table(title="replicas (registry)", expand=True)
@@ -194,12 +204,13 @@ class UpRun:
         req.add_row("503 / errors", f"{s.statuses.get(503, 0)} / {sum(s.errors.values())}")
         req.add_row("latency p50 / p99", f"{p50 * 1000:.0f} ms / {p99 * 1000:.0f} ms" if s.latencies else "-")
         req.add_row("slower than 0.5 s", f"{s.waits_over} ({s.waits_over / max(1, s.ok):.1%})")
-        req.add_row("warm cost (warm pool / all replica time)", f"{self.warm_s / self.total_s:.1%}" if self.total_s else "-")
+        req.add_row("warm cost (replica-time above need)", f"{self.warm_cost:.1%}" if self.total_s else "-")
         plan = self._last_plan()
         planner = Table(title="planner (last forecast_and_plan)", expand=True)
         planner.add_column("figure")
         planner.add_column("value", justify="right")
-        for k in ("status", "rps_q0.5", "rps_q0.9", "need_now", "events", "dropped", "pool_target"):
+        for k in ("status", "mode", "forecast_error", "rps_q0.5", "rps_q0.9", "need_now", "target", "events", "dropped",
+                  "pool_target"):
             planner.add_row(k, str(plan.get(k, "-")))
         grid = Table.grid(expand=True)
         grid.add_row(reps, req, planner)
