@@ -100,6 +100,17 @@ def test_estimator_learns_a_period_and_bridges_the_gap() -> None:
     assert est.outlook().rate[0] > 1.0 / 12  # one idle step in: worth staying warm until the next tick
 
 
+def test_estimator_fades_past_every_gap_it_has_seen() -> None:
+    """A model idle far longer than any gap of the fleet: a small chance (about 1/idle), never 1."""
+    est = ArrivalEstimator(2, 60.0)
+    est.observe(np.array([0.0, 1.0]))
+    for t in range(300):
+        est.observe(np.array([1.0, 0.0]))  # model 0 busy every step: the fleet has no gaps at all
+    out = est.outlook()
+    assert out.rate[1] < 0.05 and out.p_next[1] < 0.05
+    assert out.rate[0] > 0.9
+
+
 # --- planner ---------------------------------------------------------------------------------
 def _ctx(rate: list[float], nodes: tuple[FleetNode, ...], budget: float | None = None,
          mems: tuple[float, ...] = (40.0, 40.0, 40.0)) -> FleetContext:

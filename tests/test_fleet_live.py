@@ -80,7 +80,7 @@ def test_forecast_and_plan_over_three_models_respects_the_fleet_budget(fleet: di
     plan = _round(fleet)
     assert plan["gpu_gb"] <= 80.0 and plan["budget_gb"] == 80.0
     on_gpu = {m for m, v in plan["models"].items() if v["tier"] == "gpu"}
-    assert "a" in on_gpu and "c" not in on_gpu and sum(MEM[m] for m in on_gpu) <= 80.0
+    assert "a" in on_gpu and "c" not in on_gpu and sum(MEM[m] for m in on_gpu) <= 80.0, json.dumps(plan["models"])
     prewarms = [t for n in ("n1", "n2") for t in queued_tasks(client, node_queue(n)) if t["task"] == PREWARM]
     loaded = [t["args"][0].split("@")[0] for t in prewarms]
     assert sorted(loaded) == sorted(on_gpu) and sum(MEM[m] for m in loaded) <= 80.0

@@ -37,6 +37,8 @@ def gap_edges(exact: int = 10, growth: float = 1.2, top: int = 40_000) -> np.nda
     return edges[edges <= top]
 
 
+#: Pseudo-gaps of the heavy-tailed prior every model's idle-time survival carries.
+TAIL_WEIGHT = 0.1
 #: Look-ahead horizons (steps) over which keeping a model warm is valued.
 LOOKAHEAD = np.unique(np.round(1.5 ** np.arange(0, 22)).astype(np.int64)).astype(np.float64)
 
@@ -127,7 +129,9 @@ class ArrivalEstimator:
             pool = np.where(b + 1 < nb, pt[nxt], 0.0) + ph[b] * frac
         else:
             pool = np.zeros_like(own)
-        return own + self.prior_weight * pool
+        # a heavy tail (Pareto, S ~ 1/x) as a tenth of a gap: past every gap seen, a model's
+        # chance of a request fades as 1/idle instead of the conditional becoming 0/0
+        return own + self.prior_weight * pool + TAIL_WEIGHT / np.maximum(x, 1.0)
 
     def outlook(self) -> Outlook:
         """Per model: arrivals expected per warm step (best look-ahead), and requests a cold start hits.
