@@ -66,13 +66,20 @@ def test_two_models_on_one_agent_under_a_memory_budget(agent: dict[str, Any]) ->
     ra, rb, rc = f"a@r1/{NODE}/0", f"b@r1/{NODE}/1", f"c@r1/{NODE}/2"
     app.send_task(PREWARM, args=[ra, "serving", None])
     app.send_task(PREWARM, args=[rb, "serving", None])
+    def ready(rid: str) -> bool:
+        return _state(reg, rid) == "ready"
+
     for rid in (ra, rb):
-        wait_for(lambda rid=rid: _state(reg, rid) == "ready", 120, lambda: f"{rid} ready ({proc.log()[-2000:]})")
+        wait_for(lambda: ready(rid), 120, lambda: f"{rid} ready ({proc.log()[-2000:]})")
     app.send_task(PREWARM, args=[rc, "serving", None])
     wait_for(lambda: "GB of GPU memory" in proc.log(), 60, lambda: f"c refused for memory ({proc.log()[-2000:]})")
     assert _state(reg, rc) != "ready"
-    info = wait_for(lambda: client.hgetall(keys.node_info(NODE)) if client.hget(keys.node_info(NODE), "residency")
-                    and "b" in client.hget(keys.node_info(NODE), "residency") else None, 30, "the node view")
+    def view() -> dict[str, str] | None:
+        got: dict[str, str] = client.hgetall(keys.node_info(NODE))
+        return got if "b" in got.get("residency", "") else None
+
+    info = wait_for(view, 30, "the node view")
+    assert info is not None
     residency = json.loads(info["residency"])
     assert residency.get("a") == "gpu" and residency.get("b") == "gpu" and residency.get("c") != "gpu"
     assert float(info["gpu_used_gb"]) == pytest.approx(agent["size"]["a"] + agent["size"]["b"], rel=1e-6)
