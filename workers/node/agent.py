@@ -186,7 +186,9 @@ class Agent:
         info = {"name": self.node, "node_class": self.settings.agent.node_class,
                 "snapshots": ",".join(sorted(self._loaded)),
                 "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
-                "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now)}
+                "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
+                "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
+                "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
         pipe = self.ctx.client.pipeline(transaction=True)
         pipe.hset(keys.node_info(self.node), mapping=info)
         pipe.expire(keys.node_info(self.node), keys.NODE_INFO_TTL_S)

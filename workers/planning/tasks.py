@@ -148,9 +148,14 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
 def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("forecast_and_plan", args, kwargs)
     ctx = _ctx(self)
+    if ctx.settings.planner.fleet_budget_gb > 0:  # many models, one GPU budget: one fleet round
+        from workers.planning.fleet import fleet_and_plan
+
+        plans = fleet_and_plan(ctx, self.app, now=ctx.clock())
+    else:
+        plans = run_forecast_and_plan(ctx, now=ctx.clock())
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
-                        "new_events": list(m.new_events), "dropped": m.dropped}
-                       for m in run_forecast_and_plan(ctx, now=ctx.clock())]}
+                        "new_events": list(m.new_events), "dropped": m.dropped} for m in plans]}
 
 
 def register(app: Celery) -> None:
