@@ -29,6 +29,7 @@ from typing import Callable
 from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
+from workers.node.memory import MemoryLedger
 
 log = logging.getLogger("prewarm.agent.host")
 
@@ -115,6 +116,7 @@ class RuntimeHost:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._slots: dict[int, HostedRuntime] = {}
+        self.ledger = MemoryLedger.from_settings(settings)  # GPU / host memory each hosted replica holds
 
     # --- table ------------------------------------------------------------------------
     def port_of(self, slot: int) -> int:
@@ -251,9 +253,10 @@ class RuntimeHost:
 
     # --- stop -------------------------------------------------------------------------
     def stop(self, rid: str, *, grace_s: float = 10.0) -> bool:
-        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`); False if not hosted."""
+        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`) and free its memory; False if not hosted."""
         with self._lock:
             hosted = self.get(rid)
+            self.ledger.release(rid)  # also a booking whose runtime never started
             if hosted is None:
                 return False
             self._forget(hosted.slot)
