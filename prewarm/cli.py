@@ -38,6 +38,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", type=int, default=1,
+                   help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
+                        "that cannot hold them all, planned as a fleet")
     p.set_defaults(handler=_cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway (embedded Redis when PREWARM_REDIS_URL is unset)")
@@ -181,6 +184,10 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
     )
     with _redis_for(settings):
+        if args.models and args.models > 1:
+            from workers.up import fleet
+
+            return fleet.run(settings, opts, args.models)
         return up.run(settings, opts)
 
 
