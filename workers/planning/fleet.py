@@ -57,6 +57,10 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
         if measured is not None:
             ready[Tier.CACHED] = measured
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
+        for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
+            got = ctx.registry.ready_time_p95(name, tier.value, ctx.settings.agent.node_class)
+            if got is not None:
+                ready[tier] = got
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
                                priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
     return Catalog(tuple(cards))
@@ -72,7 +76,9 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
         resident: dict[str, Tier] = {}
         for r in ctx.registry.live_on_node(ns.node):
             if r.model in catalog.index and r.state in LIVE_STATES:
-                resident[r.model] = Tier.GPU
+                tier = Tier.ASLEEP if r.state is ReplicaState.ASLEEP else Tier.GPU
+                if resident.get(r.model) is not Tier.GPU:
+                    resident[r.model] = tier
         for snap in (s for s in info.get("snapshots", "").split(",") if s):
             resident.setdefault(snap.partition("@")[0], Tier.CACHED)
         resident = {m: t for m, t in resident.items() if m in catalog.index}
@@ -128,7 +134,15 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
     for action in plan.actions:
         spec = specs[action.model]
-        if action.kind in (ActionKind.LOAD, ActionKind.WAKE):
+        asleep_here = [r.id for r in ctx.registry.live_on_node(action.node)
+                       if r.model == action.model and r.state is ReplicaState.ASLEEP]
+        if action.kind is ActionKind.WAKE and asleep_here:  # a sleeping replica there: wake it, no load
+            if p.dry_run:
+                log.info("dry run: would wake %s", asleep_here[0])
+            else:
+                app.send_task(names.WAKE, args=[asleep_here[0]])
+            sent[action.model].append(asleep_here[0])
+        elif action.kind in (ActionKind.LOAD, ActionKind.WAKE):
             free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
             if not free:
                 log.warning("fleet: no free slot on %s for %s", action.node, action.model)
@@ -141,13 +155,17 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
                 app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
             sent[action.model].append(rid)
         else:
+            # SLEEP: drain and sleep (weights to host memory); EVICT: drain and retire (the snapshot keeps
+            # the weights). Both wait for requests in flight to finish (workers.node.tiers).
+            task = names.SLEEP if action.kind is ActionKind.SLEEP else names.EVICT
             for r in ctx.registry.live_on_node(action.node):
-                if r.model == action.model and r.state is ReplicaState.READY:
+                if r.model == action.model and (r.state is ReplicaState.READY or (
+                        task == names.EVICT and r.state is ReplicaState.ASLEEP)):
+                    why = f"fleet: {action.kind.value} (density {action.density:.3g} below the memory price)"[:200]
                     if p.dry_run:
-                        log.info("dry run: would retire %s (%s)", r.id, action.kind.value)
+                        log.info("dry run: would %s %s", action.kind.value, r.id)
                     else:
-                        app.send_task(names.RETIRE, args=[r.id, f"fleet: {action.kind.value} (density "
-                                                          f"{action.density:.3g} below the memory price)"[:200]])
+                        app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
     view: dict[str, dict[str, Any]] = {}
     for j, name in enumerate(names_):
         tier = "gpu" if name in plan.gpu else "asleep" if name in plan.asleep else "cold"
