@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 NODE = "n1"
 RID = {m: f"{m}@r1/{NODE}/{slot}" for slot, m in enumerate(("a", "b", "c"))}
-STREAM_TOKENS = 1500  # several seconds of generation on CPU: the eviction is ordered well inside it
+STREAM_TOKENS = 800  # seconds of generation on CPU (more on a busy machine): the eviction is ordered inside it
 
 
 @dataclass
@@ -86,7 +86,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     dirs = [_model(tmp / "models", m, seed) for seed, m in enumerate(("a", "b", "c"))]
     footprint = max(load_manifest(d).total_bytes for d in dirs) / 1e9
     common = {"PREWARM_AGENT_TASK_TIME_LIMIT_S": "60", "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "61",
-              "PREWARM_GATEWAY_HOLD_TIMEOUT_S": "60", "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]'}
+              "PREWARM_GATEWAY_HOLD_TIMEOUT_S": "60", "PREWARM_GATEWAY_UPSTREAM_TIMEOUT_S": "600", "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]'}
     env = worker_env(server.url, tmp, PREWARM_AGENT_NODE=NODE, PREWARM_METRICS_PORT=str(free_port()),
                      PREWARM_AGENT_GPU_MEMORY_GB=repr(2.5 * footprint),  # two replicas fit, three do not
                      PREWARM_AGENT_HOST_MEMORY_GB=repr(4 * footprint), **common)
@@ -195,7 +195,7 @@ def test_eviction_under_pressure_never_drops_a_request_in_flight(fleet: Fleet) -
     t.join(120)
     assert result.get("status") == 200 and "error" not in result, result
     chunks = result["chunks"]
-    assert chunks[-1] == "[DONE]", chunks[-3:]
+    assert chunks[-1] == "[DONE]", f"{chunks[-3:]}\n{fleet.logs()}"
     last = json.loads(chunks[-2])
     assert last["choices"][0]["finish_reason"] == "length"  # every token came, nothing was cut
     fleet.wait_state(RID["a"], "retired", timeout=60)
