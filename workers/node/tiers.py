@@ -83,10 +83,13 @@ def drain_idle(ctx: WorkerContext, rec: Replica, reason: str, deadline: float) -
     idle_polls = 0
     while True:
         try:
-            inflight = client.inflight()
-        except Exception:  # noqa: BLE001 - a runtime that cannot answer has nothing to drain
-            return True
-        idle_polls = idle_polls + 1 if not inflight else 0
+            inflight: int | None = client.inflight()
+        except Exception as exc:  # noqa: BLE001 - a slow answer is not an idle runtime; a dead one has nothing
+            if hosted.exit_code() is not None:
+                return True
+            log.info("replica %s: no answer to /stats while draining (%s); asking again", rec.id, exc)
+            inflight = -1
+        idle_polls = idle_polls + 1 if inflight == 0 or inflight is None else 0  # None: not reported
         if idle_polls >= 2:  # twice idle: a request admitted between two polls is seen
             return True
         if time.monotonic() > deadline:
