@@ -24,7 +24,7 @@ from forecasting.data.traces import RequestTrace, TraceFormat
 from prewarm.core.settings import Settings
 from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.supervisor import Supervisor
-from workers.up.traffic import ReplayStats
+from workers.up.traffic import TrafficStats
 
 from workers.up.workload import Timeline, Workload
 
@@ -38,7 +38,7 @@ class UpRun(Protocol):
     sup: Supervisor
     registry: ReplicaRegistry
     timeline: Timeline
-    stats: ReplayStats
+    stats: TrafficStats
     warm_s: float
     total_s: float
 

@@ -33,7 +33,7 @@ from prewarm.registry.embedded import free_port
 from prewarm.runtime.model import load_manifest, make_model
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
-from workers.up.traffic import ReplayStats, replay
+from workers.up.traffic import TrafficStats, drive
 from prewarm.core.settings import Settings
 from workers.up.report import report
 from workers.up.supervisor import Supervisor
@@ -54,7 +54,7 @@ class UpRun:
         self.client = sync_client(settings.redis)
         self.registry = ReplicaRegistry(self.client, settings.registry)
         self.timeline = Timeline()
-        self.stats = ReplayStats()
+        self.stats = TrafficStats()
         self.gateway_url = ""
         self.started = 0.0
         self.warm_s = 0.0
@@ -233,7 +233,7 @@ class UpRun:
             live.update(self._view(counts, f"replay starts in {delay:.0f} s (aligned with the batch job's cron)"))
             await asyncio.sleep(min(1.0, delay))
             delay = start_epoch - time.time()
-        task = asyncio.create_task(replay(self.gateway_url, MODEL, wl.arrivals, self.stats, max_tokens=8))
+        task = asyncio.create_task(drive(self.gateway_url, MODEL, wl.arrivals, self.stats, max_tokens=8))
         day_s = wl.day_s
         t0 = time.monotonic()
         while not task.done():

@@ -1,4 +1,6 @@
-"""Traffic replay through the gateway: the demo's (and a user's) way to drive real load.
+"""Real traffic driven through the gateway: the demo's (and a user's) way to put load on it.
+
+("Replay" in this project is the simulator's trace replay, `forecasting.sim.simulate.replay`.)
 
 Arrival offsets (seconds) are replayed in real time, optionally compressed by
 `time_scale`, as OpenAI completion requests; each answer's latency and status are
@@ -27,7 +29,7 @@ def prompt_for(i: int, tokens: int) -> str:
 
 
 @dataclass
-class ReplayStats:
+class TrafficStats:
     """Live counters, read by the terminal view while the replay runs."""
 
     planned: int = 0
@@ -51,7 +53,7 @@ class ReplayStats:
         return float(np.percentile(np.asarray(self.latencies), q, method="inverted_cdf"))
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stats: ReplayStats, offset: float,
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stats: TrafficStats, offset: float,
                wait_threshold_s: float) -> None:
     t0 = time.monotonic()
     try:
@@ -72,11 +74,11 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stats: Rep
             stats.waits_over += 1
 
 
-async def replay(
+async def drive(
     gateway_url: str,
     model: str,
     arrivals: Collection[float],
-    stats: ReplayStats,
+    stats: TrafficStats,
     *,
     time_scale: float = 1.0,
     prompt_tokens: int = 16,
@@ -84,7 +86,7 @@ async def replay(
     wait_threshold_s: float = 0.5,
     timeout_s: float = 120.0,
     stop: asyncio.Event | None = None,
-) -> ReplayStats:
+) -> TrafficStats:
     """Send one request per arrival offset; returns when every answer is in (or `stop` is set)."""
     url = gateway_url.rstrip("/") + "/v1/completions"
     stats.planned = len(arrivals)

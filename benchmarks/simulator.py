@@ -6,15 +6,19 @@ depend on the machine, so each is also given as a ratio to a baseline measured i
 same run: a bare Python loop over the same number of seconds doing the fluid queue's
 arithmetic and nothing else (no policy, no replica bookkeeping).
 
-Usage: python -m benchmarks.replay [--quick] [--json] [--policies reactive,prewarm]
+Usage: python benchmarks/simulator.py [--quick] [--json] [--policies reactive,prewarm]
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, like the other benchmarks
 
 from benchmarks.common import ROOT, parser, report
 from forecasting.sim.policies import POLICIES, make_policy
