@@ -11,9 +11,11 @@ model alone:
    counts as in flight there, so the planner never evicts it;
 4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
    models' own forecasters on a slower cadence, the fleet planner);
-5. act: a LOAD or WAKE becomes `prewarm_replica` on the chosen node's queue; an EVICT or a
-   SLEEP retires the model's replicas there (the weights stay in the node's snapshot:
-   the cached tier). The plan is written to `keys.FLEET_PLAN` for the live view.
+5. act: a LOAD becomes `prewarm_replica` on the chosen node's queue, a WAKE `wake_replica`
+   of the replica asleep there (else a load), a SLEEP `sleep_replica` (engine level-1 sleep:
+   weights to host memory), an EVICT `evict_replica` (the weights stay in the node's
+   snapshot: the cached tier); sleep and evict wait for requests in flight
+   (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
 The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
 live in this process (a restarted planner refits them, staggered).
 """
