@@ -34,7 +34,7 @@ from prewarm.core import keys
 from prewarm.core.settings import Settings
 from prewarm.runtime.model import load_manifest, make_model
 from workers.up.run import UpRun
-from workers.up.traffic import ReplayStats, replay
+from workers.up.traffic import TrafficStats, drive
 from workers.up.workload import UpOptions
 
 SIZES = ("small", "tiny", "tiny", "small", "tiny")
@@ -65,7 +65,7 @@ class FleetUpRun(UpRun):
         super().__init__(settings, opts, console)
         self.n = n_models
         self.models: list[tuple[str, str, float]] = []  # name, revision, GB
-        self.per_model: dict[str, ReplayStats] = {}
+        self.per_model: dict[str, TrafficStats] = {}
 
     def _build(self) -> None:
         root = Path(self.settings.runtime.models_dir)
@@ -124,7 +124,7 @@ class FleetUpRun(UpRun):
         for col in ("model", "MB", "tier", "ready", "loading", "sent", "2xx", "503", "slow > 0.5 s", "p99 ms"):
             table.add_column(col, justify="right")
         for name, _, gb in self.models:
-            s = self.per_model.get(name, ReplayStats())
+            s = self.per_model.get(name, TrafficStats())
             tier = plan.get("models", {}).get(name, {}).get("tier", "-")
             ready = counts.get((name, "ready", "serving"), 0)
             loading = sum(counts.get((name, st, "serving"), 0) for st in ("pending", "loading", "warming"))
@@ -144,10 +144,10 @@ class FleetUpRun(UpRun):
                 self._check_children()
                 live.update(self._fleet_view("starting: waiting for both agents"))
                 await asyncio.sleep(0.5)
-            tasks: list[asyncio.Task[ReplayStats]] = []
+            tasks: list[asyncio.Task[TrafficStats]] = []
             for (name, _, _), times in zip(self.models, arrivals):
-                self.per_model[name] = ReplayStats()
-                tasks.append(asyncio.create_task(replay(self.gateway_url, name, times, self.per_model[name],
+                self.per_model[name] = TrafficStats()
+                tasks.append(asyncio.create_task(drive(self.gateway_url, name, times, self.per_model[name],
                                                         max_tokens=4)))
             while not all(task.done() for task in tasks):
                 self._check_children()
