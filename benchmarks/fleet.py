@@ -4,7 +4,8 @@ Each fleet is generated in the Azure Functions shape (`forecasting.fleet.synthet
 Poisson HTTP functions with a daily cycle, bursty sessions, rare ones) with a day of
 1-minute history; the catalog gives every model a footprint; nodes hold 40% of them. A
 round is timed twice: the first (every dense model's forecaster is fitted) and a steady
-one an interval later (no refit due: the forecasters only predict). Figures reported:
+one once every dense forecaster is fitted (no refit due: they only predict), and the
+worst round in between (at most ``max_refits`` fits each). Figures reported:
 models planned per second, the round's duration against the planning interval, and, as the
 same-run baseline, what today's per-model planning would cost: one `QuantileForecaster`
 fit per model per round (measured on a sample of the fleet's models, times the fleet).
@@ -53,9 +54,15 @@ def _one(n: int, sample: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         first, state = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState())
         first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        steady, state = fleet_round(counts, catalog, nodes, now=now + INTERVAL_S, params=params, state=state)
-        steady_s = time.perf_counter() - t0
+        worst_s = first_s
+        steady_s, steady = first_s, first
+        for k in range(1, 12):  # rounds until every dense forecaster is fitted (at most max_refits a round)
+            t0 = time.perf_counter()
+            steady, state = fleet_round(counts, catalog, nodes, now=now + k * INTERVAL_S, params=params, state=state)
+            steady_s = time.perf_counter() - t0
+            worst_s = max(worst_s, steady_s)
+            if steady.refits == 0:
+                break
         # baseline: one QuantileForecaster fit per model per round, as per-model planning does today
         import pandas as pd
 
@@ -70,7 +77,8 @@ def _one(n: int, sample: int) -> dict[str, Any]:
         "models": counts.shape[1], "nodes": n_nodes, "dense": len(first.dense), "refits_first": first.refits,
         "refits_steady": steady.refits, "first_round_s": first_s, "steady_round_s": steady_s,
         "models_per_s": counts.shape[1] / steady_s, "steady_share_of_interval": steady_s / INTERVAL_S,
-        "first_share_of_interval": first_s / INTERVAL_S, "per_model_fit_s": per_fit,
+        "first_share_of_interval": first_s / INTERVAL_S, "worst_round_s": worst_s,
+        "worst_share_of_interval": worst_s / INTERVAL_S, "per_model_fit_s": per_fit,
         "per_model_baseline_round_s": per_fit * counts.shape[1],
         "speedup_vs_per_model": per_fit * counts.shape[1] / steady_s, "gpu_replicas": warm,
         "gpu_gb": steady.plan.gpu_gb, "asleep": len(steady.plan.asleep),
@@ -99,8 +107,9 @@ def main() -> None:
     rows: list[tuple[str, Any, str]] = []
     for n, r in results.items():
         rows += [
-            (f"{n} models: steady round s", r["steady_round_s"], f"{r['steady_share_of_interval']:.1%} of the {INTERVAL_S:.0f} s interval"),
+            (f"{n} models: steady round s", r["steady_round_s"], f"{r['steady_share_of_interval']:.2%} of the {INTERVAL_S:.0f} s interval"),
             (f"{n} models: first round s", r["first_round_s"], f"{r['refits_first']} dense forecasters fitted ({r['first_share_of_interval']:.1%})"),
+            (f"{n} models: worst round s", r["worst_round_s"], f"{r['worst_share_of_interval']:.1%} of the interval ({r['dense']} dense, fitted over rounds)"),
             (f"{n} models: models planned/s", r["models_per_s"], "steady round"),
             (f"{n} models: per-model refit round s (baseline)", r["per_model_baseline_round_s"],
              f"{r['per_model_fit_s'] * 1e3:.0f} ms/fit x {n}; fleet round {r['speedup_vs_per_model']:.0f}x faster"),

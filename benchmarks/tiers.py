@@ -1,30 +1,22 @@
-"""Time to ready from each tier of warmth, and what sleep gives back, on one replica's engine.
+"""Each tier's time to ready, measured: disk, page cache (the node snapshot), level-1 sleep.
 
-The fleet planner trades GPU memory for warmth with each model's time to ready per tier
-(`forecasting.fleet.catalog`); the agents measure it live (`workers.node.tiers`). This
-script measures the same transitions on one engine, in one run, so their ratios are
-comparable:
+The fleet planner trades GPU memory for cold starts with the catalog's time to ready per
+tier (`forecasting.fleet.catalog`). This script measures them for one model on this
+machine with the real engine (`prewarm.runtime.engine.Engine`):
+- disk: a load after the weight file is evicted from the page cache (posix_fadvise
+  DONTNEED, no root needed);
+- cached: the same load again, the weights in the page cache;
+- asleep: level-1 sleep (weights to pinned host memory, GPU freed: the GPU memory held
+  before and during sleep is reported) and the wake back to ready.
+Each is reported next to the catalog's default for the same footprint, and the wake as a
+share of the cached load (the catalog's "a fraction of a load").
 
-- `disk`: a load of the model directory (no node snapshot yet; it writes one);
-- `cached`: a new engine loading the same weights from the node snapshot;
-- `asleep`: a level-1 wake (weights back from pinned host memory to the GPU);
-- `sleep_s`: how long the sleep takes, and how much GPU memory the process's allocator
-  holds awake and asleep (`cuda_reserved`: what the agent books for the replica).
-
-The files were just written, so the `disk` load reads mostly from the page cache: it is a
-lower bound of a real cold load (benchmarks/loader.py drops the cache for that). The
-greedy answer to one prompt is checked equal before the sleep and after the wake.
-
-    python benchmarks/tiers.py --quick          # small model, CPU or CUDA
-    python benchmarks/tiers.py --size 2GB --json
+Usage: python -m benchmarks.tiers [--quick] [--json] [--device auto|cuda|cpu] [--gb 2]
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import statistics
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,93 +24,107 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import parser, report
+from forecasting.fleet.catalog import Tier, default_ready_s
 from prewarm.runtime.engine import Engine
-from prewarm.runtime.loader import resolve_device
-from prewarm.runtime.model import make_model
-from prewarm.runtime.snapshot import SnapshotStore
-
-PROMPT = "the fleet keeps each model at the right tier of warmth"
+from prewarm.runtime.model import ModelConfig, make_model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _evict(path: Path) -> None:
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _load(model_dir: Path, device: str, snaps: SnapshotStore) -> tuple[Engine, float]:
-    started = time.perf_counter()
-    engine = Engine(model_dir, device=device, snapshots=snaps)
+def _gpu_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _load(model_dir: Path, device: str) -> tuple[Engine, float]:
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, device=device)
     engine.start_load()
-    engine.wait_loaded()
-    _sync(engine.device)
-    seconds = time.perf_counter() - started
-    engine.wait_snapshot()
-    return engine, seconds
+    if not engine.wait_loaded(timeout=600):
+        raise RuntimeError("the load did not finish")
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return engine, time.perf_counter() - t0
 
 
-def run(size: str, device: str, dtype: str, repeat: int) -> dict[str, Any]:
-    dev = resolve_device(device)
+def measure(gb: float, device: str, repeats: int) -> dict[str, Any]:
+    d_model, n_heads = 2048, 16
+    per_layer = 12 * d_model * d_model * 2  # bf16 bytes of one layer (attention + 4x MLP)
+    layers = max(1, int(gb * 1e9 / per_layer))
+    cfg = ModelConfig(vocab_size=32000, d_model=d_model, n_layers=layers, n_heads=n_heads, d_ff=4 * d_model,
+                      max_seq_len=512, dtype="bfloat16")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model(Path(tmp) / "m", size, dtype=dtype, name="m", revision="r1")  # type: ignore[arg-type]
-        snaps = SnapshotStore(Path(tmp) / "snaps", 64 * 1024**3)
-        engine, disk_s = _load(model_dir, str(dev), snaps)
-        answer = list(engine.generate(PROMPT, 8))
-        mem_awake = engine.memory()
-        sleeps, wakes, same = [], [], True
-        mem_asleep: dict[str, int] = {}
-        for _ in range(repeat):
+        model_dir = make_model(Path(tmp) / "m", cfg, seed=0, name="tiers")
+        size_gb = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 1e9
+        disk, cached, sleep, wake, held, asleep_held = [], [], [], [], [], []
+        for _ in range(repeats):
+            _evict(Path(model_dir))
+            engine, t = _load(Path(model_dir), device)
+            disk.append(t)
+            engine.close()
+            del engine
+            engine, t = _load(Path(model_dir), device)
+            cached.append(t)
+            held.append(_gpu_bytes(engine.device))
             t0 = time.perf_counter()
             engine.sleep(1)
-            _sync(engine.device)
-            sleeps.append(time.perf_counter() - t0)
-            mem_asleep = engine.memory()
+            sleep.append(time.perf_counter() - t0)
+            asleep_held.append(_gpu_bytes(engine.device))
             t0 = time.perf_counter()
             engine.wake_up()
-            _sync(engine.device)
-            wakes.append(time.perf_counter() - t0)
-            same = same and list(engine.generate(PROMPT, 8)) == answer
-        nbytes = engine.manifest.total_bytes
-        engine.close()
-        del engine
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        cached = []
-        for _ in range(repeat):
-            e2, s = _load(model_dir, str(dev), snaps)
-            cached.append(s)
-            e2.close()
-            del e2
-            gc.collect()
-    wake_s, cached_s = statistics.median(wakes), statistics.median(cached)
-    return {"device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "",
-            "dtype": dtype, "model_bytes": nbytes, "repeat": repeat,
-            "ready_s": {"disk": round(disk_s, 4), "cached": round(cached_s, 4), "asleep": round(wake_s, 4)},
-            "sleep_s": round(statistics.median(sleeps), 4),
-            "wake_vs_cached": round(wake_s / cached_s, 4), "wake_vs_disk": round(wake_s / disk_s, 4),
-            "memory_awake": mem_awake, "memory_asleep": mem_asleep, "same_answer_after_wake": same}
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            wake.append(time.perf_counter() - t0)
+            assert list(engine.generate("hello", 2)), "no token after the wake"
+            dev = str(engine.device)
+            engine.close()
+            del engine
+    best = {k: min(v) for k, v in (("disk_s", disk), ("cached_s", cached), ("sleep_s", sleep), ("wake_s", wake))}
+    default = default_ready_s(size_gb)
+    return {
+        "device": dev, "model_gb": size_gb, "repeats": repeats, **best,
+        "disk_gbps": size_gb / best["disk_s"], "cached_gbps": size_gb / best["cached_s"],
+        "wake_gbps": size_gb / best["wake_s"], "wake_vs_cached_load": best["wake_s"] / best["cached_s"],
+        "gpu_gb_held_ready": max(held) / 1e9, "gpu_gb_held_asleep": max(asleep_held) / 1e9,
+        "catalog_default_s": {t.value: default[t] for t in (Tier.DISK, Tier.CACHED, Tier.ASLEEP)},
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default=None, help="model size (default 1GB on CUDA, 200MB on CPU; --quick: 50MB)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    dev = resolve_device(a.device)
-    size = a.size or ("50MB" if a.quick else "1GB" if dev.type == "cuda" else "200MB")
-    out = run(size, a.device, "float16" if dev.type == "cuda" else "float32", 1 if a.quick else a.repeat)
-    r = out["ready_s"]
-    print(f"{out['device']} {out['gpu']} {out['model_bytes'] / 1e6:.0f} MB {out['dtype']}: time to ready "
-          f"disk {r['disk']:.3f}s, cached {r['cached']:.3f}s, asleep {r['asleep']:.3f}s "
-          f"(wake = {out['wake_vs_cached']:.1%} of a snapshot load); sleep {out['sleep_s']:.3f}s; "
-          f"GPU held awake {out['memory_awake']['cuda_reserved'] / 1e6:.0f} MB, asleep "
-          f"{out['memory_asleep'].get('cuda_reserved', 0) / 1e6:.0f} MB; same answer after wake: "
-          f"{out['same_answer_after_wake']}")
-    if a.json:
-        print(json.dumps(out))
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--gb", type=float, default=None, help="model size (default 2 GB; --quick: 0.05 GB)")
+    p.add_argument("--repeats", type=int, default=None, help="best of N (default 3; --quick: 1)")
+    args = p.parse_args()
+    gb = args.gb if args.gb is not None else (0.05 if args.quick else 2.0)
+    r = measure(gb, args.device, repeats=args.repeats or (1 if args.quick else 3))
+    d = r["catalog_default_s"]
+    rows: list[tuple[str, Any, str]] = [
+        ("model GB", r["model_gb"], f"on {r['device']}, best of {r['repeats']}"),
+        ("disk -> ready s", r["disk_s"], f"{r['disk_gbps']:.2f} GB/s; catalog default {d['disk']:.2f} s"),
+        ("page cache -> ready s", r["cached_s"], f"{r['cached_gbps']:.2f} GB/s; catalog default {d['cached']:.2f} s"),
+        ("asleep -> ready s (wake)", r["wake_s"], f"{r['wake_gbps']:.2f} GB/s; catalog default {d['asleep']:.2f} s"),
+        ("wake / cached load", r["wake_vs_cached_load"], "the asleep tier's share of a load"),
+        ("sleep s", r["sleep_s"], "level 1: weights to pinned host memory"),
+        ("GPU GB held ready / asleep", f"{r['gpu_gb_held_ready']:.3f} / {r['gpu_gb_held_asleep']:.3f}",
+         "level-1 sleep frees the GPU"),
+    ]
+    try:
+        report("time to ready per tier (real engine)", rows, r, args.json)
+    except ImportError:  # a bare GPU machine without rich: plain lines
+        import json
+
+        for key, value, note in rows:
+            print(f"{key}: {value} ({note})")
+        if args.json:
+            print(json.dumps(r))
 
 
 if __name__ == "__main__":

@@ -242,6 +242,8 @@ def test_sleeping_replica_is_woken_by_a_request_through_the_gateway(fleet: Fleet
     assert float(info["host_used_gb"]) == pytest.approx(fleet.footprint_gb)  # b's weights in host memory
     assert not fleet.registry.view("b", now=time.time()).serving  # not routable while asleep
 
+    wait_for(lambda: dict(fleet.client.pubsub_numsub(keys.DEMAND_CHANNEL)).get(keys.DEMAND_CHANNEL, 0) >= 1, 30,
+             "the planner's demand listener to subscribe")
     started = time.monotonic()
     status, _, body = _post(f"{fleet.gateway_url}/v1/completions", {"model": "b", "prompt": "hi", "max_tokens": 4})
     waited = time.monotonic() - started

@@ -24,7 +24,8 @@ from forecasting.fleet.traces import FleetTrace
 #: Each policy's knob values for the curve.
 KEEPALIVE_S = (60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 4 * 3600.0)
 HH_TAIL_PCT = (50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
-FLEET_BUDGET_SHARE = (0.5, 0.65, 0.8, 0.9, 1.0)  # of the hybrid histogram's average warm GB
+#: The planner's budgets: reactive's average warm GB plus these shares of the hybrid histogram's extra over it.
+FLEET_BUDGET_SHARE = (0.25, 0.5, 0.75, 1.0, 1.5)
 
 
 def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
@@ -104,9 +105,11 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
         }
     curves: dict[str, list[dict[str, Any]]] = {}
     if curve:
+        reactive = rows.get("reactive") or _run(trace, env, "reactive", None, setup, progress)
+        floor = reactive.avg_warm_gb
         knobs: dict[str, Sequence[float]] = {
             "keepalive": KEEPALIVE_S, "hybrid_histogram": HH_TAIL_PCT,
-            "fleet": tuple(s * hh.avg_warm_gb for s in FLEET_BUDGET_SHARE),
+            "fleet": tuple(floor + s * max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb) for s in FLEET_BUDGET_SHARE),
         }
         for name, values in knobs.items():
             if name in policies:

@@ -68,7 +68,9 @@ def plot_curves(result: Mapping[str, Any], out: str | Path, title: str = "") -> 
     ax.set_yscale("log")
     ax.set_xlabel("warm GPU memory-time (GB·h)")
     ax.set_ylabel("share of requests hitting a cold model")
-    ax.set_title(title or f"{Path(str(result['trace'])).name}: cold starts vs warm memory")
+    first = Path(str(result["trace"]).split(",")[0])
+    source = first.name if "," not in str(result["trace"]) else f"{first.parent.name}/ ({result['kind']})"
+    ax.set_title(title or f"{source}, {result['models']} models: cold starts vs warm GPU memory")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

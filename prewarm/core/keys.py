@@ -128,9 +128,9 @@ def node_info(node: str) -> str:
 
 NODE_INFO_TTL_S = 60
 #: The fleet planner's last round (JSON: every model's tier and nodes, the memory price): the live view.
-FLEET_PLAN = "prewarm:fleet:plan"
+FLEET_PLAN = f"{PREFIX}:fleet:plan"
 #: The fleet planner's carried state (hash: the memory price, budget spent, seconds planned).
-FLEET_STATE = "prewarm:fleet:state"
+FLEET_STATE = f"{PREFIX}:fleet:state"
 
 # --- the Celery pipeline (workers/) ---------------------------------------------------------
 #: Counter of deliveries of one task message (task id and retry number): the redelivery cap.

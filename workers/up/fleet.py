@@ -93,12 +93,11 @@ class FleetUpRun(UpRun):
         from workers.up.workload import Workload
 
         env = self._env(revision, Workload(np.zeros(0), "fleet"))
-        total = sum(gb for _, _, gb in self.models)
         env.update({
             "PREWARM_PLANNER_MODELS": json.dumps([f"{n}@{r}" for n, r, _ in self.models]),
             "PREWARM_PLANNER_MODEL_MEMORY_GB": json.dumps({n: gb for n, _, gb in self.models}),
             "PREWARM_PLANNER_FLEET_BUDGET_GB": repr(self.budget_gb),
-            "PREWARM_AGENT_GPU_MEMORY_GB": repr(0.5 * total),
+            "PREWARM_AGENT_GPU_MEMORY_GB": repr(self.budget_gb),  # each node could take the whole budget
             "PREWARM_AGENT_REPLICA_SLOTS": str(max(2, self.n)),
         })
         return env
