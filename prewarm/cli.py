@@ -257,8 +257,16 @@ def _cmd_flower(args: argparse.Namespace, settings: Settings) -> int:
 
     if not settings.redis.url:
         raise SettingsError("PREWARM_REDIS_URL is not set: Flower watches the shared broker")
+    argv = ["flower", f"--port={args.port}", f"--address={args.address}"]
+    auth = os.environ.get("FLOWER_BASIC_AUTH", "").strip()
+    if auth:
+        argv.append(f"--basic_auth={auth}")
+    elif args.address not in ("127.0.0.1", "localhost", "::1"):
+        # Flower can revoke tasks and shut workers down: never open it beyond this host unauthenticated
+        raise SettingsError(f"Flower on {args.address} needs FLOWER_BASIC_AUTH=user:password "
+                            "(comma-separated for several users), or --address 127.0.0.1")
     app = make_app(settings)
-    app.start(["flower", f"--port={args.port}", f"--address={args.address}"])
+    app.start(argv)
     return 0
 
 
@@ -277,13 +285,13 @@ def _cmd_serve_model(args: argparse.Namespace, settings: Settings) -> int:
         settings.runtime.device = args.device
     from prewarm.core.errors import PermanentError
 
+    bind = args.host or settings.runtime.host
     try:
         host = runtime.build_host(args.model_dir, settings, model_name=args.model_name, revision=args.revision,
-                                  node=args.node)
-    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device
+                                  node=args.node, bind=bind)
+    except (PermanentError, ValueError) as exc:  # no model there, a bad manifest, a bad device, no token
         print(f"prewarm serve-model: {exc}", file=sys.stderr)
         return 2
-    bind = args.host or settings.runtime.host
     port = settings.runtime.port if args.port is None else args.port
 
     def announce(bound: int) -> None:
@@ -388,6 +396,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not _redis_unreachable(exc):
+            raise
+        print(f"prewarm {args.command}: Redis is unreachable ({exc}); check PREWARM_REDIS_URL and that Redis is up",
+              file=sys.stderr)
+        return 1
+
+
+def _redis_unreachable(exc: BaseException) -> bool:
+    """A Redis that cannot be reached at start is an operator's fix, not a 70-line traceback."""
+    import redis
+
+    from prewarm.core.errors import RegistryUnavailable
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RegistryUnavailable, redis.ConnectionError, redis.TimeoutError)):
+            return True
+        if type(exc).__module__.startswith("kombu") and "connect" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:

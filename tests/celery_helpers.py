@@ -103,7 +103,7 @@ def queued_tasks(client: "redis.Redis[str]", queue: str) -> list[dict[str, Any]]
         msg = json.loads(raw)
         body = json.loads(base64.b64decode(msg["body"])) if msg["properties"].get("body_encoding") == "base64" \
             else json.loads(msg["body"])
-        out.append({"task": msg["headers"]["task"], "args": body[0]})
+        out.append({"task": msg["headers"]["task"], "args": body[0], "id": msg["headers"].get("id")})
     return out
 
 

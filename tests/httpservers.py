@@ -69,13 +69,16 @@ class AppThread:
 
 @dataclass
 class Upstream:
-    """An OpenAI-compatible upstream; `mode` is one of ok, fail, close_mid_stream, close_mid_body."""
+    """An OpenAI-compatible upstream; `mode` is one of ok, fail, bad_request, close_mid_stream, close_mid_body."""
 
     name: str
     mode: str = "ok"
     delay_s: float = 0.0
+    chunk_delay_s: float = 0.0  # between two stream chunks
+    chunks: int = 3
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # the client's (address, port) of each request: its connection
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -87,10 +90,13 @@ class Upstream:
         body = await request.json()
         self.received.append(body)
         self.headers.append(dict(request.headers))
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.mode == "fail":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "bad_request":
+            return web.json_response({"error": {"message": "bad prompt", "type": "invalid_request_error"}}, status=400)
         if self.mode == "close_mid_body":
             resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Content-Length": "1000"})
             await resp.prepare(request)
@@ -101,7 +107,9 @@ class Upstream:
         if body.get("stream"):
             resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for i in range(3):
+            for i in range(self.chunks):
+                if i and self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
                 chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.mode == "close_mid_stream" and i == 1:

@@ -161,3 +161,18 @@ def test_openai_adapter_falls_back_to_the_next_health_path(server: RuntimeProces
     assert not none.ready()
     gone = OpenAICompatibleAdapter(f"http://127.0.0.1:{free_port()}", timeout_s=1, has_sleep_mode=False)
     assert not gone.ready() and not gone.load_status().loaded
+
+
+def test_warmup_and_health_checks_reuse_one_pooled_connection() -> None:
+    """Issue 9/13: one pooled HTTP client (`prewarm.core.http`); a warmup of N requests used to open N
+    connections (urllib). A real HTTP server records the client's address and port of each request."""
+    from tests.httpservers import AppThread, Upstream
+
+    up = Upstream("u")
+    with AppThread(up.app()) as server:
+        adapter = BuiltinRuntimeAdapter(server.url, token=TOKEN, timeout_s=10)
+        plan = WarmupPlan(model="tiny", count=6, seed=3, max_tokens=2, topics=TopicMix((("chat", 1.0),)))
+        adapter.warmup(generate_requests(plan, secret=SECRET, now=time.time()))
+        adapter.warmup(generate_requests(plan, secret=SECRET, now=time.time()))
+    assert len(up.peers) == 12
+    assert len(set(up.peers)) == 1, f"{len(set(up.peers))} connections for 12 requests"

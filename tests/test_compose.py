@@ -49,6 +49,16 @@ def test_compose_file_is_valid(config: dict[str, Any]) -> None:
     }
 
 
+def test_redis_persists_to_a_volume(config: dict[str, Any]) -> None:
+    """Issue 13: forecast history and planner state survive `docker compose restart redis`."""
+    redis_svc = config["services"]["redis"]
+    command = redis_svc["command"]
+    assert arg(command, "--appendonly") == "yes" and arg(command, "--dir") == "/data"
+    mounts = [(v["source"], v["target"]) if isinstance(v, dict) else tuple(v.split(":")[:2]) for v in redis_svc["volumes"]]
+    assert ("redis-data", "/data") in mounts, mounts
+    assert "redis-data" in config["volumes"]
+
+
 def test_every_command_is_a_prewarm_subcommand(config: dict[str, Any]) -> None:
     services = prewarm_services(config)
     assert len(services) >= 7
@@ -78,7 +88,12 @@ def test_ports_agree_with_settings_and_prometheus(config: dict[str, Any], clean_
     assert gw_port == Settings.load().gateway.port  # the documented default, 8080
     assert any(int(p["target"]) == gw_port for p in gateway["ports"])
     flower = services["flower"]
-    assert any(int(p["target"]) == int(arg(flower["command"], "--port")) for p in flower["ports"])
+    ports = [p if isinstance(p, dict) else dict(zip(("host_ip", "published", "target"), p.split("/")[0].split(":")))
+             for p in flower["ports"]]
+    assert any(int(p["target"]) == int(arg(flower["command"], "--port")) for p in ports)
+    # issue 13: Flower is behind basic auth and published on this host only
+    assert all(p.get("host_ip") == "127.0.0.1" for p in ports), flower["ports"]
+    assert ":" in flower["environment"]["FLOWER_BASIC_AUTH"]
     metrics_default = MetricsSettings().port
     targets: set[str] = set()
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())

@@ -10,9 +10,10 @@ and a real `prewarm gateway` process in front. Heartbeats are short (1 s, TTL 3 
   every live replica within two heartbeat intervals.
 - A replica that starts failing requests: its runtime is put to sleep at level 2 behind the
   registry's back (the weights are dropped; the process stays up and healthy, and every
-  completion is answered 503 — a real runtime's refusal, not a stand-in). Only the gateway
-  can see it: it stops routing there, marks it failed after `gateway.failure_threshold`
-  failures, the agent stops its runtime, and the traffic goes to the other replica.
+  completion is answered 503 — a real runtime's refusal, not a stand-in). The gateway
+  sends those requests to the other replica (a refusal is not a failure: issue 13), and
+  the agent's health check (`/readyz` says "sleeping") marks it failed after
+  `agent.health_failures` checks and stops its runtime; the traffic goes to the other replica.
 
 - An agent killed with SIGKILL while it loads a replica: a client polls the gateway through
   the whole episode and only ever gets 200 (from the other node's replica) — never a 5xx —
@@ -26,6 +27,8 @@ tests/test_faults_fuzz.py and tests/test_history.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -104,9 +107,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("faults")
     server = EmbeddedRedis().start()
     short = {"PREWARM_REGISTRY_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "3",
-             "PREWARM_REDIS_SOCKET_TIMEOUT_S": "2"}
+             "PREWARM_REDIS_SOCKET_TIMEOUT_S": "2", "PREWARM_REGISTRY_REAPER_INTERVAL_S": "1"}
     make_model(tmp / "models" / "tiny" / "r1", "tiny", seed=0, name="tiny", revision="r1")
-    envs = {n: worker_env(server.url, tmp, PREWARM_AGENT_NODE=n, PREWARM_METRICS_PORT=str(free_port()), **short)
+    # the agents wait out a stalled Redis (socket timeout 10 s, as in worker_env): a heartbeat sent into a
+    # frozen server arrives with the time it was sent (test_redis_frozen_past_the_ttl_fails_no_healthy_replica)
+    envs = {n: worker_env(server.url, tmp, PREWARM_AGENT_NODE=n, PREWARM_METRICS_PORT=str(free_port()),
+                          **{**short, "PREWARM_REDIS_SOCKET_TIMEOUT_S": "10"})
             for n in NODES}
     agents = {n: WorkerProcess(["agent", "--node", n], envs[n], tmp / f"agent-{n}.log") for n in NODES}
     port = free_port()
@@ -186,6 +192,62 @@ def test_redis_restart_without_persistence(stack: Stack) -> None:
     assert "Traceback" not in stack.gateway.log(), stack.gateway.log()[-3000:]
 
 
+def test_redis_frozen_past_the_ttl_fails_no_healthy_replica(stack: Stack) -> None:
+    """Chaos (issue 13): Redis SIGSTOPped for longer than the heartbeat TTL, then resumed, under traffic
+    and with reaps queued meanwhile (the reaper's own code, `ReplicaRegistry.reap`, called again and again
+    from threads, so that reaps carrying the current time wait in the frozen server as a planner worker's
+    would). The agents' heartbeats sent into the frozen server carry the time they were sent, so when
+    Redis resumes every replica looks expired, and a queued reap runs before the agents heartbeat
+    again; no healthy replica may be failed for that."""
+    wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 30, lambda: f"both replicas ready\n{stack.logs()}")
+    reaper_client: "redis.Redis[str]" = redis.Redis.from_url(stack.redis.url, decode_responses=True,
+                                                             socket_timeout=0.5)
+    reaper = ReplicaRegistry(reaper_client, stack.settings.registry)
+    stop = threading.Event()
+    reaped: list[str] = []
+    answers: list[int] = []
+
+    def reap_loop() -> None:
+        while not stop.is_set():
+            try:
+                reaped.extend(reaper.reap(now=time.time()))
+            except Exception:  # noqa: BLE001 - Redis frozen: the call times out or errors; reap again
+                pass
+            time.sleep(0.2)
+
+    def traffic() -> None:
+        while not stop.is_set():
+            answers.append(stack.complete("chaos", timeout=20)[0])
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (reap_loop, reap_loop, reap_loop, traffic)]
+    for t in threads:
+        t.start()
+    assert stack.redis.proc is not None
+    pid = stack.redis.proc.pid
+    try:
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGSTOP)
+        frozen = stack.settings.registry.heartbeat_ttl_s + 2.0
+        time.sleep(frozen)  # past the TTL: every heartbeat score is in the past when Redis resumes
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        time.sleep(stack.settings.registry.heartbeat_ttl_s + 2.0)  # the settling period, and reaps after it
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        reaper_client.close()
+
+    assert reaped == [], f"healthy replicas were reaped after the stall: {reaped}\n{stack.logs()}"
+    failed = [(f.get("replica"), f.get("reason")) for _, f in stack.registry.events() if f.get("to") == "failed"]
+    assert not failed, failed
+    wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 10, lambda: f"both replicas routable\n{stack.logs()}")
+    assert set(answers) <= {200, 503}, sorted(set(answers))
+    assert answers[-1] == 200 or stack.complete()[0] == 200
+
+
 def test_failing_replica_is_marked_failed_and_traffic_moves(stack: Stack) -> None:
     bad, good = REPLICAS["n1"], REPLICAS["n2"]
     wait_for(lambda: stack.ready_ids() == {bad, good}, 15, "both replicas to be ready")
@@ -212,7 +274,7 @@ def test_failing_replica_is_marked_failed_and_traffic_moves(stack: Stack) -> Non
 
     wait_for(marked_failed, 30, lambda: f"the gateway to mark {bad} failed\n{stack.logs()}", poll=0.05)
     rec = stack.registry.get(bad)
-    assert rec is not None and "failing requests" in rec.reason, rec
+    assert rec is not None and "health check" in rec.reason, rec  # the agent's check, not the answers: issue 13
     statuses = [s for s, _, _ in answers]
     assert 500 not in statuses and set(statuses) <= {200, 503}, statuses
     for status, headers, _ in answers:

@@ -81,7 +81,8 @@ def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_ba
         broker.start()  # same port, empty
         assert dispatch_due(ctx, app, now=now + 4) == ["up-broker"]
         assert dispatch_due(ctx, app, now=now + 6) == []  # leased: not sent twice
-        assert queued_tasks(broker_client, PLANNER_QUEUE) == [{"task": APPLY_EVENT, "args": ["up-broker"]}]
+        assert queued_tasks(broker_client, PLANNER_QUEUE) == [
+            {"task": APPLY_EVENT, "args": ["up-broker"], "id": f"up-broker/{APPLY_EVENT}"}]
         assert ctx.client.hget(keys.planned_event("up-broker"), "status") == "dispatched"
     finally:
         broker_client.close()
@@ -115,8 +116,46 @@ def test_apply_with_the_broker_down_is_retried_with_the_same_replicas(ctx: Worke
         assert apply_event(ctx, app, "up-apply").outcome == "already_applied"  # a redelivered apply sends nothing
         assert sorted(m["args"][0] for m in queued_tasks(broker_client, node_queue("n1"))) == ["m@r1/n1/0", "m@r1/n1/1"]
         assert {m["task"] for m in queued_tasks(broker_client, node_queue("n1"))} == {PREWARM}
+        # issue 13: the task ids derive from the event, so the same event sent twice is the same task
+        assert sorted(m["id"] for m in queued_tasks(broker_client, node_queue("n1"))) == [
+            f"up-apply/{PREWARM}/m@r1/n1/0", f"up-apply/{PREWARM}/m@r1/n1/1"]
         assert ctx.client.zscore(keys.PLANNED_EVENTS, "up-apply") is None  # applied: it left the queue
         assert dispatch_due(ctx, app, now=time.time() + 10_000) == []
     finally:
+        broker_client.close()
+        app.close()
+
+
+def test_the_demand_listener_outlives_a_broker_that_refuses(ctx: WorkerContext, broker: EmbeddedRedis) -> None:
+    """Issue 13 (minor): the planner's demand listener caught only redis errors; a kombu error from
+    `send_task` (the broker down) ended its thread, and scale-from-zero waited for the beat's scan."""
+    import threading
+
+    from workers.planning.worker import listen_for_demand
+
+    app = make_app(Settings(redis=RedisSettings(url=broker.url)))
+    broker_client: "redis.Redis[str]" = redis.Redis.from_url(broker.url, decode_responses=True)
+    stop = threading.Event()
+    listener = threading.Thread(target=listen_for_demand, args=(ctx.client, app, stop), daemon=True)
+    try:
+        broker.stop()
+        listener.start()
+        deadline = time.monotonic() + 10
+        while ctx.client.pubsub_numsub(keys.DEMAND_CHANNEL)[0][1] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ctx.client.publish(keys.DEMAND_CHANNEL, "lost-while-down")
+        time.sleep(3.0)  # the send fails against the stopped broker
+        assert listener.is_alive(), "the listener died on a broker error"
+        broker.start()
+        deadline = time.monotonic() + 30
+        sent: list[str] = []
+        while not sent and time.monotonic() < deadline:
+            ctx.client.publish(keys.DEMAND_CHANNEL, "after")
+            time.sleep(0.5)
+            sent = [m["args"][0] for m in queued_tasks(broker_client, PLANNER_QUEUE)]
+        assert "after" in sent, sent
+    finally:
+        stop.set()
+        listener.join(10)
         broker_client.close()
         app.close()

@@ -171,6 +171,22 @@ def test_signed_warmup_goes_to_warm_pool_and_is_not_counted(gw: Harness) -> None
     assert _user_count(gw.reg.client) == 0
 
 
+def test_a_replayed_warmup_request_is_user_traffic(gw: Harness) -> None:
+    """Issue 13 (minor): a captured signed warmup request could be replayed as warmup for 300 s."""
+    serving, warm = Upstream("serving"), Upstream("warm")
+    gw.add(0, serving)
+    gw.add(5, warm, pool=Pool.WARM)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    hdrs = signing.warmup_headers(SECRET, "POST", "/v1/completions", body, time.time())
+    first = request(gw.url, "POST", "/v1/completions", raw=body, headers=hdrs)
+    again = request(gw.url, "POST", "/v1/completions", raw=body, headers=hdrs)
+    assert json.loads(first[2])["served_by"] == "warm"
+    assert json.loads(again[2])["served_by"] == "serving"  # the replay is plain user traffic
+    assert signing.HEADER not in serving.headers[-1]
+    time.sleep(1.3)
+    assert _user_count(gw.reg.client) == 1
+
+
 def test_forged_warmup_gains_nothing(gw: Harness) -> None:
     serving, warm = Upstream("serving"), Upstream("warm")
     gw.add(0, serving)
@@ -243,20 +259,93 @@ def test_replica_closing_mid_stream_and_mid_body(gw: Harness) -> None:
     assert served_by(gw.complete()) == "s"
 
 
-def test_failing_replica_is_marked_failed_and_traffic_moves(gw: Harness) -> None:
+def test_a_replica_answering_500_is_passed_through_not_failed(gw: Harness) -> None:
+    """Issue 13: a 500 is an answer (the replica is alive); a request that causes one would cause it on
+    every replica, so it is neither counted against the replica nor re-sent."""
     bad, good = Upstream("bad", mode="fail"), Upstream("good")
     r_bad = gw.add(0, bad)
     gw.add(1, good)
     statuses = []
-    for _ in range(gw.settings.gateway.failure_threshold):
+    for _ in range(gw.settings.gateway.failure_threshold * 2):
         status, _, _ = gw.complete()
         statuses.append(status)
-        gw.gateway.state.excluded.clear()  # force the bad replica to be chosen again until marked failed
-    assert statuses[0] == 500  # the replica's own answer is passed through
+    assert 500 in statuses, statuses  # the replica's own answer is passed through
+    assert not good.received or len(good.received) == statuses.count(200)  # never a re-send of a 500
     stored = gw.reg.get(r_bad.id)
+    assert stored is not None and stored.state is ReplicaState.READY, stored
+    assert not gw.gateway.state.failures and not gw.gateway.state.excluded
+
+
+def test_a_slow_answer_is_a_504_not_a_dead_replica(redis_url: str) -> None:
+    """Issue 13: the upstream timeout is an idle timeout; a request that outlives it is not re-sent
+    (it may be expensive and is probably still running) and does not count against the replica."""
+    h = Harness(redis_url, upstream_timeout_s=0.5)
+    try:
+        slow, other = Upstream("slow", delay_s=1.5), Upstream("other")
+        r_slow = h.add(0, slow)
+        h.add(1, other)
+        for _ in range(h.settings.gateway.failure_threshold + 1):
+            status, _, body = h.complete()
+            assert status == 504 and json.loads(body)["error"]["code"] == "upstream_timeout", body
+            h.gateway.state.excluded.clear()
+        assert other.received == [], "the timed-out request was re-sent to another replica"
+        stored = h.reg.get(r_slow.id)
+        assert stored is not None and stored.state is ReplicaState.READY, stored
+        assert not h.gateway.state.failures
+    finally:
+        h.close()
+
+
+def test_a_long_stream_is_fine_while_chunks_keep_coming(redis_url: str) -> None:
+    """The whole stream takes 4x the timeout; no gap between chunks reaches it."""
+    h = Harness(redis_url, upstream_timeout_s=0.6)
+    try:
+        h.add(0, Upstream("s", chunk_delay_s=0.2, chunks=12))
+        status, _, body = h.complete(extra={"stream": True})
+        assert status == 200 and body.count(b"data: ") == 13 and body.endswith(b"data: [DONE]\n\n"), body
+    finally:
+        h.close()
+
+
+def test_full_replicas_answer_429_with_retry_after(redis_url: str) -> None:
+    """Issue 13 (backpressure): a bounded queue per replica; when every one is full, 429 at once."""
+    h = Harness(redis_url, replica_queue_limit=2)
+    try:
+        slow = Upstream("slow", delay_s=2.0)
+        h.add(0, slow)
+        held: list[Any] = []
+        threads = [threading.Thread(target=lambda: held.append(h.complete())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(slow.received) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        status, headers, body = h.complete()
+        assert status == 429 and int(headers["retry-after"]) >= 1, (status, body)
+        assert json.loads(body)["error"]["code"] == "overloaded"
+        assert time.monotonic() - started < 1.5  # at once, not after a wait behind the others
+        for t in threads:
+            t.join()
+        assert [r[0] for r in held] == [200, 200]
+        assert served_by(h.complete()) == "slow"
+    finally:
+        h.close()
+
+
+def test_unreachable_replica_is_marked_failed_and_traffic_moves(gw: Harness) -> None:
+    good = Upstream("good")
+    dead = Replica("m", "r1", "n1", 0, endpoint="http://127.0.0.1:9")  # nothing listens on the discard port
+    now = time.time()
+    gw.reg.register(dead, now=now)
+    for s in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
+        gw.reg.transition(dead.id, s, now=now)
+    gw.add(1, good)
+    for _ in range(gw.settings.gateway.failure_threshold):
+        assert served_by(gw.complete()) == "good"  # falls over within the request
+        gw.gateway.state.excluded.clear()  # force the dead replica to be tried again until marked failed
+    stored = gw.reg.get(dead.id)
     assert stored is not None and stored.state is ReplicaState.FAILED and "failing requests" in stored.reason
-    time.sleep(0.05)
-    assert all(served_by(gw.complete()) == "good" for _ in range(3))
 
 
 def test_unreachable_replica_falls_over_to_another(gw: Harness) -> None:
@@ -291,6 +380,37 @@ def test_models_health_metrics_and_counters(gw: Harness) -> None:
     assert 'gateway_routing_decisions_total{model="m",outcome="serving"} 3.0' in text
 
 
+def test_requests_a_replica_refuses_as_invalid_are_not_demand(gw: Harness) -> None:
+    """Issue 13 (minor): 400s from the runtime used to count as demand (a cheap way to make the planner
+    scale up)."""
+    up = Upstream("s", mode="bad_request")
+    gw.add(0, up)
+    for _ in range(5):
+        assert gw.complete()[0] == 400
+    up.mode = "ok"
+    assert served_by(gw.complete()) == "s"
+    time.sleep(1.3)  # one counter flush
+    assert _user_count(gw.reg.client) == 1
+
+
+def test_client_chosen_model_names_are_not_labels_while_redis_is_down() -> None:
+    """Issue 13 (minor): 13 requests with made-up model names during an outage made 286 series."""
+    with EmbeddedRedis() as server:
+        h = Harness(server.url)
+        try:
+            h.add(0, Upstream("s"))
+            assert served_by(h.complete()) == "s"
+            server.stop()
+            time.sleep(0.05)
+            for i in range(13):
+                assert h.complete(model=f"made-up-{i}")[0] == 503
+            text = request(h.url, path="/metrics")[2].decode()
+            assert "made-up" not in text
+            assert 'model="unknown"' in text
+        finally:
+            h.close()
+
+
 def test_redis_outage_gives_503_never_500() -> None:
     with EmbeddedRedis() as server:
         h = Harness(server.url)
@@ -304,7 +424,10 @@ def test_redis_outage_gives_503_never_500() -> None:
                 assert status == 503, body
                 assert "retry-after" in headers
             assert request(h.url, path="/v1/models")[0] == 503
-            assert request(h.url, path="/healthz")[0] == 200
+            status, _, health = request(h.url, path="/healthz")
+            assert status == 200 and json.loads(health) == {"status": "degraded", "registry": "unavailable"}
+            assert str(server.port) not in health.decode()  # issue 13: no internal address to clients
+            assert request(h.url, path="/readyz")[0] == 503
             assert request(h.url, path="/metrics")[0] == 200
             server.start()
             h.reg.heartbeat(Replica("m", "r1", "n1", 0, endpoint=h.upstreams[0].url, state=ReplicaState.READY), now=time.time())

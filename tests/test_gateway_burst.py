@@ -27,7 +27,7 @@ BURST = 250  # above the asyncio Redis client's default pool of 100 connections
 def test_a_burst_above_the_redis_pool_size_gets_no_503(redis_url: str) -> None:
     settings = Settings(
         redis=RedisSettings(url=redis_url),
-        gateway=GatewaySettings(refresh_interval_s=0.01),
+        gateway=GatewaySettings(refresh_interval_s=0.01, replica_queue_limit=1000),  # the pool, not backpressure
         registry=RegistrySettings(),
         warmup=WarmupSettings(secret="s"),
     )

@@ -6,6 +6,7 @@ the values the seed names checked to change what they should."""
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import json
 from functools import lru_cache
@@ -232,7 +233,16 @@ def test_pod_warmer_warms_the_inference_pods() -> None:
     env = env_of(warmer)
     assert env["PREWARM_KUBERNETES_POD_PORT"] == "8002"
     assert env["PREWARM_KUBERNETES_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-    assert "PREWARM_KUBERNETES_POD_API_KEY" not in env
+    # issue 13: the chart's serve-model pods listen on 0.0.0.0 with their own control token, which the
+    # warmer uses; the gateway holds only their API key, never the control token
+    runtime_secret = find(docs, "Secret", "-runtime")["metadata"]["name"]
+    assert env["PREWARM_KUBERNETES_POD_API_KEY"] == {"secretKeyRef": {"name": runtime_secret, "key": "control-token"}}
+    pods = env_of(find(docs, "Deployment", "-inference"))
+    assert pods["PREWARM_RUNTIME_TOKEN"]["secretKeyRef"]["key"] == "control-token"
+    assert pods["PREWARM_RUNTIME_API_KEY"]["secretKeyRef"]["key"] == "api-key"
+    gateway = env_of(find(docs, "Deployment", "-gateway"))
+    assert gateway["PREWARM_RUNTIME_API_KEY"]["secretKeyRef"]["name"] == runtime_secret
+    assert "PREWARM_RUNTIME_TOKEN" not in gateway
 
     # a vLLM Deployment of the operator's instead, with its API key in a Secret
     vllm = find(render({"inference": {"enabled": False},
@@ -267,6 +277,33 @@ def test_redis_is_optional_with_an_external_url_or_secret() -> None:
     assert env_of(find(by_url, "DaemonSet", "-agent"))["PREWARM_REDIS_URL"] == "rediss://cache:6380/0"
     with pytest.raises(helm_python.HelmRenderError, match="redis.url"):
         render({"redis": {"enabled": False}})
+
+
+def test_bundled_redis_persists_its_data() -> None:
+    """Issue 13: a restart of the bundled Redis must not lose the forecast history and the planner's state."""
+    docs = render()
+    dep = find(docs, "Deployment", "-redis")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--save") + 1] != "" and args[args.index("--dir") + 1] == "/data"
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    claim = dep["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    pvc = find(docs, "PersistentVolumeClaim", "-redis")
+    assert pvc["metadata"]["name"] == claim and pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    off = render({"redis": {"persistence": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "PersistentVolumeClaim"]
+
+
+def test_flower_is_behind_basic_auth() -> None:
+    """Issue 13 (minor): Flower's UI was open with no auth."""
+    docs = render({"flower": {"basicAuth": "ops:pw"}})
+    ref = env_of(find(docs, "Deployment", "-flower"))["FLOWER_BASIC_AUTH"]["secretKeyRef"]
+    secret = find(docs, "Secret", "-flower")
+    assert secret["metadata"]["name"] == ref["name"]
+    assert base64.b64decode(secret["data"][ref["key"]]).decode() == "ops:pw"
+    generated = find(render(), "Secret", "-flower")
+    assert base64.b64decode(generated["data"]["basic-auth"]).decode().startswith("admin:")
 
 
 def _rbac_rules(docs: list[dict[str, Any]], sa: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:

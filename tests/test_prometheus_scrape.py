@@ -171,9 +171,10 @@ def test_prometheus_scrapes_the_gateway_and_the_agent(
     warmups = float(agent.env["PREWARM_WARMUP_REQUESTS"])
     prom.wait_value(f'model_cold_start_seconds_count{{job="agent",model="tiny",node="{NODE}"}}', 1)
     assert prom.value('warmup_requests_total{job="agent",model="tiny",purpose="prewarm"}') == warmups
-    for check in ("structural", "numeric", "performance"):
+    # the first replica of a revision on a node class has nothing to compare with: "no_baseline" (issue 13)
+    for check, result in (("structural", "passed"), ("numeric", "passed"), ("performance", "no_baseline")):
         assert prom.value(f'prewarm_validation_results_total{{job="agent",model="tiny",check="{check}",'
-                          f'result="passed"}}') == 1
+                          f'result="{result}"}}') == 1
     assert prom.value('sum(model_loading_failures_total{job="agent"})') is None  # no failure, no series
     prom.wait_value(f'gpu_fragmentation_rate{{job="agent",node="{NODE}"}}', runtime_fragmentation)
     phases = prom.query(f'model_loading_phase_duration_seconds_count{{job="agent",model="tiny",node="{NODE}"}}')

@@ -8,6 +8,7 @@ import time
 import pytest
 import redis
 
+from prewarm.core import keys
 from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
 from prewarm.registry.embedded import EmbeddedRedis
 from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
@@ -110,8 +111,17 @@ def test_unknown_replica_and_expected_state(redis_client: "redis.Redis[str]") ->
         reg.transition(r.id, ReplicaState.FAILED, now=time.time(), expected=ReplicaState.LOADING)
 
 
+def _active_for(client: "redis.Redis[str]", seconds: float, silent_s: float = 0.0) -> None:
+    """Make the registry's activity record say: heartbeats and reaps have reached Redis without a gap for
+    `seconds`, the last one `silent_s` ago (in Redis's own clock, as the scripts read it)."""
+    sec, usec = client.time()
+    clock = sec + usec / 1e6
+    client.hset(keys.REGISTRY_ACTIVITY, mapping={"since": repr(clock - seconds), "seen": repr(clock - silent_s)})
+
+
 def test_expired_heartbeat_drops_from_ready_view_and_reaper_fails_it(redis_client: "redis.Redis[str]") -> None:
     reg = ReplicaRegistry(redis_client, SETTINGS)
+    _active_for(redis_client, 600)
     fresh, stale = _replica(0), _replica(1, pool=Pool.WARM)
     t0 = 1_000_000.0
     for r in (fresh, stale):
@@ -127,6 +137,28 @@ def test_expired_heartbeat_drops_from_ready_view_and_reaper_fails_it(redis_clien
     got = reg.get(stale.id)
     assert got is not None and got.state is ReplicaState.FAILED and got.reason == "heartbeat expired"
     assert reg.reap(now=later) == []
+
+
+def test_reaper_waits_a_ttl_after_the_registry_was_silent(redis_client: "redis.Redis[str]") -> None:
+    """Issue 13: Redis stalled past the TTL (SIGSTOP, a slow failover). When it resumes, a reap queued
+    meanwhile must not fail replicas whose agents are alive and about to heartbeat."""
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    r = _replica(0)
+    t0 = time.time()
+    reg.register(r, now=t0)
+    _to_ready(reg, r.id, t0)
+    _active_for(redis_client, 600, silent_s=60)  # nothing reached Redis for a minute
+    later = t0 + SETTINGS.heartbeat_ttl_s * 2
+    assert reg.reap(now=later) == []  # the first reap after the silence: settling, not reaping
+    rec = reg.get(r.id)
+    assert rec is not None and rec.state is ReplicaState.READY
+    reg.heartbeat(rec, now=later)  # the agent was alive: it heartbeats within an interval
+    assert reg.reap(now=later + 0.1) == []
+    rec = reg.get(r.id)
+    assert rec is not None and rec.state is ReplicaState.READY
+    # an agent that really died is reaped once the registry has been active for a TTL again
+    _active_for(redis_client, SETTINGS.heartbeat_ttl_s + 1)
+    assert reg.reap(now=later + SETTINGS.heartbeat_ttl_s + 1) == [r.id]
 
 
 def test_heartbeat_of_failed_replica_reports_it(redis_client: "redis.Redis[str]") -> None:
@@ -158,6 +190,10 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     assert reg.set_baseline_if_absent("llama", "h200", 0.05) == 0.05
     assert reg.set_baseline_if_absent("llama", "h200", 0.09) == 0.05
     assert reg.baseline("llama", "cpu") is None
+    # issue 13: per revision and node class, and refreshed (it expires, then is measured again)
+    assert reg.set_baseline_if_absent("llama", "h200", 0.07, "r2") == 0.07
+    assert reg.baseline("llama", "h200", "r2") == 0.07 and reg.baseline("llama", "h200", "r3") is None
+    assert 0 < redis_client.ttl(keys.baseline("llama", "h200", "r2")) <= keys.BASELINE_TTL_S
 
 
 def test_redis_restart_is_repopulated_by_heartbeats() -> None:

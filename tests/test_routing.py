@@ -58,3 +58,13 @@ def test_saturated_serving_replicas_spill_into_the_warm_pool() -> None:
 def test_threshold_is_configurable() -> None:
     d = choose_replica([], [W5], [L_LOW], {}, warm_threshold=0.5)
     assert d.outcome is RouteOutcome.LOADING
+
+
+def test_every_replica_at_its_limit_is_saturated_not_unavailable() -> None:
+    a, b = Replica("m", "r", "n", 0, endpoint="http://a"), Replica("m", "r", "n", 1, endpoint="http://b", pool=Pool.WARM)
+    full = {a.id: 4, b.id: 4}
+    d = choose_replica([a], [b], [], full, replica_limit=4)
+    assert d.outcome is RouteOutcome.SATURATED and d.replica is None
+    d = choose_replica([a], [b], [], {a.id: 4, b.id: 3}, replica_limit=4)
+    assert d.replica == b
+    assert choose_replica([], [], [], {}, replica_limit=4).outcome is RouteOutcome.UNAVAILABLE

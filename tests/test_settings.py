@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,89 @@ def test_cli_reports_bad_setting_with_exit_2(clean_env: pytest.MonkeyPatch, caps
     clean_env.setenv("PREWARM_GATEWAY_PORT", "-1")
     assert main(["settings"]) == 2
     assert "PREWARM_GATEWAY_PORT" in capsys.readouterr().err
+
+
+def test_a_redis_password_with_url_characters_survives_the_broker_url(clean_env: pytest.MonkeyPatch) -> None:
+    """Issue 13 (minor): a password holding '/' or '#' broke the Celery broker URL."""
+    from kombu.utils.url import url_to_parts
+
+    password = "p/a#ss@w%rd?"
+    clean_env.setenv("PREWARM_REDIS_URL", "redis://cache.example:6379/0")
+    clean_env.setenv("PREWARM_REDIS_PASSWORD", password)
+    parts = url_to_parts(broker_url(Settings.load().redis))
+    assert parts.password == password and parts.hostname == "cache.example" and parts.port == 6379
+
+
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("PREWARM_WARMUP_SECRET", "", "must not be empty"),
+    ("PREWARM_GATEWAY_UPSTREAM_TIMEOUT_S", "inf", "finite"),
+    ("PREWARM_REGISTRY_HEARTBEAT_TTL_S", "nan", "finite"),
+    ("PREWARM_PLANNER_BATCH_JOBS", "not json", "takes JSON"),
+])
+def test_bad_settings_are_one_clear_line(clean_env: pytest.MonkeyPatch, name: str, value: str, says: str) -> None:
+    """Issue 13 (minor): these were accepted, or a 40-line traceback."""
+    from prewarm.core.errors import SettingsError
+
+    clean_env.setenv(name, value)
+    with pytest.raises(SettingsError, match=says):
+        Settings.load()
+
+
+def test_planner_models_take_json_or_a_comma_separated_list(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("PREWARM_PLANNER_MODELS", "tiny@r1")
+    assert Settings.load().planner.models == ["tiny@r1"]
+    clean_env.setenv("PREWARM_PLANNER_MODELS", "a@r1, b@r2")
+    assert Settings.load().planner.models == ["a@r1", "b@r2"]
+    clean_env.setenv("PREWARM_PLANNER_MODELS", '["a@r1"]')
+    assert Settings.load().planner.models == ["a@r1"]
+
+
+@pytest.mark.parametrize("command", ["agent", "beat"])
+def test_unreachable_redis_at_start_is_one_line_not_a_traceback(command: str, tmp_path: Path) -> None:
+    """Issue 13 (minor): the agent and the beat used to exit with 60-70-line tracebacks."""
+    import subprocess
+    import sys
+
+    from prewarm.registry.embedded import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env.update({"PREWARM_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "PREWARM_WARMUP_SECRET": "x",
+                "PREWARM_AGENT_STATE_DIR": str(tmp_path), "PREWARM_METRICS_PORT": "0"})
+    out = subprocess.run([sys.executable, "-m", "prewarm.cli", command], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "Redis is unreachable" in out.stderr, out.stderr[-2000:]
+
+
+def test_flower_beyond_this_host_needs_basic_auth(clean_env: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 13 (minor): `prewarm flower --address 0.0.0.0` served an open UI that can revoke tasks."""
+    from prewarm.cli import main
+
+    clean_env.setenv("PREWARM_REDIS_URL", "redis://127.0.0.1:1/0")
+    clean_env.delenv("FLOWER_BASIC_AUTH", raising=False)
+    assert main(["flower", "--address", "0.0.0.0"]) == 2
+    assert "FLOWER_BASIC_AUTH" in capsys.readouterr().err
+
+
+def test_worker_metrics_bind_loopback_unless_told(clean_env: pytest.MonkeyPatch) -> None:
+    """Issue 13 (minor): agent and planner /metrics bound 0.0.0.0 unconditionally."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from prewarm.core.metrics import Metrics
+    from prewarm.registry.embedded import free_port
+    from workers.process import serve_metrics
+
+    for env, expected in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+        if env:
+            clean_env.setenv("PREWARM_METRICS_HOST", env)
+        ctx = SimpleNamespace(settings=Settings.load(), metrics=Metrics(CollectorRegistry()))
+        served = serve_metrics(ctx, free_port())  # type: ignore[arg-type]
+        server = served[0] if isinstance(served, tuple) else served
+        try:
+            assert server.server_address[0] == expected
+        finally:
+            server.shutdown()
+            server.server_close()

@@ -164,3 +164,19 @@ def test_header_lists_every_tensor(tmp_path: Path) -> None:
     header = json.loads(raw[len(MAGIC) + 8 : len(MAGIC) + 8 + hlen])
     assert [t["name"] for t in header["tensors"]] == [n for n, _ in CFG.tensor_shapes()]
     assert header["file_bytes"] == len(raw)
+
+
+def test_a_mapped_snapshot_notices_an_in_place_rewrite_but_not_another_replica_opening_it(tmp_path: Path) -> None:
+    """Issue 13: snapshots are only ever renamed into place; a rewrite in place is caught by identity."""
+    store = SnapshotStore(tmp_path, 1 << 30)
+    path = _write(store, _key("a"))
+    held = store.open(_key("a"), CFG)
+    assert held is not None and held.changed() is None
+    other = store.open(_key("a"), CFG)  # another replica maps it: the LRU touch is not a change
+    assert other is not None and held.changed() is None
+    with open(path, "r+b") as f:
+        f.seek(ALIGN)
+        f.write(b"\xff" * 64)
+    assert "modified in place" in (held.changed() or "")
+    held.release()
+    other.release()

@@ -103,7 +103,9 @@ def test_numeric_checks() -> None:
 
 def test_performance_checks() -> None:
     first = check_performance([0.5, 0.1, 0.1, 0.12], None, factor=1.2)
-    assert first.passed and first.measured["record_baseline"] == pytest.approx(0.1)
+    # issue 13: without a baseline the check did not pass (it could not fail): it says "no baseline"
+    assert first.outcome is Outcome.NO_BASELINE and not first.passed
+    assert first.measured["record_baseline"] == pytest.approx(0.1)
     assert "records" in first.detail
     ok = check_performance([0.3, 0.11, 0.115], 0.1, factor=1.2)
     assert ok.passed and ok.measured["ratio"] == pytest.approx(1.125)

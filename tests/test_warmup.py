@@ -12,19 +12,14 @@ from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import WarmupSettings
 from prewarm.core.signing import HEADER, is_valid_warmup
 from prewarm.policy.warmup import (
-    CALIBRATION_RANGES,
     COMPLETIONS_PATH,
-    CalibrationKind,
     LengthDistribution,
     LengthDistributionKind,
     TopicMix,
     WarmupPlan,
-    calibration_cases,
     generate_requests,
     make_prompt,
     TokenUnit,
-    needs_calibration,
-    quantisation_error,
 )
 
 SECRET = "s3cret"
@@ -139,33 +134,6 @@ def test_prompt_length_with_a_custom_tokenizer() -> None:
         assert 1 <= len(p) and (len(p) <= n or len(p.split()) == 1)
     p = make_prompt("unknown-topic", 10, rng)
     assert len(p.split()) == 10 and p.startswith("unknown-topic:")
-
-
-def test_calibration_cases_cover_ranges_for_quantised_models_only() -> None:
-    assert calibration_cases("float32") == ()
-    assert calibration_cases("BF16") == ()
-    assert needs_calibration("int8") and needs_calibration("F8_E4M3") and needs_calibration("torch.float8_e4m3fn")
-    cases = calibration_cases("int8", seed=1)
-    assert calibration_cases("int8", seed=1) == cases
-    by_kind = {k: [c for c in cases if c.kind is k] for k in CalibrationKind}
-    assert {k: len(v) for k, v in by_kind.items()} == {
-        CalibrationKind.ACTIVATIONS: 50, CalibrationKind.WEIGHTS: 30, CalibrationKind.ATTENTION: 20
-    }
-    for r in CALIBRATION_RANGES:
-        vals = [v for c in by_kind[r.kind] for v in c.values]
-        assert min(vals) == pytest.approx(r.low) and max(vals) == pytest.approx(r.high)
-        assert all(r.low - 1e-12 <= v <= r.high + 1e-12 for v in vals)
-        for c in by_kind[r.kind]:
-            assert all(c.low <= v <= c.high for v in c.values)
-        # contiguous slices: each case starts where the previous one ended
-        ks = by_kind[r.kind]
-        assert all(a.high == pytest.approx(b.low) for a, b in zip(ks, ks[1:]))
-
-
-def test_quantisation_error_of_the_activation_range() -> None:
-    acts = [v for c in calibration_cases("int8") if c.kind is CalibrationKind.ACTIVATIONS for v in c.values]
-    assert quantisation_error(acts, scale=0.1) <= 0.05 + 1e-9  # the int8 grid at 0.1 covers -12.8..12.7
-    assert quantisation_error(acts, scale=0.05) > 5  # too fine a scale clips the range
 
 
 def test_byte_token_unit_counts_utf8_bytes(clean_env: pytest.MonkeyPatch) -> None:

@@ -147,7 +147,7 @@ def test_prewarm_reaches_ready_and_answers(world: World) -> None:
     assert body["usage"]["completion_tokens"] == 3
 
     # the first validated replica of the model on this node class recorded the latency baseline
-    assert world.registry.baseline("tiny", world.settings.agent.node_class) is not None
+    assert world.registry.baseline("tiny", world.settings.agent.node_class, "r1") is not None
     assert world.registry.load_time_p95("tiny") is not None
     text = world.metrics()
     for phase in ("embeddings", "first_layers", "rest"):
@@ -262,7 +262,7 @@ def test_malformed_payloads_are_refused_and_not_retried(world: World) -> None:
 def test_validation_failure_leaves_the_replica_failed_and_unroutable(world: World) -> None:
     rid = f"slow@r1/{NODE}/1"
     # an impossible baseline for this model on this node class: the performance check must fail
-    world.client.hset(keys.baseline("slow", world.settings.agent.node_class), "latency_s", "0.000001")
+    world.client.hset(keys.baseline("slow", world.settings.agent.node_class, "r1"), "latency_s", "0.000001")
     task = world.app.send_task(PREWARM, args=[rid, "serving", str(world.tiny_dir)])
     rec = world.wait_state(rid, "failed", "ready")
     assert rec.state is ReplicaState.FAILED

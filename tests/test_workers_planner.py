@@ -78,7 +78,8 @@ def test_unmet_demand_scales_from_zero_once(planner: dict[str, Any], redis_serve
     for _ in range(3):  # the gateway keeps announcing while nothing is ready: still one prewarm
         _record_demand(redis_server.url, "tiny")
     time.sleep(1.5)
-    assert queued_tasks(client, queue) == [{"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
+    assert [{k: m[k] for k in ("task", "args")} for m in queued_tasks(client, queue)] == [
+        {"task": PREWARM, "args": ["tiny@r1/n9/0", "serving", None]}]
     assert queued_tasks(client, node_queue("n8")) == []
 
 
@@ -93,9 +94,12 @@ def test_reap_fails_replicas_whose_heartbeat_expired(planner: dict[str, Any]) ->
     reg: ReplicaRegistry = planner["registry"]
     long_ago = time.time() - 600
     reg.register(Replica("tiny", "r1", "gone", 0, state=ReplicaState.PENDING, created_at=long_ago), now=long_ago)
-    planner["app"].send_task(REAP)
-    wait_for(lambda: (reg.get("tiny@r1/gone/0") or Replica("x", "r", "n", 0)).state is ReplicaState.FAILED, 20,
-             "the reaper to fail the silent replica")
+
+    def reaped() -> bool:  # one reap per second, as the beat sends them: the registry has just been flushed,
+        planner["app"].send_task(REAP)  # so the reaper first waits a heartbeat TTL of continuous activity
+        return (reg.get("tiny@r1/gone/0") or Replica("x", "r", "n", 0)).state is ReplicaState.FAILED
+
+    wait_for(reaped, 20, "the reaper to fail the silent replica", poll=1.0)
     assert reg.get("tiny@r1/gone/0").reason == "heartbeat expired"  # type: ignore[union-attr]
     with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
         text = resp.read().decode()
@@ -153,8 +157,8 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
              and client.hget(keys.planned_event("down-1"), "status") == "applied", 20,
              lambda: f"the due events to be applied (planner log:\n{planner['proc'].log()[-3000:]})")
     assert sorted(queued_tasks(client, node_queue("n7")), key=lambda m: m["args"][0]) == [
-        {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None]},
-        {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None]},
+        {"task": PREWARM, "args": ["m@r1/n7/0", "serving", None], "id": f"up-1/{PREWARM}/m@r1/n7/0"},
+        {"task": PREWARM, "args": ["m@r1/n7/1", "serving", None], "id": f"up-1/{PREWARM}/m@r1/n7/1"},
     ]
     on_n6 = queued_tasks(client, node_queue("n6"))
     assert sorted(m["task"] for m in on_n6) == sorted([RETIRE, KEEP_WARM])

@@ -221,7 +221,7 @@ class PodPrewarmer:
                            expected=None,  # such servers do not list their tensors: structural is "unsupported"
                            started_at=pod.created_at if first_time and pod.created_at is not None else now,
                            require_logprobs=t.require_logprobs, load_timeout_s=t.ready_timeout_s,
-                           label=f"pod={pod.name}")
+                           label=f"pod={pod.name}", revision=t.revision)
         adapter = self.adapter_factory(pod.endpoint)
         done = bring_up(ctx, fresh, spec, connect=lambda _rec: adapter,
                         transition=lambda to, expected, reason: self._step(rid, to, expected, reason),

@@ -20,6 +20,7 @@ def setup_logging(level: str = "INFO") -> None:
 def serve_metrics(ctx: WorkerContext, port: int | None) -> Any:
     if not port:
         return None
-    server = start_http_server(port, addr="0.0.0.0", registry=ctx.metrics.registry)
-    log.info("metrics on :%d/metrics", port)
+    host = ctx.settings.metrics.host
+    server = start_http_server(port, addr=host, registry=ctx.metrics.registry)
+    log.info("metrics on %s:%d/metrics", host, port)
     return server

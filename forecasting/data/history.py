@@ -23,16 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Literal, Protocol
 
 import numpy as np
 import pandas as pd
 
-from prewarm.core import keys
+from prewarm.core import http, keys
 from forecasting.data.traces import (
     HistoryError,
     HistoryUnavailable,
@@ -299,16 +297,16 @@ def load_prometheus(
     params = urllib.parse.urlencode({"query": query, "start": repr(float(start)), "end": repr(float(end)), "step": repr(float(step_s))})
     url = f"{base_url.rstrip('/')}/api/v1/query_range?{params}"
     where = f"Prometheus at {base_url}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = _prometheus_error(exc.read())
-        if exc.code >= 500 and exc.code != 422:
-            raise HistoryUnavailable(f"{where} failed ({exc.code}) on {query!r}: {detail}", retry_after=10.0) from exc
-        raise HistoryError(f"{where} rejected query {query!r} ({exc.code}): {detail}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise HistoryUnavailable(f"{where} unreachable: {getattr(exc, 'reason', exc)}", retry_after=10.0) from exc
+    try:  # the process's pooled client: the forecast loop queries the same Prometheus every round
+        resp = http.fetch("GET", url, timeout=timeout_s)
+    except OSError as exc:
+        raise HistoryUnavailable(f"{where} unreachable: {exc}", retry_after=10.0) from exc
+    body = resp.body
+    if resp.status >= 400:
+        detail = _prometheus_error(body)
+        if resp.status >= 500 and resp.status != 422:
+            raise HistoryUnavailable(f"{where} failed ({resp.status}) on {query!r}: {detail}", retry_after=10.0)
+        raise HistoryError(f"{where} rejected query {query!r} ({resp.status}): {detail}")
     try:
         doc = json.loads(body)
     except ValueError as exc:

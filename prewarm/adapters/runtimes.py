@@ -3,8 +3,8 @@
 The node agent (a Celery worker) prewarms replicas through this interface, so the same
 pipeline drives the built-in runtime (`prewarm serve-model`) or any OpenAI-compatible
 server with vLLM-style sleep endpoints. The API is synchronous because Celery tasks are;
-it speaks HTTP with the standard library's `urllib` (no extra dependency, no event loop in
-a worker process). Adapters are thin: they carry requests and map failures to the
+it speaks HTTP through the process's pooled client (`prewarm.core.http`: keep-alive
+connections, no event loop in a worker process). Adapters are thin: they carry requests and map failures to the
 project's error types, and they make no decisions — validation is decided by the pure
 checks of `prewarm.policy.validation`.
 
@@ -16,13 +16,11 @@ server's message); any other status is a `RuntimeServerError` (temporary).
 from __future__ import annotations
 
 import json
-import socket
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
+from prewarm.core import http
 from prewarm.core.domain import LoadPhase
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport, logit_stats, tensor_specs
@@ -117,11 +115,13 @@ class _Response:
 class _HttpAdapter:
     """Shared HTTP plumbing: bearer token, timeouts, error mapping."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0,
+                 api_key: str | None = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise PermanentError(f"runtime base URL must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.token = token or None
+        self.api_key = api_key or None  # sent on the data endpoints (/v1/*, /stats, /metrics)
         self.timeout_s = timeout_s
 
     def _request(
@@ -140,20 +140,17 @@ class _HttpAdapter:
             h["Content-Type"] = "application/json"
         if control and self.token:
             h["Authorization"] = f"Bearer {self.token}"
+        elif not control and self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
         h.update(headers or {})
-        req = urllib.request.Request(self.base_url + path, data=body, method=method, headers=h)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return _Response(resp.status, resp.read(), dict(resp.headers))
-        except urllib.error.HTTPError as exc:
-            got = _Response(exc.code, exc.read(), dict(exc.headers or {}))
-            exc.close()
-            if got.status in accept:
-                return got
-            raise self._error(method, path, got) from None
-        except (urllib.error.URLError, socket.timeout, ConnectionError, TimeoutError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RuntimeUnavailable(f"{method} {self.base_url}{path}: cannot reach the runtime: {reason}", 1.0) from exc
+        try:  # the process's pooled client: warmup and validation reuse their connections
+            resp = http.fetch(method, self.base_url + path, body, h, timeout=self.timeout_s)
+        except http.Unreachable as exc:
+            raise RuntimeUnavailable(f"{method} {self.base_url}{path}: cannot reach the runtime: {exc}", 1.0) from exc
+        got = _Response(resp.status, resp.body, dict(resp.headers))
+        if got.status < 400 or got.status in accept:
+            return got
+        raise self._error(method, path, got) from None
 
     def _error(self, method: str, path: str, resp: _Response) -> Exception:
         message = resp.body.decode("utf-8", "replace")[:500]
@@ -234,8 +231,9 @@ class _HttpAdapter:
 class BuiltinRuntimeAdapter(_HttpAdapter):
     """`prewarm serve-model`: explicit load with progress, tensors and logits for validation, /readyz."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0, model: str | None = None) -> None:
-        super().__init__(base_url, token, timeout_s)
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0, model: str | None = None,
+                 api_key: str | None = None) -> None:
+        super().__init__(base_url, token, timeout_s, api_key)
         self.model = model
 
     def _status(self, data: Any) -> LoadStatus:

@@ -45,6 +45,10 @@ HEARTBEATS = f"{PREFIX}:heartbeats"
 
 #: Stream of every state transition (audit trail and metrics source), capped at EVENTS_MAXLEN.
 EVENTS = f"{PREFIX}:events"
+# Hash {seen, since} in Redis's own clock: when the registry last saw a heartbeat or a reap, and
+# since when it has seen them without a gap (a Redis stall or restart resets `since`; the reaper
+# waits a heartbeat TTL past it, so agents alive through the stall heartbeat before any reap).
+REGISTRY_ACTIVITY = f"{PREFIX}:registry:activity"
 EVENTS_MAXLEN = 100_000
 
 # --- gateway ------------------------------------------------------------------------------
@@ -74,8 +78,12 @@ DEMAND_TTL_S = 3600
 
 # --- agent and planner ----------------------------------------------------------------------
 #: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
-def baseline(model: str, node_class: str) -> str:
-    return f"{PREFIX}:baseline:{model}:{node_class}"
+def baseline(model: str, node_class: str, revision: str = "") -> str:
+    return f"{PREFIX}:baseline:{model}@{revision}:{node_class}" if revision else f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+# A baseline is re-measured after this long: hardware, drivers and the runtime change under it.
+BASELINE_TTL_S = 7 * 86400
 
 
 #: List of recent cold-start durations (seconds) of a model, newest first, capped at LOADTIMES_KEEP.

@@ -9,6 +9,7 @@ set. An invalid value fails at start with a `SettingsError` naming the variable.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import socket
 import tomllib
@@ -16,16 +17,21 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
+from typing import Annotated
+
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from prewarm.core.errors import SettingsError
 
 
 class _Group(BaseSettings):
-    """A settings group: environment first, then the config file, then defaults."""
+    """A settings group: environment first, then the config file, then defaults. No group accepts
+    NaN or infinity for a number (an infinite timeout is a hang, not a setting)."""
 
     group: ClassVar[str] = ""
+    model_config = SettingsConfigDict(allow_inf_nan=False)
 
     @classmethod
     def settings_customise_sources(
@@ -73,11 +79,15 @@ class GatewaySettings(_Group):
     hold_timeout_s: float = Field(0.0, ge=0)  # hold a request this long for a replica to become ready; 0: 503 at once
     retry_after_s: int = Field(5, ge=1)  # Retry-After on 503
     max_body_bytes: int = Field(1_048_576, gt=0)
-    upstream_timeout_s: float = Field(120.0, gt=0)
+    upstream_timeout_s: float = Field(120.0, gt=0)  # idle timeout: longest wait for the next bytes of an answer
+    connect_timeout_s: float = Field(2.0, gt=0)  # a replica that does not accept a connection this fast is gone
     refresh_interval_s: float = Field(0.5, gt=0)  # how long a routing view may be reused
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
+    replica_queue_limit: int = Field(128, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
+    header_timeout_s: float = Field(10.0, gt=0)  # a connection must send a request's headers within this (slowloris)
+    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (behind a proxy: raise it)
 
 
 class RegistrySettings(_Group):
@@ -103,6 +113,13 @@ class WarmupSettings(_Group):
     group: ClassVar[str] = "warmup"
 
     secret: SecretStr | None = None  # shared HMAC secret for warmup traffic and control endpoints
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_not_empty(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("must not be empty: an empty HMAC key signs nothing (unset it instead)")
+        return v
     requests: int = Field(8, ge=1)  # synthetic requests per warmup
     prompt_mean_tokens: float = Field(23.0, gt=0)
     prompt_sd_tokens: float = Field(5.0, ge=0)
@@ -161,7 +178,8 @@ class RuntimeSettings(_Group):
     snapshot_dir: str = "/dev/shm/prewarm-snapshots"
     snapshot_max_bytes: int = Field(8 * 1024**3, gt=0)
     models_dir: str = ".prewarm/models"
-    token: SecretStr | None = None  # Bearer token of the control endpoints; unset: PREWARM_WARMUP_SECRET is used
+    token: SecretStr | None = None  # Bearer token of the control endpoints; unset (loopback only): the warmup secret
+    api_key: SecretStr | None = None  # Bearer token /v1/*, /stats and /metrics require (gateway, agents send it)
     workers: int = Field(2, ge=1)  # threads that run generation (the event loop never computes)
     load_wait_s: float = Field(0.0, ge=0)  # a request before phase 1 is in waits this long, then 503 + Retry-After
     drain_timeout_s: float = Field(30.0, gt=0)  # sleep waits this long for in-flight requests to finish
@@ -194,6 +212,7 @@ class AgentSettings(_Group):
     runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
     drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
     orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
+    health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
 
     @field_validator("visibility_timeout_s")
     @classmethod
@@ -229,8 +248,22 @@ class PlannerSettings(_Group):
     budget_share: float = Field(0.12, ge=0, le=1)
     peak_hold_s: float = Field(480.0, ge=0)  # the observed peak rate of this long ago still floors the plan
     dry_run: bool = False
-    models: list[str] = Field(default_factory=list)  # model@revision to plan for; empty: every model seen
+    # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"not a JSON list: {exc}") from None
+            return [m.strip() for m in text.split(",") if m.strip()]
+        return v
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
     min_history_buckets: int = Field(30, ge=2)  # below this, the forecast is the recent mean (cold start)
@@ -246,6 +279,7 @@ class MetricsSettings(_Group):
     group: ClassVar[str] = "metrics"
 
     port: int = Field(9400, ge=0, le=65535)  # agents and workers expose /metrics here
+    host: str = "127.0.0.1"  # the address /metrics binds; 0.0.0.0 where Prometheus scrapes from outside (Helm, compose)
 
 
 _GROUPS: dict[str, type[_Group]] = {
@@ -299,6 +333,9 @@ class Settings:
                 built[name] = group_cls(**section)
             except ValidationError as exc:
                 raise SettingsError(_describe(group_cls, exc)) from None
+            except SourceError as exc:  # a value the environment source could not decode (JSON expected)
+                raise SettingsError(f"{exc}; a list or table setting takes JSON, e.g. "
+                                    f"PREWARM_PLANNER_BATCH_JOBS='[{{\"cron\": \"0 9 * * *\", ...}}]'") from None
         return cls(**built)
 
 

@@ -1,40 +1,71 @@
 """HMAC signatures for warmup traffic.
 
-Warmup requests carry `X-Warmup: 1`, `X-Warmup-Timestamp` and `X-Warmup-Signature`, an
-HMAC-SHA256 over the timestamp, the method, the path and the body with the shared secret.
-A request whose signature does not verify gains nothing: it is treated as user traffic.
+Warmup requests carry `X-Warmup: 1`, `X-Warmup-Timestamp`, `X-Warmup-Nonce` and
+`X-Warmup-Signature`, an HMAC-SHA256 over the timestamp, the nonce, the method, the path
+and the body with the shared secret. A request whose signature does not verify gains
+nothing: it is treated as user traffic. Each verifier remembers the nonces it accepted for
+the skew window (`NonceCache`), so a captured warmup request replayed within it is user
+traffic too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from typing import Mapping
 
 HEADER = "X-Warmup"
 HEADER_TS = "X-Warmup-Timestamp"
 HEADER_SIG = "X-Warmup-Signature"
+HEADER_NONCE = "X-Warmup-Nonce"
 MAX_SKEW_S = 300.0
 
 
-def sign(secret: str, method: str, path: str, body: bytes, timestamp: float) -> str:
-    msg = b"\n".join([f"{timestamp:.3f}".encode(), method.upper().encode(), path.encode(), body])
+def sign(secret: str, method: str, path: str, body: bytes, timestamp: float, nonce: str = "") -> str:
+    msg = b"\n".join([f"{timestamp:.3f}".encode(), nonce.encode(), method.upper().encode(), path.encode(), body])
     return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def warmup_headers(secret: str, method: str, path: str, body: bytes, now: float) -> dict[str, str]:
-    """Headers that mark a request as signed warmup traffic."""
+def warmup_headers(secret: str, method: str, path: str, body: bytes, now: float,
+                   nonce: str | None = None) -> dict[str, str]:
+    """Headers that mark a request as signed warmup traffic. `nonce`: unique per request (a random
+    one when not given; pure callers pass one derived from their seed and `now`)."""
+    nonce = nonce or secrets.token_hex(12)
     return {
         HEADER: "1",
         HEADER_TS: f"{now:.3f}",
-        HEADER_SIG: sign(secret, method, path, body, float(f"{now:.3f}")),
+        HEADER_NONCE: nonce,
+        HEADER_SIG: sign(secret, method, path, body, float(f"{now:.3f}"), nonce),
     }
 
 
+class NonceCache:
+    """Nonces of accepted warmup requests, for the skew window: a second use is a replay."""
+
+    def __init__(self, window_s: float = 2 * MAX_SKEW_S, max_entries: int = 100_000) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: dict[str, float] = {}  # nonce -> until; insertion order is expiry order
+
+    def first_use(self, nonce: str, now: float) -> bool:
+        while self._seen:
+            oldest = next(iter(self._seen))
+            if self._seen[oldest] > now and len(self._seen) < self.max_entries:
+                break
+            del self._seen[oldest]
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now + self.window_s
+        return True
+
+
 def is_valid_warmup(
-    secret: str | None, headers: Mapping[str, str], method: str, path: str, body: bytes, now: float
+    secret: str | None, headers: Mapping[str, str], method: str, path: str, body: bytes, now: float,
+    nonces: NonceCache | None = None,
 ) -> bool:
-    """True only for a request marked as warmup whose signature and timestamp verify."""
+    """True only for a request marked as warmup whose signature and timestamp verify and, with
+    `nonces`, whose nonce was not used before (a replay)."""
     if not secret or headers.get(HEADER) != "1":
         return False
     try:
@@ -43,5 +74,10 @@ def is_valid_warmup(
         return False
     if abs(now - ts) > MAX_SKEW_S:
         return False
-    expected = sign(secret, method, path, body, ts)
-    return hmac.compare_digest(expected, headers.get(HEADER_SIG, ""))
+    nonce = headers.get(HEADER_NONCE, "")
+    if not 8 <= len(nonce) <= 64:
+        return False
+    expected = sign(secret, method, path, body, ts, nonce)
+    if not hmac.compare_digest(expected, headers.get(HEADER_SIG, "")):
+        return False
+    return nonces is None or nonces.first_use(nonce, now)

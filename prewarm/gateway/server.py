@@ -5,7 +5,15 @@ replica using the registry's one-round-trip view, and proxies the request, strea
 included. When nothing is ready it holds the request up to `gateway.hold_timeout_s`
 (like Knative's activator) or answers 503 with Retry-After, and records the unmet demand
 in Redis either way. It never answers 500 for a condition it can name: bad input is a
-4xx, an unreachable or broken replica a 502, an unavailable registry a 503.
+4xx, an unreachable or broken replica a 502, an unavailable registry a 503, every replica
+at its in-flight limit (`replica_queue_limit`) a 429, a replica silent for the idle
+timeout (`upstream_timeout_s`, between two reads) a 504.
+
+What a client sends never counts against a replica (issue 13): only a connection that
+fails or breaks mid-answer does; any HTTP answer, a 500 included, proves the replica alive
+and is passed through, not re-sent. A broken replica that still answers is the agent's to
+find (its `/readyz` health check). A client that goes away mid-stream ends the relay and
+nothing else. Connection limits (header timeout, per-client cap) are in `guard.py`.
 """
 
 from __future__ import annotations
@@ -29,13 +37,15 @@ from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaN
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
+from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
-_HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower()}
+_HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower(),
+                signing.HEADER_NONCE.lower()}
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 T = TypeVar("T")
 
@@ -43,6 +53,13 @@ T = TypeVar("T")
 def _error(status: int, message: str, code: str, *, headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": code}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def _is_demand(status: int) -> bool:
+    """Whether an answered request is demand the planner should serve: everything but a request
+    the replica refused as invalid (4xx) — counting those would let any client make the planner
+    scale up with cheap bad requests. Too many requests (429) is demand."""
+    return not 400 <= status < 500 or status == 429
 
 
 @dataclass
@@ -90,8 +107,12 @@ class Gateway:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
+        self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client)
+        self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
+        key = settings.runtime.api_key
+        self.upstream_auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
         self.redis = async_client(settings.redis)
         self.reader = AsyncRegistryReader(self.redis)
@@ -108,7 +129,10 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=self.cfg.upstream_timeout_s, sock_connect=2.0),
+            # No total: a long generation is fine as long as bytes keep coming. sock_read is the idle
+            # timeout between two reads; connecting is quick or the replica is gone.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                          sock_read=self.cfg.upstream_timeout_s),
             auto_decompress=False,
         )
         self._flusher = asyncio.create_task(self._flush_loop())
@@ -138,13 +162,14 @@ class Gateway:
                 log.warning("counter flush failed: %s", exc)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_json_errors])
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.gate.middleware, _json_errors])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         for path in PROXIED_PATHS:
             app.router.add_post(path, self.handle_proxy)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/healthz", self.handle_health)
+        app.router.add_get("/readyz", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
         return app
 
@@ -192,21 +217,33 @@ class Gateway:
             return await self._single_flight("models", fetch)
         return self.state.models
 
-    def _route(self, view: RoutingView, warmup: bool) -> RouteDecision:
+    def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
             view.serving, view.warm, view.loading, self.state.inflight,
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
-            exclude=self.state.exclusions(time.monotonic()), replica_concurrency=self.cfg.replica_concurrency,
+            exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
+            replica_limit=self.cfg.replica_queue_limit,
         )
 
     # --- handlers -------------------------------------------------------------------------
-    async def handle_health(self, _request: web.Request) -> web.Response:
+    async def _registry_ok(self) -> bool:
         try:
             await self.redis.ping()
-            registry = "ok"
+            return True
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            registry = f"unavailable: {exc}"
-        return web.json_response({"status": "ok", "registry": registry})
+            log.warning("health: registry unavailable: %s", exc)  # the address goes to the log, not to clients
+            return False
+
+    async def handle_health(self, _request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves (a restart would not bring Redis back), with
+        the registry's state and no internal detail (no address: anyone can call this)."""
+        ok = await self._registry_ok()
+        return web.json_response({"status": "ok" if ok else "degraded", "registry": "ok" if ok else "unavailable"})
+
+    async def handle_ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 503 while the registry is unreachable (nothing can be routed)."""
+        ok = await self._registry_ok()
+        return web.json_response({"ready": ok, "registry": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self.metrics_registry)
@@ -234,6 +271,8 @@ class Gateway:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        except RecursionError:
+            return _error(400, "request body is not valid JSON: nested too deeply", "invalid_json")
         if not isinstance(payload, dict):
             return _error(400, "request body must be a JSON object", "invalid_body")
         model = payload.get("model")
@@ -242,7 +281,8 @@ class Gateway:
 
         warmup = False
         if signing.HEADER in request.headers:
-            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time())
+            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time(),
+                                             self.nonces)
             if not warmup and self.cfg.warmup_forged == "refuse":
                 return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
         kind = "warmup" if warmup else "user"
@@ -251,12 +291,16 @@ class Gateway:
             if model not in await self._known_models():
                 self.metrics.routing_decisions.labels("unknown", "unknown_model").inc()
                 return _error(404, f"model {model!r} is not served here", "model_not_found")
-            if not warmup:
-                self.counter.add(model, time.time())
             response = await self._route_and_proxy(request, model, body, payload, warmup, started)
         except RegistryUnavailable as exc:
+            # a model name a client chose is a label only once it is known to be served: while Redis
+            # is down, arbitrary names would each make new Prometheus series
+            if model not in self.state.models | self.configured_models:
+                model = "unknown"
             self.metrics.routing_decisions.labels(model, "registry_unavailable").inc()
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)
+        if not warmup and model != "unknown" and _is_demand(response.status):
+            self.counter.add(model, time.time())
         self.metrics.requests.labels(model, kind, str(response.status)).inc()
         if not warmup:
             self.metrics.request_duration.labels(model).observe(time.monotonic() - started)
@@ -266,6 +310,8 @@ class Gateway:
         self, request: web.Request, model: str, body: bytes, payload: dict[str, Any], warmup: bool, started: float
     ) -> web.StreamResponse:
         decision = self._route(await self._view(model), warmup)
+        if decision.outcome is RouteOutcome.SATURATED:
+            return self._saturated(model)
         if decision.replica is None:
             if not warmup:
                 await self._record_demand(model)
@@ -273,6 +319,8 @@ class Gateway:
             while decision.replica is None and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                 decision = self._route(await self._view(model, fresh=True), warmup)
+                if decision.outcome is RouteOutcome.SATURATED:
+                    return self._saturated(model)
         self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
         if decision.replica is None:
             return self._unavailable(f"no replica of {model!r} is ready; one is being started")
@@ -280,8 +328,9 @@ class Gateway:
             self.metrics.cold_start_wait.labels(model).observe(time.monotonic() - started)
 
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
+        headers.update(self.upstream_auth)  # the runtimes' API key; a client's own Authorization never passes
         if not warmup:
-            for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG):
+            for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG, signing.HEADER_NONCE):
                 headers.pop(h, None)
         stream = bool(payload.get("stream"))
         tried: set[str] = set()
@@ -293,12 +342,17 @@ class Gateway:
                                             model, refused)
             if result is not None:
                 return result
-            decision = self._route(await self._view(model), warmup)
-            if decision.replica is not None and decision.replica.id in tried:
-                break
+            decision = self._route(await self._view(model), warmup, frozenset(tried))
         if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
             return refused[-1]
         return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")
+
+    def _saturated(self, model: str) -> web.Response:
+        """Backpressure: every ready replica has `replica_queue_limit` requests in flight. A bounded
+        queue and a quick 429 beat a long wait behind clients that hold streams open."""
+        self.metrics.routing_decisions.labels(model, RouteOutcome.SATURATED.value).inc()
+        return _error(429, f"every replica of {model!r} is at its limit of {self.cfg.replica_queue_limit} requests "
+                           "in flight; retry shortly", "overloaded", headers={"Retry-After": "1"})
 
     async def _record_demand(self, model: str) -> None:
         try:
@@ -312,23 +366,27 @@ class Gateway:
     ) -> web.StreamResponse | None:
         """Send the request to one replica. None: it could not be reached or refused it (try another).
 
-        A 503 from a replica is a refusal before any work (asleep, weights unloaded, draining):
-        the request goes to another replica, and the refusal, with a Retry-After, is appended
-        to `refused` for the caller to answer with when no replica takes it.
+        What counts against a replica is only what says it is gone: no connection, or a connection
+        that breaks mid-answer. Any HTTP answer means it is alive — a 500 caused by the request
+        would be the same on every replica, so it is passed through, not counted and not re-sent.
+        A 503 is a refusal before any work (asleep, weights unloaded, draining): the request goes
+        to another replica, and the refusal, with a Retry-After, is appended to `refused` for the
+        caller to answer with when no replica takes it. A replica slower than the idle timeout
+        (`upstream_timeout_s` between two reads) gets 504, not a re-send and not a failure; a
+        client that goes away is the client's doing.
         """
         assert self.session is not None
         self._count_inflight(model, rid, +1)
         try:
             try:
                 upstream = await self.session.post(url, data=body, headers=headers)
+            except aiohttp.SocketTimeoutError:  # connected and sent: the replica is slow, not gone
+                return self._timed_out(rid)
             except _UPSTREAM_ERRORS as exc:
                 await self._failed(rid, f"unreachable: {exc!r}")
                 return None
             async with upstream:
-                if upstream.status >= 500:
-                    await self._failed(rid, f"answered {upstream.status}")
-                else:
-                    self.state.failures.pop(rid, None)
+                self.state.failures.pop(rid, None)  # it answered: whatever the status, it is alive
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if upstream.status == 503 and refused is not None:
                     try:
@@ -346,23 +404,56 @@ class Gateway:
                 if not stream or upstream.status != 200:
                     try:
                         data = await upstream.read()
+                    except aiohttp.SocketTimeoutError:
+                        return self._timed_out(rid)
                     except _UPSTREAM_ERRORS as exc:
                         await self._failed(rid, f"closed mid-response: {exc!r}")
                         return _error(502, f"replica {rid} closed the connection mid-response", "upstream_closed")
                     return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
-                resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
-                await resp.prepare(request)
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        await resp.write(chunk)
-                except _UPSTREAM_ERRORS as exc:
-                    await self._failed(rid, f"closed mid-stream: {exc!r}")
-                    err = {"error": {"message": f"replica {rid} closed the stream", "type": "server_error", "code": "upstream_closed"}}
-                    await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-                await resp.write_eof()
-                return resp
+                return await self._relay_stream(request, upstream, rid, ctype)
         finally:
             self._count_inflight(model, rid, -1)
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, rid: str,
+                            ctype: str) -> web.StreamResponse:
+        """Copy an SSE stream to the client. A replica that breaks the stream is counted; one that
+        stalls past the idle timeout is not (the client gets an error event either way); a client
+        that goes away ends the relay (closing the upstream connection stops the generation)."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError:
+            return resp
+        upstream_error: dict[str, Any] | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                try:
+                    await resp.write(chunk)
+                except ConnectionResetError:  # the client went away ("stop generating"): not the replica's fault
+                    upstream.close()
+                    return resp
+        except aiohttp.SocketTimeoutError:
+            log.warning("replica %s sent nothing for %.0fs mid-stream: the stream is ended, the replica is not blamed",
+                        rid, self.cfg.upstream_timeout_s)
+            upstream_error = {"message": f"replica {rid} sent nothing for {self.cfg.upstream_timeout_s:.0f}s",
+                              "type": "server_error", "code": "upstream_timeout"}
+        except _UPSTREAM_ERRORS as exc:
+            await self._failed(rid, f"closed mid-stream: {exc!r}")
+            upstream_error = {"message": f"replica {rid} closed the stream", "type": "server_error",
+                              "code": "upstream_closed"}
+        try:
+            if upstream_error is not None:
+                await resp.write(f"data: {json.dumps({'error': upstream_error})}\n\n".encode())
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+    def _timed_out(self, rid: str) -> web.Response:
+        """The replica took the request and then sent nothing for the idle timeout: a slow answer.
+        It is not re-sent (it may be expensive, and is probably still running) and not counted."""
+        log.warning("replica %s sent nothing for %.0fs: 504, the replica is not blamed", rid, self.cfg.upstream_timeout_s)
+        return _error(504, f"the replica sent nothing for {self.cfg.upstream_timeout_s:.0f}s", "upstream_timeout")
 
     def _count_inflight(self, model: str, rid: str, delta: int) -> None:
         """Requests in flight to a replica: the routing policy's saturation input and `gateway_inflight_requests`."""
@@ -390,16 +481,17 @@ class Gateway:
 
 
 def run(settings: Settings, *, host: str | None = None, port: int | None = None, print_fn: Any = print) -> None:
-    """Serve the gateway until interrupted."""
+    """Serve the gateway until interrupted, behind its connection gate (header timeout, per-client cap)."""
     gw = Gateway(settings)
     host = host or settings.gateway.host
     port = settings.gateway.port if port is None else port
-    print_fn(f"prewarm gateway listening on http://{host}:{port} (registry {settings.redis.url})")
-    loop = None
+    print_fn(f"prewarm gateway listening on http://{host}:{port}")
+    factory = None
     try:  # uvloop roughly halves the event loop's cost per proxied request; optional
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        factory = uvloop.new_event_loop
     except ImportError:
         pass
-    web.run_app(gw.app(), host=host, port=port, print=None, access_log=None, handle_signals=True, loop=loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(gw.app(), host, port, gw.gate))

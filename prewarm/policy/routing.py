@@ -8,7 +8,10 @@ Rules (from the field):
    progress reaches the warm threshold (70% by default) — the runtime serves it pipelined;
    below the threshold its requests go to the warm pool;
 3. signed warmup traffic prefers the warm pool (that is what it keeps warm);
-4. nothing usable: `UNAVAILABLE` — the caller holds the request or answers 503, never 500.
+4. nothing usable: `UNAVAILABLE` — the caller holds the request or answers 503, never 500;
+5. backpressure: a replica with `replica_limit` requests in flight takes no more; when every
+   usable replica is at its limit, `SATURATED` — the caller answers 429 with Retry-After
+   rather than queueing without bound.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class RouteOutcome(str, Enum):
     LOADING = "loading"  # a serving replica past the warm threshold, still loading its tail
     WARM_POOL = "warm_pool"
     UNAVAILABLE = "unavailable"
+    SATURATED = "saturated"  # replicas are ready but every one is at its in-flight limit
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,17 @@ def choose_replica(
     warmup: bool = False,
     exclude: frozenset[str] = frozenset(),
     replica_concurrency: int | None = None,
+    replica_limit: int | None = None,
 ) -> RouteDecision:
-    """Pick the replica for one request. `exclude` holds ids the gateway saw failing."""
+    """Pick the replica for one request. `exclude` holds ids the gateway saw failing (or already tried)."""
     ready_serving = [r for r in serving if r.id not in exclude and r.endpoint]
     ready_warm = [r for r in warm if r.id not in exclude and r.endpoint]
+    if replica_limit is not None:
+        usable = len(ready_serving) + len(ready_warm)
+        ready_serving = [r for r in ready_serving if inflight.get(r.id, 0) < replica_limit]
+        ready_warm = [r for r in ready_warm if inflight.get(r.id, 0) < replica_limit]
+        if usable and not ready_serving and not ready_warm:
+            return RouteDecision(RouteOutcome.SATURATED, None, f"every ready replica has {replica_limit} in flight")
 
     if warmup:
         target = _least_loaded(ready_warm, inflight) or _least_loaded(ready_serving, inflight)

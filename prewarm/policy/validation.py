@@ -37,6 +37,7 @@ class Outcome(str, Enum):
     PASSED = "passed"
     FAILED = "failed"
     UNSUPPORTED = "unsupported"  # the runtime cannot provide what the check needs
+    NO_BASELINE = "no_baseline"  # performance: nothing to compare with yet; this run's value becomes the baseline
 
 
 @dataclass(frozen=True)
@@ -247,9 +248,9 @@ def warm_latency(latencies_s: Sequence[float]) -> float:
 
 
 def check_performance(latencies_s: Sequence[float], baseline_s: float | None, *, factor: float) -> CheckResult:
-    """Warm latency <= factor x baseline; with no baseline the check passes and records this run's value.
-
-    `measured["record_baseline"]` is the value the caller should store when no baseline exists.
+    """Warm latency <= factor x baseline. With no baseline the outcome is NO_BASELINE (not PASSED: a
+    check that cannot fail did not pass), which does not block readiness, and this run's value is
+    the one to record: `measured["record_baseline"]`.
     """
     if not factor >= 1:
         raise InvalidPayload(f"latency factor must be >= 1, got {factor}")
@@ -260,7 +261,7 @@ def check_performance(latencies_s: Sequence[float], baseline_s: float | None, *,
     if baseline_s is None:
         measured["record_baseline"] = warm
         return CheckResult(
-            CheckName.PERFORMANCE, Outcome.PASSED,
+            CheckName.PERFORMANCE, Outcome.NO_BASELINE,
             f"no baseline yet: this run records {warm * 1000:.1f} ms as the baseline", measured,
         )
     if not math.isfinite(baseline_s) or baseline_s <= 0:
@@ -288,7 +289,7 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
-        ok = {Outcome.PASSED, Outcome.UNSUPPORTED} if self.allow_unsupported else {Outcome.PASSED}
+        ok = {Outcome.PASSED, Outcome.NO_BASELINE} | ({Outcome.UNSUPPORTED} if self.allow_unsupported else set())
         return bool(self.checks) and all(c.outcome in ok for c in self.checks)
 
     @property

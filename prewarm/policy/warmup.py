@@ -14,20 +14,17 @@ A "token" here is one whitespace-separated word by default (roughly one BPE toke
 real LLM), or one UTF-8 byte (`token_unit="byte"`, what the built-in runtime's byte
 tokenizer counts), or whatever a caller's `count_tokens` counts; the runtime reports the
 real count in `usage.prompt_tokens`.
-
-For fp8/int8 models, `calibration_cases` lists value sets that cover the quantised
-ranges (activations, weights, attention scores); `quantisation_error` measures how a
-scale maps them, so a validation can prove the ranges survive quantisation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping
 
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import WarmupSettings
@@ -185,7 +182,7 @@ class WarmupRequest:
 
     def resigned(self, secret: str, now: float) -> "WarmupRequest":
         """The same request signed again at `now` (signatures expire; keepalives reuse requests)."""
-        return _with_headers(self, _signed_headers(secret, self.method, self.path, self.body, now))
+        return _with_headers(self, _signed_headers(secret, self.method, self.path, self.body, now, self.index))
 
 
 @dataclass(frozen=True)
@@ -281,12 +278,16 @@ def generate_requests(
         req = WarmupRequest(
             index=i, topic=topic, prompt=prompt, prompt_tokens=length, max_tokens=plan.max_tokens, body=body, headers=()
         )
-        out.append(_with_headers(req, _signed_headers(secret, req.method, req.path, body, now)))
+        out.append(_with_headers(req, _signed_headers(secret, req.method, req.path, body, now, i)))
     return tuple(out)
 
 
-def _signed_headers(secret: str, method: str, path: str, body: bytes, now: float) -> tuple[tuple[str, str], ...]:
-    headers = {"Content-Type": "application/json", **warmup_headers(secret, method, path, body, now)}
+def _signed_headers(secret: str, method: str, path: str, body: bytes, now: float,
+                    index: int) -> tuple[tuple[str, str], ...]:
+    # the nonce is derived, not drawn: the same (request, time) gives the same headers (pure), and a
+    # send at another time — a redelivery, a keep-alive — a new nonce
+    nonce = hashlib.sha256(f"{now:.3f}|{index}|".encode() + body).hexdigest()[:24]
+    headers = {"Content-Type": "application/json", **warmup_headers(secret, method, path, body, now, nonce)}
     return tuple(sorted(headers.items()))
 
 
@@ -302,85 +303,3 @@ def _with_headers(req: WarmupRequest, headers: tuple[tuple[str, str], ...]) -> W
         path=req.path,
         method=req.method,
     )
-
-
-# --- quantised models: calibration ranges -----------------------------------------------------
-
-
-class CalibrationKind(str, Enum):
-    ACTIVATIONS = "activations"
-    WEIGHTS = "weights"
-    ATTENTION = "attention"
-
-
-@dataclass(frozen=True)
-class CalibrationRange:
-    kind: CalibrationKind
-    low: float
-    high: float
-    cases: int
-
-
-#: The ranges an fp8/int8 model must represent, and how many cases cover each.
-CALIBRATION_RANGES: tuple[CalibrationRange, ...] = (
-    CalibrationRange(CalibrationKind.ACTIVATIONS, -12.8, 12.7, 50),
-    CalibrationRange(CalibrationKind.WEIGHTS, -0.00392, 0.00391, 30),
-    CalibrationRange(CalibrationKind.ATTENTION, 0.0, 1.0, 20),
-)
-
-#: Model dtypes that need calibration cases (safetensors and torch spellings).
-QUANTISED_DTYPES: frozenset[str] = frozenset(
-    {"int8", "i8", "uint8", "u8", "fp8", "float8_e4m3fn", "float8_e5m2", "f8_e4m3", "f8_e5m2", "float8"}
-)
-
-
-@dataclass(frozen=True)
-class CalibrationCase:
-    """One slice of a range: `values` lie in [low, high]; the first and last cases hold the range's ends."""
-
-    kind: CalibrationKind
-    index: int
-    low: float
-    high: float
-    values: tuple[float, ...]
-
-
-def needs_calibration(dtype: str) -> bool:
-    return dtype.lower().removeprefix("torch.") in QUANTISED_DTYPES
-
-
-def calibration_cases(
-    dtype: str, *, seed: int = 0, values_per_case: int = 8, ranges: Sequence[CalibrationRange] = CALIBRATION_RANGES
-) -> tuple[CalibrationCase, ...]:
-    """Cases covering each range (50 + 30 + 20 by default) for a quantised dtype; () otherwise.
-
-    Each range is cut into `cases` equal slices; every case holds both slice edges and
-    seeded values between them, so together the cases cover the range end to end.
-    """
-    if not needs_calibration(dtype):
-        return ()
-    if values_per_case < 2:
-        raise InvalidPayload(f"values_per_case must be >= 2 (both slice edges), got {values_per_case}")
-    rng = random.Random(f"prewarm-calibration:{seed}")
-    out: list[CalibrationCase] = []
-    for r in ranges:
-        if r.cases < 1 or not r.high > r.low:
-            raise InvalidPayload(f"calibration range {r.kind.value} is empty: {r.low}..{r.high} x {r.cases}")
-        step = (r.high - r.low) / r.cases
-        for i in range(r.cases):
-            lo = r.low + i * step
-            hi = r.high if i == r.cases - 1 else r.low + (i + 1) * step
-            inner = sorted(rng.uniform(lo, hi) for _ in range(values_per_case - 2))
-            out.append(CalibrationCase(r.kind, i, lo, hi, (lo, *inner, hi)))
-    return tuple(out)
-
-
-def quantisation_error(values: Sequence[float], scale: float, qmin: int = -128, qmax: int = 127) -> float:
-    """Largest |x − dequant(quant(x))| of symmetric integer quantisation with `scale` (pure Python)."""
-    if not scale > 0:
-        raise InvalidPayload(f"quantisation scale must be > 0, got {scale}")
-    worst = 0.0
-    for x in values:
-        q = min(qmax, max(qmin, round(x / scale)))
-        worst = max(worst, abs(x - q * scale))
-    return worst

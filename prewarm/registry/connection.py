@@ -46,12 +46,13 @@ def broker_url(cfg: RedisSettings) -> str:
     """The Celery broker URL: the registry's Redis, on `broker_db` when set, password included."""
     if cfg.url is None:
         raise SettingsError("PREWARM_REDIS_URL is not set (and no embedded Redis was started)")
-    from urllib.parse import urlsplit, urlunsplit
+    from urllib.parse import quote, urlsplit, urlunsplit
 
     parts = urlsplit(cfg.url)
     netloc = parts.netloc
     if cfg.password is not None and "@" not in netloc:
-        netloc = f":{cfg.password.get_secret_value()}@{netloc}"
+        # escaped: a password holding '/', '#', '@' or '%' must not end the netloc (kombu unquotes it)
+        netloc = f":{quote(cfg.password.get_secret_value(), safe='')}@{netloc}"
     path = f"/{cfg.broker_db}" if cfg.broker_db is not None else parts.path
     query = parts.query
     if parts.scheme == "rediss" and "ssl_cert_reqs" not in query:

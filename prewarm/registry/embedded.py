@@ -58,9 +58,11 @@ def wait_for_port(host: str, port: int, timeout_s: float, what: str = "server") 
 
 
 class EmbeddedRedis:
-    """A `redis-server` child process on a free port, with no persistence."""
+    """A `redis-server` child process on a free port; with `persist`, an append-only file as the
+    Helm chart and compose run it (a restart keeps the data), else no persistence at all."""
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, binary: str | None = None, *, persist: bool = False) -> None:
+        self.persist = persist
         self.port = port or free_port()
         self.binary = binary or redis_binary()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -79,8 +81,8 @@ class EmbeddedRedis:
                 self.binary,
                 "--port", str(self.port),
                 "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
+                *(("--appendonly", "yes", "--appendfsync", "everysec", "--save", "3600 1 300 100") if self.persist
+                  else ("--save", "", "--appendonly", "no")),
                 "--dir", self._dir.name,
                 "--logfile", str(log),
                 "--protected-mode", "no",

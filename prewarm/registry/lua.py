@@ -27,6 +27,20 @@ local function reindex(rid, state, pool, expiry)
     redis.call('ZADD', KEYS[9], expiry, rid)
   end
 end
+-- Note activity in Redis's own clock (KEYS[11], keys.REGISTRY_ACTIVITY); a silence longer than
+-- `gap` seconds (a stall, a restart) starts a new continuous period. Returns its age in seconds.
+local function activity(gap)
+  local t = redis.call('TIME')
+  local clock = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  local seen = tonumber(redis.call('HGET', KEYS[11], 'seen') or '0')
+  local since = tonumber(redis.call('HGET', KEYS[11], 'since') or '0')
+  if clock - seen > gap or since == 0 then
+    since = clock
+    redis.call('HSET', KEYS[11], 'since', since)
+  end
+  redis.call('HSET', KEYS[11], 'seen', clock)
+  return clock - since
+end
 local function event(rid, from, to, reason, now)
   redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV_MAXLEN, '*',
     'replica', rid, 'from', from, 'to', to, 'reason', reason, 'ts', now)
@@ -91,18 +105,20 @@ return out
 """
 )
 
-#: ARGV: rid, now, ttl, maxlen, then field/value pairs the agent holds (used if the record vanished).
+#: ARGV: rid, now, ttl, maxlen, gap, then field/value pairs the agent holds (used if the record vanished).
+#: KEYS: the index keys, then keys.REGISTRY_ACTIVITY.
 #: Returns the stored fields (possibly a terminal state: the caller must stop hosting it).
 HEARTBEAT = (
     "local ARGV_MAXLEN = ARGV[4]\n"
     + _INDEX
     + """
 local rid, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+activity(tonumber(ARGV[5]))
 local cur = redis.call('HGET', KEYS[1], 'state')
 if cur == 'failed' or cur == 'retired' then return redis.call('HGETALL', KEYS[1]) end
 local model, node = '', ''
 if not cur then
-  for i = 5, #ARGV, 2 do
+  for i = 6, #ARGV, 2 do
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
     if ARGV[i] == 'model' then model = ARGV[i + 1] end
     if ARGV[i] == 'node' then node = ARGV[i + 1] end
@@ -117,6 +133,35 @@ end
 redis.call('HSET', KEYS[1], 'heartbeat_at', now)
 reindex(rid, cur, redis.call('HGET', KEYS[1], 'pool') or 'serving', now + ttl)
 return redis.call('HGETALL', KEYS[1])
+"""
+)
+
+#: Fail one replica whose heartbeat expired, deciding inside the script (a heartbeat that lands
+#: between a read and a write cannot be overridden). KEYS: the index keys, then keys.REGISTRY_ACTIVITY.
+#: ARGV: rid, now, ttl, maxlen, gap, keep_s, reason.
+#: Returns 'reaped', 'alive' (heartbeat fresh), 'settling' (the registry came back from a silence less
+#: than a TTL ago: live agents have not had the time to heartbeat), or 'gone' (dropped from the index).
+REAP = (
+    "local ARGV_MAXLEN = ARGV[4]\n"
+    + _INDEX
+    + """
+local rid, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local age = activity(tonumber(ARGV[5]))
+local score = redis.call('ZSCORE', KEYS[9], rid)
+if not score then return 'gone' end
+if tonumber(score) > now then return 'alive' end
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur or cur == 'failed' or cur == 'retired' then
+  redis.call('ZREM', KEYS[9], rid)
+  return 'gone'
+end
+if age < ttl then return 'settling' end
+local pool = redis.call('HGET', KEYS[1], 'pool') or 'serving'
+redis.call('HSET', KEYS[1], 'state', 'failed', 'updated_at', now, 'reason', ARGV[7])
+reindex(rid, 'failed', pool, tonumber(score))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
+event(rid, cur, 'failed', ARGV[7], now)
+return 'reaped'
 """
 )
 

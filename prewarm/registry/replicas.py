@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
@@ -28,9 +29,11 @@ from prewarm.core.domain import (
     ReplicaState,
     parse_replica_id,
 )
-from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
-from prewarm.registry.lua import COUNTS, HEARTBEAT, PROGRESS, REGISTER, TRANSITION, view_script
+from prewarm.core.errors import IllegalTransition, InvalidPayload, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry.lua import COUNTS, HEARTBEAT, PROGRESS, REAP, REGISTER, TRANSITION, view_script
 from prewarm.core.settings import RegistrySettings
+
+log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -95,6 +98,7 @@ class ReplicaRegistry:
         self._register = client.register_script(REGISTER)
         self._transition = client.register_script(TRANSITION)
         self._heartbeat = client.register_script(HEARTBEAT)
+        self._reap = client.register_script(REAP)
         self._progress = client.register_script(PROGRESS)
         self._view = client.register_script(VIEW)
         self._counts = client.register_script(COUNTS)
@@ -117,6 +121,17 @@ class ReplicaRegistry:
     @property
     def _ttl(self) -> float:
         return self.settings.heartbeat_ttl_s
+
+    @property
+    def _gap(self) -> float:
+        """A silence (no heartbeat, no reap reached Redis) this long means Redis stalled or restarted.
+
+        A stall shorter than it can expire a replica only if it outlasts `ttl - heartbeat interval`,
+        so that is the gap, unless reaps alone (no agent alive) would look like silences: then
+        1.5 reaper intervals, and stalls between the two are not told apart (keep the reaper
+        interval under two thirds of `ttl - heartbeat interval`, as the defaults do)."""
+        s = self.settings
+        return max(s.heartbeat_ttl_s - s.heartbeat_interval_s, 1.5 * s.reaper_interval_s)
 
     # --- writes -----------------------------------------------------------------------
     @_wrap_redis_errors
@@ -183,28 +198,37 @@ class ReplicaRegistry:
 
         Returns the stored record: if its state is failed or retired, the caller must stop hosting it.
         """
-        argv: list[Any] = [replica.id, now, self._ttl, keys.EVENTS_MAXLEN]
+        argv: list[Any] = [replica.id, now, self._ttl, keys.EVENTS_MAXLEN, self._gap]
         for k, v in replica.to_fields().items():
             argv += [k, v]
-        flat = self._heartbeat(keys=self._index_keys(replica.model, replica.node, replica.id), args=argv)
+        ks = self._index_keys(replica.model, replica.node, replica.id) + [keys.REGISTRY_ACTIVITY]
+        flat = self._heartbeat(keys=ks, args=argv)
         return Replica.from_fields(_pairs(flat))
 
     @_wrap_redis_errors
     def reap(self, *, now: float) -> list[str]:
-        """Fail every live replica whose heartbeat expired; returns their ids."""
-        expired = self.client.zrangebyscore(keys.HEARTBEATS, "-inf", now)
+        """Fail every live replica whose heartbeat expired; returns their ids.
+
+        Each decision is one script that reads the heartbeat it acts on. After a silence of the
+        registry (Redis stalled or restarted: no heartbeat and no reap reached it for `_gap`), no
+        replica is reaped until a heartbeat TTL has passed: an agent that lived through the stall
+        heartbeats meanwhile, and a reap queued during the stall cannot fail its replicas first.
+        """
         reaped = []
-        for rid in expired:
-            score = self.client.zscore(keys.HEARTBEATS, rid)
-            if score is None or score > now:
-                continue  # a heartbeat arrived meanwhile
+        for rid in self.client.zrangebyscore(keys.HEARTBEATS, "-inf", now):
             try:
-                self.transition(rid, ReplicaState.FAILED, now=now, reason="heartbeat expired")
+                model, _, node, _ = parse_replica_id(rid)
+            except InvalidPayload:
+                self.client.zrem(keys.HEARTBEATS, rid)
+                continue
+            argv: list[Any] = [rid, now, self._ttl, keys.EVENTS_MAXLEN, self._gap,
+                               int(self.settings.retired_keep_s) or 1, "heartbeat expired"]
+            outcome = self._reap(keys=self._index_keys(model, node, rid) + [keys.REGISTRY_ACTIVITY], args=argv)
+            if outcome == "reaped":
                 reaped.append(rid)
-            except ReplicaNotFound:
-                self.client.zrem(keys.HEARTBEATS, rid)
-            except IllegalTransition:
-                self.client.zrem(keys.HEARTBEATS, rid)
+            elif outcome == "settling":
+                log.info("not reaping %s yet: the registry came back from a silence less than %.0fs ago", rid,
+                         self._ttl)
         return reaped
 
     # --- reads ------------------------------------------------------------------------
@@ -302,16 +326,23 @@ class ReplicaRegistry:
         return values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
 
     @_wrap_redis_errors
-    def baseline(self, model: str, node_class: str) -> float | None:
-        v = self.client.hget(keys.baseline(model, node_class), "latency_s")
+    def baseline(self, model: str, node_class: str, revision: str = "") -> float | None:
+        """The warm-latency baseline of `model@revision` on `node_class` (expires: `keys.BASELINE_TTL_S`)."""
+        v = self.client.hget(keys.baseline(model, node_class, revision), "latency_s")
         return float(v) if v is not None else None
 
     @_wrap_redis_errors
-    def set_baseline_if_absent(self, model: str, node_class: str, latency_s: float) -> float:
-        """Record the warm-latency baseline unless one exists; returns the recorded value."""
-        key = keys.baseline(model, node_class)
-        self.client.hsetnx(key, "latency_s", repr(float(latency_s)))
-        return float(self.client.hget(key, "latency_s") or latency_s)
+    def set_baseline_if_absent(self, model: str, node_class: str, latency_s: float, revision: str = "") -> float:
+        """Record the warm-latency baseline unless one exists; returns the recorded value. A new one
+        lives `keys.BASELINE_TTL_S`, then the next validation measures it again."""
+        key = keys.baseline(model, node_class, revision)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "latency_s", repr(float(latency_s)))
+        pipe.hget(key, "latency_s")
+        created, stored = pipe.execute()
+        if created:
+            self.client.expire(key, keys.BASELINE_TTL_S)
+        return float(stored)
 
 
 class AsyncRegistryReader:

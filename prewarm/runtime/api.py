@@ -72,9 +72,21 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # ~1000 nested arrays: the parser's stack, not the server's fault
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def encodable(text: str, param: str) -> str:
+    """`text` unchanged when it is valid Unicode; a 400 when it holds a lone surrogate (`"\\ud800"`),
+    which JSON can carry but UTF-8 cannot encode (the tokenizer would raise: a request fault, not a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"'{param}' is not valid Unicode: {exc.reason} at position {exc.start}", param) from None
+    return text
 
 
 def _is_int(v: object) -> bool:
@@ -91,7 +103,7 @@ def parse_completion(data: Mapping[str, Any], *, vocab_size: int, max_seq_len: i
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
-        parsed: str | tuple[int, ...] = prompt
+        parsed: str | tuple[int, ...] = encodable(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -119,6 +131,8 @@ def parse_completion(data: Mapping[str, Any], *, vocab_size: int, max_seq_len: i
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    if model is not None:
+        encodable(model, "model")
 
     n = data.get("n", 1)
     if n not in (None, 1):
@@ -214,8 +228,28 @@ def chunk_body(
     return body
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None: JSON has no NaN (`json.dumps` would
+    write the bare word `NaN`, which strict parsers refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(data: Any) -> str:
+    """Strict JSON: never NaN or Infinity."""
+    try:
+        return json.dumps(data, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(data), allow_nan=False)
+
+
 def sse(data: Mapping[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else dumps(data)
     return f"data: {payload}\n\n".encode()
 
 

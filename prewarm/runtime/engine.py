@@ -174,6 +174,12 @@ class Engine:
                 out[name] = (tuple(p.shape), DTYPE_NAMES.get(p.dtype, str(p.dtype)))
         return out
 
+    def weights_fault(self) -> str | None:
+        """Why the live weights can no longer be trusted (the snapshot they map was modified in
+        place since it was checked), or None."""
+        mapped = getattr(self._loader, "mapped", None)
+        return mapped.changed() if mapped is not None else None
+
     # -- sleep mode ----------------------------------------------------------------------
     @property
     def is_sleeping(self) -> bool:

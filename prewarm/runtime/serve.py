@@ -20,11 +20,16 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from prewarm.core.domain import LoadPhase
+from prewarm.core.errors import SettingsError
 from prewarm.core.metrics import Metrics
 from prewarm.runtime.host import ModelHost
 from prewarm.core.settings import Settings
 
 log = logging.getLogger("prewarm.runtime")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 def build_host(
@@ -35,8 +40,14 @@ def build_host(
     revision: str | None = None,
     node: str = "",
     metrics: Metrics | None = None,
+    bind: str | None = None,
 ) -> ModelHost:
-    """An `Engine` for `model_dir` built from settings, wrapped in a `ModelHost`."""
+    """An `Engine` for `model_dir` built from settings, wrapped in a `ModelHost`.
+
+    A host that listens beyond loopback (`bind`) needs its own control token
+    (`PREWARM_RUNTIME_TOKEN`, never the warmup secret, which the gateway holds too) and an API
+    key (`PREWARM_RUNTIME_API_KEY`) for its data endpoints: anyone in the cluster could
+    otherwise bypass the gateway. On loopback the control token falls back to the warmup secret."""
     from prewarm.runtime.engine import Engine
     from prewarm.runtime.manifest import load_manifest
 
@@ -58,11 +69,20 @@ def build_host(
                     model_name=name, node=node, on_phase=on_phase, read_limit_bps=rt.read_limit_bps)
     token = rt.token.get_secret_value() if rt.token is not None else None
     secret = wu.secret.get_secret_value() if wu.secret is not None else None
+    api_key = rt.api_key.get_secret_value() if rt.api_key is not None else None
+    if not is_loopback(bind or rt.host):
+        if token is None or (secret is not None and token == secret):
+            raise SettingsError(f"serve-model on {bind or rt.host} needs PREWARM_RUNTIME_TOKEN, distinct from the "
+                                "warmup secret (which the gateway holds): or listen on 127.0.0.1")
+        if api_key is None:
+            raise SettingsError(f"serve-model on {bind or rt.host} needs PREWARM_RUNTIME_API_KEY for /v1/*, /stats and "
+                                "/metrics (the gateway and the agents send it): or listen on 127.0.0.1")
     return ModelHost(
         engine,
         model_name=name,
         revision=revision or manifest.revision or "0",
         control_token=token or secret,
+        api_key=api_key,
         warmup_secret=secret,
         workers=rt.workers,
         load_wait_s=rt.load_wait_s,

@@ -11,7 +11,11 @@ mmap: no read, no conversion, and on tmpfs the pages are shared between replicas
 header lists each tensor's shape, dtype, offset, length and crc32c, and the file size.
 
 Safety: a snapshot is written under a hidden temporary name and renamed into place only
-when complete, so a partial one is never visible. Opening checks the magic, the header,
+when complete, so a partial one is never visible, and a file is never rewritten in place
+(invalidating unlinks it; a rebuild is a new file). A replica keeps the descriptor of the
+file it maps and `MappedSnapshot.changed()` compares its identity (inode, size, mtime)
+with the one checked: a snapshot modified in place behind its back takes the
+replica out of service instead of serving garbage. Opening checks the magic, the header,
 the file size (truncation) and that the tensor list matches the manifest; each tensor's
 crc32c is checked before it is used (`verify`, which the loader runs on a thread pool
 ahead of use). crc32c, not zlib's crc32: with the CPU's crc32 instruction it runs at
@@ -20,7 +24,7 @@ while every byte is still checked. Anything wrong raises `CorruptSnapshot`; the 
 then invalidates the file, finishes from the original checkpoint and rebuilds it.
 
 The directory is bounded by `max_bytes` with least-recently-used eviction (a snapshot's
-mtime is its last use). A replica holds a shared `flock` on the snapshot it maps for as
+access time is its last use; its modification time is left as written). A replica holds a shared `flock` on the snapshot it maps for as
 long as it serves from it; eviction takes an exclusive non-blocking lock first and skips
 a snapshot in use, in this process or any other on the node.
 """
@@ -155,7 +159,28 @@ class MappedSnapshot:
             self._fd = -1
             raise
 
+    @staticmethod
+    def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+        """(device, inode, size, mtime): a write changes the mtime; the LRU touch changes only the atime."""
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def changed(self) -> str | None:
+        """Why the mapped file is no longer what was checked, or None. Snapshots are only ever
+        written new and renamed into place, so the inode a replica maps never changes — unless
+        something rewrites it in place, and then the private mapping's clean pages show the new
+        bytes: garbage weights answering 200. A cheap fstat of the held descriptor tells."""
+        if self._fd < 0:
+            return None
+        try:
+            now = self._identity(os.fstat(self._fd))
+        except OSError as exc:
+            return f"{self.path.name}: cannot stat the mapped file: {exc}"
+        if now != self.identity:
+            return f"{self.path.name}: the mapped snapshot was modified in place (size/mtime changed)"
+        return None
+
     def _check_and_map(self, key: SnapshotKey, config: ModelConfig) -> None:
+        self.identity = self._identity(os.fstat(self._fd))
         size = os.fstat(self._fd).st_size
         head = os.pread(self._fd, len(MAGIC) + 8, 0)
         if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
@@ -293,9 +318,8 @@ class SnapshotStore:
             snap = MappedSnapshot(path, key, config)
         except FileNotFoundError:
             return None
-        now = time.time()
-        try:
-            os.utime(path, (now, now))  # last use, for LRU
+        try:  # last use, for LRU, in the access time: the modification time is the mapped file's identity
+            os.utime(path, ns=(time.time_ns(), snap.identity[3]))
         except FileNotFoundError:
             pass
         return snap
@@ -319,7 +343,7 @@ class SnapshotStore:
                 st = p.stat()
             except FileNotFoundError:
                 continue
-            out.append(SnapshotInfo(p, st.st_size, st.st_mtime))
+            out.append(SnapshotInfo(p, st.st_size, max(st.st_atime, st.st_mtime)))
         return sorted(out, key=lambda e: e.last_used)
 
     def total_bytes(self) -> int:

@@ -45,6 +45,7 @@ from workers.node.memory import ASLEEP, GB, GPU, footprint_bytes, models_on_disk
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
+from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
 log = logging.getLogger("prewarm.agent")
@@ -71,6 +72,7 @@ class Agent:
         self._metrics_server: Any = None
         self._loaded: set[str] = set()  # model@revision this agent brought to ready (snapshot hint)
         self._disk_scan: tuple[float, set[str]] = (-DISK_SCAN_S - 1.0, set())  # (when, model@revision on disk)
+        self._unhealthy: dict[str, int] = {}  # replica id -> consecutive failed readiness checks
 
     @property
     def node(self) -> str:
@@ -82,7 +84,8 @@ class Agent:
         self._metrics_server = serve_metrics(self.ctx, self.metrics_port)
         report = self.reconcile()
         self.heartbeat_once()
-        for name, target in (("heartbeat", self._heartbeat_loop), ("keeper", self._keeper_loop)):
+        for name, target in (("heartbeat", self._heartbeat_loop), ("keeper", self._keeper_loop),
+                             ("health", self._health_loop)):
             t = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -247,6 +250,47 @@ class Agent:
                 self.heartbeat_once()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
                 log.warning("heartbeat round failed: %s", exc)
+
+    # --- health checks -----------------------------------------------------------------
+    def check_health_once(self) -> list[str]:
+        """Ask every runtime the registry has as ready for its own verdict (`/readyz`); fail one that
+        says no (or does not answer) `agent.health_failures` times in a row. This, with connection
+        failures seen by the gateway, is what takes a broken replica out: never what a client sent
+        (a request the runtime answers with an error proves it alive). Returns the replicas failed."""
+        failed = []
+        hosted_ids = set()
+        for hosted in self.ctx.host.all():
+            rid = hosted.replica.id
+            hosted_ids.add(rid)
+            if hosted.replica.state is not ReplicaState.READY or not hosted.replica.endpoint or \
+                    hosted.exit_code() is not None:
+                self._unhealthy.pop(rid, None)
+                continue
+            ok, why = readiness(hosted.replica.endpoint)
+            if ok:
+                self._unhealthy.pop(rid, None)
+                continue
+            n = self._unhealthy.get(rid, 0) + 1
+            self._unhealthy[rid] = n
+            log.warning("replica %s failed its health check (%d in a row): %s", rid, n, why)
+            if n < self.settings.agent.health_failures:
+                continue
+            self._unhealthy.pop(rid, None)
+            rec = operations.safe_fail(self.ctx, rid, f"health check: {why}")
+            if rec is not None:
+                log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=health_check detail=%s", rid,
+                          rec.model, self.node, why)
+                failed.append(rid)  # the next heartbeat sees the failed record and stops the runtime
+        for rid in set(self._unhealthy) - hosted_ids:
+            del self._unhealthy[rid]
+        return failed
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.registry.heartbeat_interval_s):
+            try:
+                self.check_health_once()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
+                log.warning("health check round failed: %s", exc)
 
     def _keeper_loop(self) -> None:
         interval = self.settings.warmup.keepalive_interval_s

@@ -95,13 +95,14 @@ class BringUpSpec:
 
     model: str  # registry name (metrics label)
     node: str  # metrics label
-    node_class: str  # key of the warm-latency baseline
+    node_class: str  # key of the warm-latency baseline (with the revision)
     served_model: str  # the name the server knows the model by (the warmup requests' `model`)
     expected: Mapping[str, TensorSpec] | None  # the manifest's tensors; None: the server cannot list its own
     started_at: float  # epoch s the cold start is counted from (registration, or a pod's creation)
     require_logprobs: bool = True  # without listed tensors: False accepts a numeric check "unsupported"
     load_timeout_s: float | None = None  # None: only `check` ends a load that never finishes
     label: str = ""  # extra words for the log lines (e.g. "pod=<name>")
+    revision: str = ""  # the baseline is per revision: new weights, new baseline
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,8 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     listed = spec.expected is not None
     expected = spec.expected if spec.expected is not None else (probe.expected or {})
     report = validate(expected=expected, live=probe.live,
-                      logits=probe.logits, latencies_s=latencies, baseline_s=ctx.registry.baseline(spec.model,
-                                                                                                   spec.node_class),
+                      logits=probe.logits, latencies_s=latencies, baseline_s=ctx.registry.baseline(spec.model, spec.node_class,
+                                                                                                   spec.revision),
                       mean_bound=wcfg.logits_mean_bound, latency_factor=wcfg.latency_factor,
                       allow_unsupported=not listed)
     for c in report.checks:
@@ -209,7 +210,8 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     if problems:
         raise ValidationFailed(rid, report, problems)
     if report.record_baseline is not None:
-        recorded = ctx.registry.set_baseline_if_absent(spec.model, spec.node_class, report.record_baseline)
+        recorded = ctx.registry.set_baseline_if_absent(spec.model, spec.node_class, report.record_baseline,
+                                                       spec.revision)
         log.info("replica %s recorded the warm-latency baseline of %s on %s: %.4fs", rid, spec.model,
                  spec.node_class, recorded)
     return report
@@ -325,7 +327,7 @@ class PrewarmJob:
 
         spec = BringUpSpec(model=ref.model, node=ref.node, node_class=ctx.settings.agent.node_class,
                            served_model=ref.model, expected=tensor_specs(load_manifest(model_dir).tensors),
-                           started_at=rec.created_at)
+                           started_at=rec.created_at, revision=ref.revision)
         done = bring_up(ctx, rec, spec, connect=connect,
                         transition=lambda to, expected, reason: self._transition(to, expected, reason),
                         check=lambda: self._check(lock, self._hosted), after_load=self._record_phases,

@@ -10,14 +10,13 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
+from prewarm.core import http
 from prewarm.core.settings import Settings
 from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport
 from prewarm.policy.warmup import WarmupRequest
@@ -37,8 +36,10 @@ class RuntimeClient:
     def __init__(self, settings: Settings, endpoint: str, *, model: str | None = None, timeout_s: float = 30.0) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
+        key = settings.runtime.api_key
+        self.api_key = key.get_secret_value() if key is not None else None
         self.adapter = BuiltinRuntimeAdapter(self.endpoint, token=control_token(settings), timeout_s=timeout_s,
-                                             model=model)
+                                             model=model, api_key=self.api_key)
 
     # --- through the adapter ------------------------------------------------------------
     def load(self) -> LoadStatus:
@@ -61,8 +62,11 @@ class RuntimeClient:
 
     # --- the runtime's own observations ------------------------------------------------
     def _get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.endpoint + path, timeout=self.timeout_s) as resp:
-            return bytes(resp.read())
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        resp = http.fetch("GET", self.endpoint + path, headers=headers, timeout=self.timeout_s)
+        if resp.status != 200:
+            raise http.Unreachable(f"GET {self.endpoint}{path}: status {resp.status}")
+        return resp.body
 
     def _stats(self) -> dict[str, Any]:
         data = json.loads(self._get("/stats"))
@@ -80,7 +84,7 @@ class RuntimeClient:
         """Seconds per loading phase as the runtime measured them (empty if it does not export them)."""
         try:
             samples = self._samples("model_loading_phase_duration_seconds")
-        except (urllib.error.URLError, OSError, ValueError):
+        except (OSError, ValueError):
             return {}
         return {labels["phase"]: value for name, labels, value in samples
                 if name.endswith("_sum") and "phase" in labels}
@@ -111,7 +115,7 @@ class RuntimeClient:
             if isinstance(value, (int, float)):
                 return float(value)
             samples = self._samples("gpu_fragmentation_rate")
-        except (urllib.error.URLError, OSError, ValueError):
+        except (OSError, ValueError):
             return None
         return max((v for _, _, v in samples), default=None)
 

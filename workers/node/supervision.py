@@ -20,12 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from prewarm.core import http
 from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
@@ -101,10 +100,26 @@ def _runtime_pids_on(port: int) -> list[int]:
 
 def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(f"{endpoint}/healthz", timeout=timeout) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
+        return 200 <= http.fetch("GET", f"{endpoint}/healthz", timeout=timeout).status < 300
+    except (OSError, ValueError):
         return False
+
+
+def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """The runtime's own verdict (`GET /readyz`): (ready, why). A refused connection or a
+    timeout is "not ready" too: the process is up (the caller checked) but does not answer."""
+    try:
+        resp = http.fetch("GET", f"{endpoint}/readyz", timeout=timeout)
+    except (OSError, ValueError) as exc:
+        return False, f"no answer: {exc}"
+    if 200 <= resp.status < 300:
+        return True, "ready"
+    try:
+        body = json.loads(resp.body)
+        reason = str(body.get("reason", resp.status)) if isinstance(body, dict) else f"status {resp.status}"
+    except ValueError:
+        reason = f"status {resp.status}"
+    return False, reason
 
 
 class RuntimeHost:

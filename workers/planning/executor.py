@@ -102,6 +102,12 @@ def _requeue(ctx: WorkerContext, event_id: str, *, now: float, error: BaseExcept
     ctx.metrics.dropped_events.labels(model, "enqueue_failed").inc()
 
 
+def task_id(event_id: str, task: str, replica_id: str = "") -> str:
+    """The id of the task an event causes, derived from the event (as arq derives job ids): an event
+    sent twice is the same task twice, and a node task settled once (`keys.task_done`) is not redone."""
+    return f"{event_id}/{task}/{replica_id}" if replica_id else f"{event_id}/{task}"
+
+
 def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
     """Send `apply_scale_event` for every event due at `now`; each is claimed by exactly one dispatcher.
 
@@ -114,7 +120,7 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
         if claim(keys=[keys.PLANNED_EVENTS, keys.planned_event(event_id)], args=[event_id, now, now + _lease_s(ctx)]) != 1:
             continue  # another dispatcher claimed it
         try:
-            app.send_task(names.APPLY_EVENT, args=[event_id])
+            app.send_task(names.APPLY_EVENT, args=[event_id], task_id=task_id(event_id, names.APPLY_EVENT))
         except ENQUEUE_ERRORS as exc:
             _requeue(ctx, event_id, now=now, error=exc)
             break
@@ -181,15 +187,17 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
     try:
         for rid in chosen:  # the same ids again on a re-apply: each task is idempotent
             if ev.kind is ScaleEventKind.SCALE_UP:
-                app.send_task(names.PREWARM, args=[rid, ev.pool.value, None])
+                app.send_task(names.PREWARM, args=[rid, ev.pool.value, None],
+                              task_id=task_id(event_id, names.PREWARM, rid))
             elif ev.kind is ScaleEventKind.SCALE_DOWN:
-                app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]])
+                app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]],
+                              task_id=task_id(event_id, names.RETIRE, rid))
             else:
                 until = hold_until(ctx, ev)
                 # the hold itself, for whoever keeps this replica warm: its agent (the task below) or,
                 # for a Kubernetes pod no agent hosts, the pod warmer's keep-alive loop
                 ctx.client.set(keys.keep_warm(rid), repr(until), exat=int(until) + 1)
-                app.send_task(names.KEEP_WARM, args=[rid, until])
+                app.send_task(names.KEEP_WARM, args=[rid, until], task_id=task_id(event_id, names.KEEP_WARM, rid))
     except ENQUEUE_ERRORS as exc:
         _requeue(ctx, event_id, now=ctx.clock(), error=exc)
         return Applied(event_id, ev.kind, tuple(chosen), "enqueue_failed")

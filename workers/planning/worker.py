@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-import redis
+from celery import Celery
 
 from prewarm.core import keys
 from prewarm.core.metrics import RegistryCollector
@@ -16,7 +17,31 @@ from workers.context import WorkerContext
 from workers.names import HANDLE_DEMAND, PLANNER_QUEUE
 from workers.process import serve_metrics, setup_logging
 
+if TYPE_CHECKING:
+    import redis
+
 log = logging.getLogger("prewarm.planner")
+
+
+def listen_for_demand(client: "redis.Redis[str]", app: Celery, stop: threading.Event) -> None:
+    """Scale from zero as soon as the gateway announces unmet demand (the beat's scan is the safety net).
+
+    Outlives any error: a Redis error reconnects; a send the broker refuses (a kombu error, not a
+    Redis one) is logged and dropped — the beat's `scan_demand` finds that demand again."""
+    while not stop.is_set():
+        try:
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(keys.DEMAND_CHANNEL)
+            while not stop.is_set():
+                msg = pubsub.get_message(timeout=1.0)
+                if msg and isinstance(msg.get("data"), str):
+                    try:
+                        app.send_task(HANDLE_DEMAND, args=[msg["data"]])
+                    except Exception as exc:  # noqa: BLE001 - a kombu/broker error must not end the listener
+                        log.warning("demand for %s not sent (the beat's scan will catch it): %s", msg["data"], exc)
+        except Exception as exc:  # noqa: BLE001 - the listener outlives any error; it reconnects
+            log.warning("demand listener: %s; reconnecting", exc)
+            stop.wait(1.0)
 
 
 def run_planner(settings: Settings, *, loglevel: str = "INFO", metrics_port: int | None = None) -> int:
@@ -30,21 +55,8 @@ def run_planner(settings: Settings, *, loglevel: str = "INFO", metrics_port: int
     app = make_app(settings)
     stop = threading.Event()
 
-    def listen() -> None:
-        """Scale from zero as soon as the gateway announces unmet demand (the beat's scan is the safety net)."""
-        while not stop.is_set():
-            try:
-                pubsub = ctx.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(keys.DEMAND_CHANNEL)
-                while not stop.is_set():
-                    msg = pubsub.get_message(timeout=1.0)
-                    if msg and isinstance(msg.get("data"), str):
-                        app.send_task(HANDLE_DEMAND, args=[msg["data"]])
-            except redis.RedisError as exc:
-                log.warning("demand listener: %s; reconnecting", exc)
-                stop.wait(1.0)
-
-    threading.Thread(target=listen, name="demand-listener", daemon=True).start()
+    threading.Thread(target=listen_for_demand, args=(ctx.client, app, stop), name="demand-listener",
+                     daemon=True).start()
     argv = ["worker", "-Q", PLANNER_QUEUE, "-P", "threads", "-c", "2", "-n", "planner@%h",
             f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:

@@ -59,6 +59,8 @@ prometheus.io/path: /metrics
       key: {{ .Values.warmup.existingSecretKey }}
 - name: PREWARM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
+- name: PREWARM_METRICS_HOST  # Prometheus scrapes the pod IP; the default is loopback only
+  value: "0.0.0.0"
 {{- end -}}
 
 {{/* Environment of the planner (worker and beat): the plan's knobs and the actuator's targets. */}}
@@ -129,4 +131,23 @@ scaleDown:
   stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds }}
 scaleUp:
   stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleUp.stabilizationWindowSeconds }}
+{{- end -}}
+
+
+{{/* The runtimes' API key (/v1/*, /stats, /metrics): the gateway, the agents and the runtimes. */}}
+{{- define "prewarm.runtimeApiKeyEnv" -}}
+- name: PREWARM_RUNTIME_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
+      key: api-key
+{{- end -}}
+
+{{/* The runtimes' control token: agents, runtimes and the pod warmer only, never the gateway. */}}
+{{- define "prewarm.runtimeTokenEnv" -}}
+- name: PREWARM_RUNTIME_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
+      key: control-token
 {{- end -}}
