@@ -23,7 +23,7 @@ from prewarm.registry.embedded import EmbeddedRedis
 from prewarm.registry.replicas import ReplicaRegistry
 from tests.celery_helpers import WorkerProcess, queued_tasks, wait_for, worker_env
 from workers.app import make_app
-from workers.names import FORECAST, PREWARM, RETIRE, node_queue
+from workers.names import EVICT, FORECAST, PREWARM, RETIRE, SLEEP, node_queue
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def test_eviction_under_pressure_never_drops_a_replica_with_requests_in_flight(f
     _counts(client, "b", {ago: 5 for ago in range(60, 120)})  # busy an hour ago, idle since
     _counts(client, "c", {1: 3, 100: 1})  # almost nothing, but requests in the last minute: in flight
     plan = _round(fleet)
-    retired = {t["args"][0] for t in queued_tasks(client, node_queue("n1")) if t["task"] == RETIRE}
+    retired = {t["args"][0] for t in queued_tasks(client, node_queue("n1")) if t["task"] in (RETIRE, SLEEP, EVICT)}
     assert ids["c"] not in retired and plan["models"]["c"]["tier"] == "gpu"
     assert ids["a"] not in retired
     assert ids["b"] in retired and plan["models"]["b"]["tier"] != "gpu"

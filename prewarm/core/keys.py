@@ -105,12 +105,13 @@ def load_times(model: str) -> str:
     return f"{PREFIX}:loadtimes:{model}"
 
 
-def wake_times(model: str) -> str:
-    """Seconds each wake from level-1 sleep took (list, newest last): the catalog's asleep tier."""
-    return f"{PREFIX}:waketimes:{model}"
-
-
 LOADTIMES_KEEP = 200
+
+
+#: List of recent times to ready (seconds) of a model from one tier of warmth (`asleep`: a wake,
+#: `cached`: a load from the node snapshot, `disk`: a full load) on a node class, newest first.
+def ready_times(model: str, tier: str, node_class: str) -> str:
+    return f"{PREFIX}:readytimes:{model}:{tier}:{node_class}"
 
 #: Marker that a planned scale event was enqueued (idempotency of re-plans); kept EVENT_TTL_S.
 def planned_event(event_id: str) -> str:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,7 @@ from prewarm.core.errors import PrewarmError
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
-from workers.node.supervision import gpu_used_gb
+from workers.node.memory import ASLEEP, GB, GPU, footprint_bytes, models_on_disk, residency, warmest
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
@@ -47,6 +49,9 @@ from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
 log = logging.getLogger("prewarm.agent")
+
+#: How often the node view re-reads which models lie in the models directory (the disk tier).
+DISK_SCAN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self._metrics_server: Any = None
         self._loaded: set[str] = set()  # model@revision this agent brought to ready (snapshot hint)
+        self._disk_scan: tuple[float, set[str]] = (-DISK_SCAN_S - 1.0, set())  # (when, model@revision on disk)
         self._unhealthy: dict[str, int] = {}  # replica id -> consecutive failed readiness checks
 
     @property
@@ -114,7 +120,7 @@ class Agent:
             if rec.state is ReplicaState.READY:
                 rec = self.ctx.registry.transition(replica.id, ReplicaState.DRAINING, now=self.ctx.clock(),
                                                    reason=reason)
-            if rec.state in (ReplicaState.DRAINING, ReplicaState.PENDING):
+            if rec.state in (ReplicaState.DRAINING, ReplicaState.PENDING, ReplicaState.ASLEEP):
                 self.ctx.registry.transition(replica.id, ReplicaState.RETIRED, now=self.ctx.clock(), reason=reason)
             else:
                 operations.safe_fail(self.ctx, replica.id, reason)
@@ -129,6 +135,14 @@ class Agent:
             return rec if rec is not None and rec.state not in TERMINAL_STATES else None
 
         adopted = self.ctx.host.adopt_orphans(keep)
+        for h in adopted:  # an adopted runtime already holds its memory: book it as it is
+            try:
+                nbytes = footprint_bytes(self.settings, h.replica.model, h.model_dir)
+            except Exception as exc:  # noqa: BLE001 - a runtime whose directory went away still holds memory
+                log.warning("could not read the footprint of adopted %s: %s", h.replica.id, exc)
+                continue
+            self.ctx.host.ledger.book(h.replica.id, h.replica.model, nbytes,
+                                      ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU)
         hosted = self.ctx.host.hosted_ids()
         failed = []
         for rec in self.ctx.registry.live_on_node(self.node):
@@ -187,25 +201,47 @@ class Agent:
         # A model brought to ready here left a node-local snapshot (the first load writes it): a
         # placement hint for the planner (LRU eviction may have dropped it since; then it costs a load).
         self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.host.all()
-                         if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING)}
-        info = {"name": self.node, "node_class": self.settings.agent.node_class,
+                         if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ASLEEP)}
+        info = {**self._memory_view(),"name": self.node, "node_class": self.settings.agent.node_class,
                 "snapshots": ",".join(sorted(self._loaded)),
                 "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
                 "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
                 "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
-                "host_memory_gb": repr(self.settings.agent.host_memory_gb),
-                "gpu_used_gb": repr(gpu_used_gb(self.ctx)), "residency": json.dumps(self._residency())}
+                "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
         pipe = self.ctx.client.pipeline(transaction=True)
         pipe.hset(keys.node_info(self.node), mapping=info)
         pipe.expire(keys.node_info(self.node), keys.NODE_INFO_TTL_S)
         pipe.execute()
 
-    def _residency(self) -> dict[str, str]:
-        """Per-tier residency of this node: model -> gpu (a hosted replica) or cached (its snapshot only)."""
-        out = {snap.partition("@")[0]: "cached" for snap in self._loaded}
+    def _memory_view(self) -> dict[str, str]:
+        """Per-tier residency and free memory for the node view (`keys.node_info`).
+
+        `residency`: model@revision -> its warmest tier here (gpu, asleep, cached, disk);
+        `replica_tiers`: hosted replica id -> gpu or asleep; `*_used_gb` what hosted replicas
+        book, `*_free_gb` what is left under the budget ('' when that memory is not accounted;
+        host memory then reports what the OS has available).
+        """
+        ledger = self.ctx.host.ledger
+        per_replica = {h.replica.id: ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU
+                       for h in self.ctx.host.all()}
+        per_model: dict[str, list[str]] = {}
         for h in self.ctx.host.all():
-            out[h.replica.model] = "asleep" if h.replica.state is ReplicaState.ASLEEP else "gpu"
-        return out
+            per_model.setdefault(f"{h.replica.model}@{h.replica.revision}", []).append(per_replica[h.replica.id])
+        now = time.monotonic()
+        if now - self._disk_scan[0] > DISK_SCAN_S:
+            self._disk_scan = (now, models_on_disk(self.settings.runtime.models_dir))
+        res = residency({k: warmest(v) for k, v in per_model.items()}, self._disk_scan[1] | self._loaded,
+                        self.settings.runtime.snapshot_dir)
+        gpu_free, host_free = ledger.free(GPU), ledger.free(ASLEEP)
+        if host_free is None:
+            try:
+                host_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                host_free = None
+        return {"gpu_used_gb": repr(ledger.used(GPU) / GB), "host_used_gb": repr(ledger.used(ASLEEP) / GB),
+                "gpu_free_gb": "" if gpu_free is None else repr(gpu_free / GB),
+                "host_free_gb": "" if host_free is None else repr(host_free / GB),
+                "residency": json.dumps(res, sort_keys=True), "replica_tiers": json.dumps(per_replica, sort_keys=True)}
 
     def _heartbeat_loop(self) -> None:
         interval = self.settings.registry.heartbeat_interval_s

@@ -36,7 +36,9 @@ from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import CheckName, Outcome, TensorSpec, ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, WarmupRequest, generate_requests
 from workers.context import WorkerContext
-from workers.node.supervision import HostedRuntime, RuntimeExited, gpu_used_gb, model_footprint_gb
+from workers.node.memory import CACHED, DISK, in_snapshot
+from workers.node.supervision import HostedRuntime, RuntimeExited
+from workers.node.tiers import TierOutcome, admit_load, wake_locked
 from workers.node.lock import ReplicaLock
 from workers.payload import PrewarmRequest
 from workers.node.runtime_client import RuntimeClient, make_client
@@ -270,23 +272,11 @@ class PrewarmJob:
             raise InvalidPayload(f"replica {self.rid}: slot {ref.slot} is outside this node's "
                                  f"{self.ctx.settings.agent.replica_slots} replica slots")
         model_dir = resolve_model_dir(self.ctx, ref.model, ref.revision, self.req.model_dir)
-        self._admit(model_dir)
         lock = ReplicaLock(self.ctx.client, self.rid, self.owner, self.ctx.settings.agent.lock_ttl_s)
         if not lock.acquire(deadline=self.deadline, stop_waiting=self._ready_and_hosted):
             return PrewarmResult(self.rid, PrewarmOutcome.ALREADY_READY)
         with lock:
             return self._run_locked(lock, model_dir)
-
-    def _admit(self, model_dir: Path) -> None:
-        """GPU-memory accounting: a new replica must fit beside the ones hosted here (`agent.gpu_memory_gb`)."""
-        budget = self.ctx.settings.agent.gpu_memory_gb
-        if budget <= 0 or self.ctx.host.get(self.rid) is not None:
-            return
-        used = gpu_used_gb(self.ctx, exclude=self.rid)
-        need = model_footprint_gb(model_dir)
-        if used + need > budget + 1e-12:
-            raise TemporaryError(f"replica {self.rid} needs {need:.4g} GB of GPU memory; {used:.4g} of "
-                                 f"{budget:.4g} GB are held by the replicas hosted here", 2.0)
 
     def _run_locked(self, lock: ReplicaLock, model_dir: Path) -> PrewarmResult:
         ctx, ref = self.ctx, self.req.replica
@@ -301,6 +291,15 @@ class PrewarmJob:
         if rec is not None and rec.state is ReplicaState.DRAINING:
             log.info("replica %s is draining: not prewarming it again", self.rid)
             return PrewarmResult(self.rid, PrewarmOutcome.SKIPPED)
+        if rec is not None and rec.state is ReplicaState.ASLEEP:  # a prewarm of a sleeping replica wakes it
+            outcome, seconds = wake_locked(ctx, self.rid)
+            if outcome is TierOutcome.READY:
+                return PrewarmResult(self.rid, PrewarmOutcome.READY, seconds)
+            if outcome is TierOutcome.ALREADY:
+                return PrewarmResult(self.rid, PrewarmOutcome.ALREADY_READY)
+            if outcome is TierOutcome.NO_MEMORY:
+                return PrewarmResult(self.rid, PrewarmOutcome.SKIPPED)
+            rec = ctx.registry.get(self.rid)
         if rec is None or rec.state in TERMINAL_STATES:
             now = ctx.clock()
             fresh = Replica(model=ref.model, revision=ref.revision, node=ref.node, slot=ref.slot,
@@ -313,6 +312,9 @@ class PrewarmJob:
             log.info("replica %s registered %s (state %s)", self.rid, "new" if created else "existing", rec.state.value)
         else:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
+        if ctx.host.get(self.rid) is None:  # its runtime is not up yet: book its GPU memory first
+            admit_load(ctx, self.rid, ref.model, model_dir, self.deadline)
+        tier = CACHED if in_snapshot(ctx.settings.runtime.snapshot_dir, f"{ref.model}@{ref.revision}") else DISK
 
         # Loading starts with the runtime process itself (interpreter, torch, CUDA context).
         def connect(rec: Replica) -> ServerDriver:
@@ -330,12 +332,17 @@ class PrewarmJob:
                         transition=lambda to, expected, reason: self._transition(to, expected, reason),
                         check=lambda: self._check(lock, self._hosted), after_load=self._record_phases,
                         poll_s=self.poll_s)
+        if done.cold_start_s is not None:  # the catalog's measured time to ready from this tier
+            ctx.registry.record_ready_time(ref.model, tier, ctx.settings.agent.node_class, done.cold_start_s)
         return PrewarmResult(self.rid, done.outcome, done.cold_start_s)
 
     def _record_phases(self, server: ServerDriver) -> None:
         ref = self.req.replica
         if not isinstance(server, RuntimeClient):
             return
+        measured = server.gpu_bytes()  # on CUDA: what the runtime's allocator holds, booked when above the estimate
+        if measured is not None:
+            self.ctx.host.ledger.measured(self.rid, measured)
         phases = server.phase_durations()
         for phase, seconds in phases.items():
             self.ctx.metrics.loading_phase_duration.labels(ref.model, phase, ref.node).observe(seconds)

@@ -63,7 +63,7 @@ def retire(ctx: WorkerContext, req: RetireRequest, *, owner: str, deadline: floa
             _set_state(ctx, rid, ReplicaState.RETIRED, reason)
             ctx.host.stop(rid)
             return RetireOutcome.RETIRED
-        if rec.state in (ReplicaState.READY, ReplicaState.ASLEEP):
+        if rec.state is ReplicaState.READY:
             rec = _set_state(ctx, rid, ReplicaState.DRAINING, reason)
         _drain(ctx, rec, min(deadline, time.monotonic() + ctx.settings.agent.drain_timeout_s))
         _set_state(ctx, rid, ReplicaState.RETIRED, reason)

@@ -93,6 +93,21 @@ class RuntimeClient:
         value = self._stats().get("inflight")
         return int(value) if isinstance(value, (int, float)) else None
 
+    def gpu_bytes(self) -> int | None:
+        """What the runtime's CUDA allocator holds (its replica's GPU footprint); None on CPU or unknown."""
+        mem = self._stats().get("memory")
+        value = mem.get("cuda_reserved") if isinstance(mem, dict) else None
+        return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    def sleep(self, level: int = 1) -> bool:
+        return self.adapter.sleep(level)
+
+    def wake_up(self) -> bool:
+        return self.adapter.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.adapter.is_sleeping()
+
     def fragmentation(self) -> float | None:
         """1 - allocated/reserved of the runtime's allocator, when the runtime reports it."""
         try:

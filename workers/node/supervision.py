@@ -22,12 +22,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from prewarm.core import http
-from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
+from workers.node.memory import MemoryLedger
 
 log = logging.getLogger("prewarm.agent.host")
 
@@ -104,17 +105,6 @@ def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def model_footprint_gb(model_dir: str | Path) -> float:
-    """GPU memory one replica of the model in ``model_dir`` holds: its weight files' bytes."""
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 1e9
-
-
-def gpu_used_gb(ctx: Any, *, exclude: str = "") -> float:
-    """GPU memory held by the replicas this agent hosts awake (a replica asleep holds host memory instead)."""
-    return sum(model_footprint_gb(h.model_dir) for h in ctx.host.all()
-               if h.replica.id != exclude and h.replica.state is not ReplicaState.ASLEEP)
-
-
 def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
     """The runtime's own verdict (`GET /readyz`): (ready, why). A refused connection or a
     timeout is "not ready" too: the process is up (the caller checked) but does not answer."""
@@ -141,6 +131,7 @@ class RuntimeHost:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._slots: dict[int, HostedRuntime] = {}
+        self.ledger = MemoryLedger.from_settings(settings)  # GPU / host memory each hosted replica holds
 
     # --- table ------------------------------------------------------------------------
     def port_of(self, slot: int) -> int:
@@ -277,9 +268,10 @@ class RuntimeHost:
 
     # --- stop -------------------------------------------------------------------------
     def stop(self, rid: str, *, grace_s: float = 10.0) -> bool:
-        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`); False if not hosted."""
+        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`) and free its memory; False if not hosted."""
         with self._lock:
             hosted = self.get(rid)
+            self.ledger.release(rid)  # also a booking whose runtime never started
             if hosted is None:
                 return False
             self._forget(hosted.slot)

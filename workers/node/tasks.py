@@ -213,25 +213,42 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 
 def sleep_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
-    """Put a ready replica to sleep (level 1: weights to host memory, GPU freed) after its in-flight requests."""
+    """Drain a ready replica (no request in flight is cut) and put its engine to level-1 sleep (tier asleep)."""
 
     def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
-        outcome = tiers.sleep(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline)
-        return {"replica_id": req.replica.replica_id, "outcome": outcome}
+        rid = req.replica.replica_id
+        outcome = tiers.sleep(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.STILL_DRAINING:  # a long request is still running: go on waiting
+            self.app.send_task(names.SLEEP, args=[rid])
+        return {"replica_id": rid, "outcome": outcome.value}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("sleep_replica", a, k),
                          lambda r: r.replica, work, args, kwargs)
 
 
 def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
-    """Wake a sleeping replica back to ready (no load, no new validation)."""
+    """Wake an asleep replica to ready (refused, left asleep, when the node's GPU memory is full)."""
 
     def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
-        outcome, woke_s = tiers.wake(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline)
-        return {"replica_id": req.replica.replica_id, "outcome": outcome, "wake_s": woke_s}
+        rid = req.replica.replica_id
+        outcome, seconds = tiers.wake(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        return {"replica_id": rid, "outcome": outcome.value, "wake_s": seconds}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),
                          lambda r: r.replica, work, args, kwargs)
+
+
+def evict_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Drain until no request is in flight (no drain timeout), then retire; the snapshot keeps the weights."""
+
+    def work(ctx: WorkerContext, req: payload.RetireRequest, deadline: float) -> dict[str, Any]:
+        rid = req.replica.replica_id
+        outcome = tiers.evict(ctx, rid, req.reason, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.STILL_DRAINING:
+            self.app.send_task(names.EVICT, args=[rid, req.reason])
+        return {"replica_id": rid, "outcome": outcome.value}
+
+    return _replica_task(self, payload.parse_retire, lambda r: r.replica, work, args, kwargs)
 
 
 def register(app: Celery) -> None:
@@ -242,3 +259,4 @@ def register(app: Celery) -> None:
     app.task(name=names.RECYCLE, **names.TASK_OPTIONS)(recycle_if_fragmented)
     app.task(name=names.SLEEP, **names.TASK_OPTIONS)(sleep_replica)
     app.task(name=names.WAKE, **names.TASK_OPTIONS)(wake_replica)
+    app.task(name=names.EVICT, **names.TASK_OPTIONS)(evict_replica)

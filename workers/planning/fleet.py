@@ -12,9 +12,10 @@ model alone:
 4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
    models' own forecasters on a slower cadence, the fleet planner);
 5. act: a LOAD becomes `prewarm_replica` on the chosen node's queue, a WAKE `wake_replica`
-   of the replica asleep there, a SLEEP `sleep_replica` (engine level-1 sleep: weights to
-   host memory), an EVICT retires the model's replicas there (the weights stay in the
-   node's snapshot: the cached tier). The plan is written to `keys.FLEET_PLAN` for the live view.
+   of the replica asleep there (else a load), a SLEEP `sleep_replica` (engine level-1 sleep:
+   weights to host memory), an EVICT `evict_replica` (the weights stay in the node's
+   snapshot: the cached tier); sleep and evict wait for requests in flight
+   (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
 The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
 live in this process (a restarted planner refits them, staggered).
 """
@@ -63,9 +64,10 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
         if measured is not None:
             ready[Tier.CACHED] = measured
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
-        wakes = sorted(float(v) for v in ctx.client.lrange(keys.wake_times(name), 0, -1))
-        if wakes:
-            ready[Tier.ASLEEP] = wakes[min(len(wakes) - 1, int(0.95 * len(wakes)))]
+        for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
+            got = ctx.registry.ready_time_p95(name, tier.value, ctx.settings.agent.node_class)
+            if got is not None:
+                ready[tier] = got
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
                                priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
     return Catalog(tuple(cards))
@@ -156,24 +158,15 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
     for action in plan.actions:
         spec = specs[action.model]
-        here = [r for r in ctx.registry.live_on_node(action.node) if r.model == action.model]
-        sleeping = [r for r in here if r.state is ReplicaState.ASLEEP]
-        if action.kind is ActionKind.WAKE and sleeping:
+        asleep_here = [r.id for r in ctx.registry.live_on_node(action.node)
+                       if r.model == action.model and r.state is ReplicaState.ASLEEP]
+        if action.kind is ActionKind.WAKE and asleep_here:  # a sleeping replica there: wake it, no load
             if p.dry_run:
-                log.info("dry run: would wake %s", sleeping[0].id)
+                log.info("dry run: would wake %s", asleep_here[0])
             else:
-                app.send_task(names.WAKE, args=[sleeping[0].id])
-            sent[action.model].append(sleeping[0].id)
-            continue
-        if action.kind is ActionKind.SLEEP:
-            for r in here:
-                if r.state is ReplicaState.READY:
-                    if p.dry_run:
-                        log.info("dry run: would put %s to sleep", r.id)
-                    else:
-                        app.send_task(names.SLEEP, args=[r.id])
-            continue
-        if action.kind in (ActionKind.LOAD, ActionKind.WAKE):
+                app.send_task(names.WAKE, args=[asleep_here[0]])
+            sent[action.model].append(asleep_here[0])
+        elif action.kind in (ActionKind.LOAD, ActionKind.WAKE):
             free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
             if not free:
                 log.warning("fleet: no free slot on %s for %s", action.node, action.model)
@@ -186,13 +179,17 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
                 app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
             sent[action.model].append(rid)
         else:
-            for r in here:
-                if r.state in (ReplicaState.READY, ReplicaState.ASLEEP):
+            # SLEEP: drain and sleep (weights to host memory); EVICT: drain and retire (the snapshot keeps
+            # the weights). Both wait for requests in flight to finish (workers.node.tiers).
+            task = names.SLEEP if action.kind is ActionKind.SLEEP else names.EVICT
+            for r in ctx.registry.live_on_node(action.node):
+                if r.model == action.model and (r.state is ReplicaState.READY or (
+                        task == names.EVICT and r.state is ReplicaState.ASLEEP)):
+                    why = f"fleet: {action.kind.value} (density {action.density:.3g} below the memory price)"[:200]
                     if p.dry_run:
-                        log.info("dry run: would retire %s (%s)", r.id, action.kind.value)
+                        log.info("dry run: would %s %s", action.kind.value, r.id)
                     else:
-                        app.send_task(names.RETIRE, args=[r.id, f"fleet: {action.kind.value} (density "
-                                                          f"{action.density:.3g} below the memory price)"[:200]])
+                        app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
     view: dict[str, dict[str, Any]] = {}
     for j, name in enumerate(names_):
         tier = "gpu" if name in plan.gpu else "asleep" if name in plan.asleep else "cold"

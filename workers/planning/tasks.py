@@ -2,8 +2,9 @@
 
 - `reap`: fail replicas whose heartbeat expired (their agent died), so nothing routes to them.
 - `handle_demand(model)`: the gateway found nothing ready for `model` and recorded unmet
-  demand (`keys.demand`, announced on `keys.DEMAND_CHANNEL`). If no replica of the model is
-  ready or loading, prewarm one on the live node with the most free slots. Idempotent: a
+  demand (`keys.demand`, announced on `keys.DEMAND_CHANNEL`). If the model's only live
+  replicas are asleep, wake one (`wake_replica` on its node); if none is ready or loading,
+  prewarm one on the live node with the most free slots. Idempotent: a
   short claim key and the deterministic replica id make repeats harmless.
 - `scan_demand`: the beat's safety net for demand announcements nobody heard.
 - `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
@@ -56,13 +57,15 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
     if view.serving or view.warm or view.loading:
         return {"model": model, "outcome": "covered"}
     replicas = ctx.registry.replicas_of(model)
-    asleep = sorted((r for r in replicas if r.state is ReplicaState.ASLEEP), key=lambda r: -r.updated_at)
-    if asleep:  # wake on demand: a sleeping replica is a fraction of a load away
+    asleep = sorted(r.id for r in replicas if r.state is ReplicaState.ASLEEP)
+    if asleep and not any(r.state in LIVE_STATES - {ReplicaState.ASLEEP} for r in replicas):
+        # Only sleeping replicas: wake one (a fraction of a load), on its own node. Repeats are
+        # harmless (the wake is idempotent under the replica lock); the claim keeps them rare.
         if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
             return {"model": model, "outcome": "claimed"}
-        app.send_task(names.WAKE, args=[asleep[0].id])
-        log.info("unmet demand for %s -> wake %s", model, asleep[0].id)
-        return {"model": model, "outcome": "wake", "replica_id": asleep[0].id}
+        app.send_task(names.WAKE, args=[asleep[0]])
+        log.info("wake on demand: unmet demand for %s -> wake %s", model, asleep[0])
+        return {"model": model, "outcome": "wake", "replica_id": asleep[0]}
     if any(r.state in LIVE_STATES for r in replicas):
         return {"model": model, "outcome": "starting"}
     if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
