@@ -10,7 +10,6 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
 from prewarm.core import http
 from prewarm.core.settings import Settings
-from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport
+from prewarm.policy.validation import ValidationReport
 from prewarm.policy.warmup import WarmupRequest
 
 
