@@ -98,9 +98,9 @@ class Agent:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             self._retire_on_shutdown(hosted.replica)
-        self.ctx.host.stop_all(grace_s=10.0)
+        self.ctx.runtimes.stop_all(grace_s=10.0)
         try:
             self.ctx.client.delete(keys.node_info(self.node))
         except redis.RedisError:
@@ -134,16 +134,16 @@ class Agent:
             rec = self.ctx.registry.get(replica.id)
             return rec if rec is not None and rec.state not in TERMINAL_STATES else None
 
-        adopted = self.ctx.host.adopt_orphans(keep)
+        adopted = self.ctx.runtimes.adopt_orphans(keep)
         for h in adopted:  # an adopted runtime already holds its memory: book it as it is
             try:
                 nbytes = footprint_bytes(self.settings, h.replica.model, h.model_dir)
             except Exception as exc:  # noqa: BLE001 - a runtime whose directory went away still holds memory
                 log.warning("could not read the footprint of adopted %s: %s", h.replica.id, exc)
                 continue
-            self.ctx.host.ledger.book(h.replica.id, h.replica.model, nbytes,
+            self.ctx.runtimes.ledger.book(h.replica.id, h.replica.model, nbytes,
                                       ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU)
-        hosted = self.ctx.host.hosted_ids()
+        hosted = self.ctx.runtimes.hosted_ids()
         failed = []
         for rec in self.ctx.registry.live_on_node(self.node):
             if rec.id in hosted:
@@ -166,7 +166,7 @@ class Agent:
         idempotent prewarm of the same replica id, so whichever runs second finds it ready.
         """
         resumed = []
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             rec = self.ctx.registry.get(hosted.replica.id)
             if rec is not None and rec.state in (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING):
                 app.send_task(PREWARM, args=[rec.id, rec.pool.value, hosted.model_dir or None])
@@ -177,8 +177,8 @@ class Agent:
     # --- heartbeats -------------------------------------------------------------------
     def heartbeat_once(self) -> None:
         now = self.ctx.clock()
-        self.ctx.host.touch_leases()  # first, so that a Redis outage does not orphan the runtimes
-        for hosted in self.ctx.host.all():
+        self.ctx.runtimes.touch_leases()  # first, so that a Redis outage does not orphan the runtimes
+        for hosted in self.ctx.runtimes.all():
             rid = hosted.replica.id
             code = hosted.exit_code()
             if code is not None:
@@ -187,24 +187,24 @@ class Agent:
                     self.ctx.metrics.loading_failures.labels(rec.model, self.node, "runtime_exited").inc()
                     log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=runtime_exited "
                               "detail=status %s", rid, rec.model, self.node, code)
-                self.ctx.host.stop(rid)
+                self.ctx.runtimes.stop(rid)
                 continue
             stored = self.ctx.registry.heartbeat(hosted.replica, now=now)
-            self.ctx.host.update(stored)
+            self.ctx.runtimes.update(stored)
             if stored.state in TERMINAL_STATES and self.ctx.client.get(keys.replica_lock(rid)) is None:
                 log.warning("replica %s is %s in the registry (%s): stopping its runtime", rid, stored.state.value,
                             stored.reason)
-                self.ctx.host.stop(rid)
+                self.ctx.runtimes.stop(rid)
         self._publish_node(now)
 
     def _publish_node(self, now: float) -> None:
         # A model brought to ready here left a node-local snapshot (the first load writes it): a
         # placement hint for the planner (LRU eviction may have dropped it since; then it costs a load).
-        self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.host.all()
+        self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.runtimes.all()
                          if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ASLEEP)}
         info = {**self._memory_view(),"name": self.node, "node_class": self.settings.agent.node_class,
                 "snapshots": ",".join(sorted(self._loaded)),
-                "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
+                "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.runtimes.all())),
                 "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
                 "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
                 "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
@@ -221,11 +221,11 @@ class Agent:
         book, `*_free_gb` what is left under the budget ('' when that memory is not accounted;
         host memory then reports what the OS has available).
         """
-        ledger = self.ctx.host.ledger
+        ledger = self.ctx.runtimes.ledger
         per_replica = {h.replica.id: ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU
-                       for h in self.ctx.host.all()}
+                       for h in self.ctx.runtimes.all()}
         per_model: dict[str, list[str]] = {}
-        for h in self.ctx.host.all():
+        for h in self.ctx.runtimes.all():
             per_model.setdefault(f"{h.replica.model}@{h.replica.revision}", []).append(per_replica[h.replica.id])
         now = time.monotonic()
         if now - self._disk_scan[0] > DISK_SCAN_S:
@@ -259,7 +259,7 @@ class Agent:
         (a request the runtime answers with an error proves it alive). Returns the replicas failed."""
         failed = []
         hosted_ids = set()
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             rid = hosted.replica.id
             hosted_ids.add(rid)
             if hosted.replica.state is not ReplicaState.READY or not hosted.replica.endpoint or \
@@ -296,7 +296,7 @@ class Agent:
         interval = self.settings.warmup.keepalive_interval_s
         while not self._stop.wait(interval):
             now = self.ctx.clock()
-            for hosted in self.ctx.host.all():
+            for hosted in self.ctx.runtimes.all():
                 try:
                     until = self.ctx.client.get(keys.keep_warm(hosted.replica.id))
                     if until is not None and float(until) > now:

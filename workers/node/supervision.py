@@ -122,7 +122,7 @@ def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
     return False, reason
 
 
-class RuntimeHost:
+class RuntimeSupervisor:
     """The slot table of one agent: which runtime process serves which replica."""
 
     def __init__(self, settings: Settings) -> None:
@@ -359,4 +359,4 @@ def _terminate(pid: int, proc: "subprocess.Popen[bytes] | None", grace_s: float)
         proc.wait(timeout=5)
 
 
-__all__ = ["HostedRuntime", "RuntimeExited", "RuntimeHost"]
+__all__ = ["HostedRuntime", "RuntimeExited", "RuntimeSupervisor"]

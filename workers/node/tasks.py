@@ -81,7 +81,7 @@ def _fail(ctx: WorkerContext, ref: ReplicaRef, exc: BaseException, *, reason: st
         log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=%s detail=%s", ref.replica_id,
                   ref.model, ref.node, code, str(exc).replace("\n", " | ")[:1000])
     if ref.node == ctx.node:
-        ctx.host.stop(ref.replica_id)
+        ctx.runtimes.stop(ref.replica_id)
 
 
 def _finished(ctx: WorkerContext, task: Task, outcome: str) -> None:
@@ -197,7 +197,7 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
         rid = req.replica.replica_id
         decision = operations.fragmentation_decision(ctx, rid)
         if decision.recycle:
-            hosted = ctx.host.get(rid)
+            hosted = ctx.runtimes.get(rid)
             rec = ctx.registry.get(rid)
             model_dir = hosted.model_dir if hosted else None
             pool = rec.pool.value if rec else "serving"

@@ -58,16 +58,16 @@ def _lock(ctx: WorkerContext, rid: str, owner: str, deadline: float) -> ReplicaL
 
 def _set(ctx: WorkerContext, rid: str, to: ReplicaState, reason: str) -> Replica:
     rec = ctx.registry.transition(rid, to, now=ctx.clock(), reason=reason)
-    ctx.host.update(rec)
+    ctx.runtimes.update(rec)
     return rec
 
 
 def _fail_gone(ctx: WorkerContext, rid: str, why: str) -> TierOutcome:
     try:
-        ctx.host.update(ctx.registry.transition(rid, ReplicaState.FAILED, now=ctx.clock(), reason=why[:500]))
+        ctx.runtimes.update(ctx.registry.transition(rid, ReplicaState.FAILED, now=ctx.clock(), reason=why[:500]))
     except (IllegalTransition, ReplicaNotFound):
         pass
-    ctx.host.stop(rid)
+    ctx.runtimes.stop(rid)
     return TierOutcome.GONE
 
 
@@ -76,7 +76,7 @@ def drain_idle(ctx: WorkerContext, rec: Replica, reason: str, deadline: float) -
     if rec.state is ReplicaState.READY:
         rec = _set(ctx, rec.id, ReplicaState.DRAINING, reason)
         time.sleep(min(ctx.settings.gateway.refresh_interval_s, max(0.0, deadline - time.monotonic())))
-    hosted = ctx.host.get(rec.id)
+    hosted = ctx.runtimes.get(rec.id)
     if hosted is None or hosted.exit_code() is not None:
         return True
     client = make_client(ctx.settings, hosted.endpoint)
@@ -102,7 +102,7 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
     """Drain the replica, put its engine to level-1 sleep and mark it `asleep` (not routable)."""
     with _lock(ctx, rid, owner, deadline):
         rec = ctx.registry.get(rid)
-        hosted = ctx.host.get(rid)
+        hosted = ctx.runtimes.get(rid)
         if rec is None or rec.state in TERMINAL_STATES:
             return TierOutcome.GONE
         if rec.state is ReplicaState.ASLEEP:
@@ -112,7 +112,7 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
         if hosted is None or hosted.exit_code() is not None:
             return _fail_gone(ctx, rid, "sleep: its runtime is gone")
         try:
-            ctx.host.ledger.check(rid, ASLEEP, what="sleep of")
+            ctx.runtimes.ledger.check(rid, ASLEEP, what="sleep of")
         except InsufficientMemory as exc:
             log.warning("%s; not put to sleep", exc)
             return TierOutcome.NO_MEMORY
@@ -122,7 +122,7 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
         client = make_client(ctx.settings, hosted.endpoint)
         if not client.sleep(1):
             raise TemporaryError(f"the runtime of {rid} did not enter sleep mode", retry_after=1.0)
-        ctx.host.ledger.move(rid, ASLEEP, what="sleep of", force=True)
+        ctx.runtimes.ledger.move(rid, ASLEEP, what="sleep of", force=True)
         _set(ctx, rid, ReplicaState.ASLEEP, "sleep: level 1 (weights in host memory)")
         log.info("[TIER] replica=%s model=%s node=%s tier=asleep sleep_s=%.3f", rid, rec.model, rec.node,
                  time.monotonic() - started)
@@ -142,22 +142,22 @@ def wake_locked(ctx: WorkerContext, rid: str) -> tuple[TierOutcome, float | None
         return TierOutcome.GONE, None
     if rec.state is not ReplicaState.ASLEEP:
         return (TierOutcome.ALREADY if rec.state is ReplicaState.READY else TierOutcome.NOT_READY), None
-    hosted = ctx.host.get(rid)
+    hosted = ctx.runtimes.get(rid)
     if hosted is None or hosted.exit_code() is not None:
         return _fail_gone(ctx, rid, "wake: its runtime is gone"), None
     started = time.monotonic()
     try:
-        ctx.host.ledger.move(rid, GPU, what="wake of")
+        ctx.runtimes.ledger.move(rid, GPU, what="wake of")
     except InsufficientMemory as exc:
         log.error("%s; the replica stays asleep until the planner frees memory", exc)
         return TierOutcome.NO_MEMORY, None
     try:
         awake = make_client(ctx.settings, hosted.endpoint).wake_up()
     except Exception:
-        ctx.host.ledger.move(rid, ASLEEP, what="wake of", force=True)
+        ctx.runtimes.ledger.move(rid, ASLEEP, what="wake of", force=True)
         raise
     if not awake:
-        ctx.host.ledger.move(rid, ASLEEP, what="wake of", force=True)
+        ctx.runtimes.ledger.move(rid, ASLEEP, what="wake of", force=True)
         raise TemporaryError(f"the runtime of {rid} is still asleep after /wake_up", retry_after=1.0)
     _set(ctx, rid, ReplicaState.READY, "woken")
     seconds = time.monotonic() - started
@@ -172,7 +172,7 @@ def evict(ctx: WorkerContext, rid: str, reason: str, *, owner: str, deadline: fl
     with _lock(ctx, rid, owner, deadline):
         rec = ctx.registry.get(rid)
         if rec is None or rec.state in TERMINAL_STATES:
-            ctx.host.stop(rid)
+            ctx.runtimes.stop(rid)
             return TierOutcome.GONE
         if rec.state not in (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ASLEEP):
             return TierOutcome.NOT_READY
@@ -180,7 +180,7 @@ def evict(ctx: WorkerContext, rid: str, reason: str, *, owner: str, deadline: fl
         if rec.state is not ReplicaState.ASLEEP and not drain_idle(ctx, rec, why, deadline):
             return TierOutcome.STILL_DRAINING
         _set(ctx, rid, ReplicaState.RETIRED, why[:200])
-        ctx.host.stop(rid)
+        ctx.runtimes.stop(rid)
         log.info("[TIER] replica=%s model=%s node=%s tier=cached reason=%s", rid, rec.model, rec.node, why)
         return TierOutcome.EVICTED
 
@@ -195,10 +195,10 @@ def admit_load(ctx: WorkerContext, rid: str, model: str, model_dir: str | Path, 
     nbytes = footprint_bytes(ctx.settings, model, model_dir)
     while True:
         try:
-            ctx.host.ledger.book_gpu(rid, model, nbytes)
+            ctx.runtimes.ledger.book_gpu(rid, model, nbytes)
             return
         except InsufficientMemory:
-            releasing = [h for h in ctx.host.all() if h.replica.state is ReplicaState.DRAINING and h.replica.id != rid]
+            releasing = [h for h in ctx.runtimes.all() if h.replica.state is ReplicaState.DRAINING and h.replica.id != rid]
             if not releasing or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
