@@ -82,6 +82,8 @@ def test_app_follows_the_delivery_decisions() -> None:
     assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.task_ignore_result
     assert conf.worker_prefetch_multiplier == 1
     assert conf.broker_transport_options["visibility_timeout"] > conf.task_time_limit == 100
+    # a worker killed inside kombu's restore must not hold up redeliveries for kombu's default 300 s
+    assert conf.broker_transport_options["unacked_mutex_expire"] < conf.broker_transport_options["visibility_timeout"]
     assert not conf.task_always_eager
     task = app.tasks[PREWARM]
     assert task.acks_late and task.reject_on_worker_lost and task.ignore_result and not task.typing

@@ -6,7 +6,8 @@
   on a task that kills its worker every time.
 - The broker's `visibility_timeout` is longer than the longest task time limit, so a task
   that still runs is never handed to a second worker; after a crash the message comes back
-  once that timeout has passed (workers sweep every `agent.restore_interval_s`).
+  once that timeout has passed (workers sweep every `agent.restore_interval_s`, under a
+  restore mutex that a killed worker cannot hold for long).
 - `worker_prefetch_multiplier = 1`: a node agent reserves no more messages than it has
   threads, so a queued prewarm can still be taken by the agent's next start.
 - Results are ignored: nothing reads them (state lives in the replica registry).
@@ -50,6 +51,11 @@ def make_app(settings: Settings) -> Celery:
             "visibility_timeout": visibility,
             "unacked_restore_interval": agent.restore_interval_s,
             "unacked_restore_throttle": 1,
+            # kombu's restore of unacked messages runs under a Redis mutex that expires after 300 s
+            # by default: a worker killed while holding it (SIGKILL, OOM) held up every redelivery
+            # for five minutes. A restore is a few Redis calls, and each message is moved back in a
+            # WATCH transaction, so a short expiry cannot deliver one twice.
+            "unacked_mutex_expire": max(10, int(5 * agent.restore_interval_s)),
             "socket_timeout": max(settings.redis.socket_timeout_s, 5.0),
         },
         broker_connection_retry_on_startup=True,
