@@ -23,7 +23,10 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    the plan can go below what a stabilised reactive scaler keeps;
 5. `_budget`: warm capacity beyond the next bucket's need (early scale-ups, holds, the
    warm pool) stays within `budget_share` of the planned capacity; what it cuts is
-   reported;
+   reported. In predictive mode the budget holds on average over `budget_window_s` (the
+   state carries the account), so a step may pre-warm a rise the forecaster learned to
+   expect (a recurring step, priced at `phase_quantile`) with what calm steps left unspent;
+   in reactive mode it holds at every step;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;

@@ -21,6 +21,14 @@ outcomes whatever the traffic (calm, bursty, ramping), and adapts within the win
 the traffic changes. The score of the chosen method (relative MAE of the median) is the
 forecast-quality figure the planner's gate reads.
 
+Errors that recur on the clock (a rate that steps every ``phase_period`` buckets) are
+calibrated apart: the residuals of the origins at the same phase of the period (and their
+neighbours) give a second upper quantile, and with ``phase_quantile`` (the planner passes
+it in predictive mode only) that quantile is taken at the upper tail of those recurring
+changes, and the candidate forecaster is the one that scored best at that phase (after a
+step the last bucket beats the minute's mean). A trace with no recurring errors gets
+nothing from it: its phase residuals are its ordinary ones.
+
 Pure numpy: no I/O, no clock.
 """
 
