@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import subprocess
 import sys
 import threading

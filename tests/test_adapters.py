@@ -8,7 +8,6 @@ vLLM-style endpoints it relies on (`/health`, `/v1/models`, `/sleep`, `/wake_up`
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Iterator
 
 import pytest

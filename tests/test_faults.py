@@ -47,7 +47,7 @@ from prewarm.core.settings import Settings
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
 from workers.app import make_app
 from workers.names import PREWARM
-from workers.node.supervision import RuntimeHost
+from workers.node.supervision import RuntimeSupervisor
 from workers.node.runtime_client import control_token
 
 pytestmark = pytest.mark.slow
@@ -314,7 +314,7 @@ def test_agent_sigkill_mid_load_gateway_never_routes_to_it(stack: Stack) -> None
         wait_for(lambda: runtime_pids(port), 30, "its runtime to be spawned", poll=0.05)
         wait_for(lambda: _healthy(f"http://127.0.0.1:{port}"), 150,
                  lambda: f"its runtime to answer on port {port}\n{stack.logs()}\n"
-                         f"--- runtime\n{RuntimeHost(stack.settings).log_tail(1, 40)}",
+                         f"--- runtime\n{RuntimeSupervisor(stack.settings).log_tail(1, 40)}",
                  poll=0.05)
         agent.kill()  # SIGKILL mid-load: no ack, no cleanup, no more heartbeats
         state = stack.registry.get(rid)

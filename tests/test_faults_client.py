@@ -47,21 +47,13 @@ from prewarm.core.settings import (
 from prewarm.gateway.server import Gateway
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.runtime.model import make_model
+from tests.logs import ErrorRecords
 from tests.httpservers import AppThread
 from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, call, start_runtime, wait_loaded
 
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny"
-
-
-class _Errors(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 class Stack:
@@ -185,7 +177,7 @@ def test_requests_that_break_the_runtime_do_not_fail_replicas(stack: Stack) -> N
 
 
 def test_client_closing_a_stream_is_not_blamed_on_the_replica(stack: Stack, runtimes: list[RuntimeProcess]) -> None:
-    errors = _Errors()
+    errors = ErrorRecords()
     loggers = [logging.getLogger(n) for n in ("aiohttp.server", "aiohttp.web", "prewarm.gateway")]
     for lg in loggers:
         lg.addHandler(errors)

@@ -31,20 +31,12 @@ from prewarm.core.errors import InvalidPayload
 from prewarm.gateway.server import Gateway
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from tests.logs import ErrorRecords
 from tests.httpservers import AppThread, Upstream
 from workers import payload
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
-
-
-class _Errors(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 class Server:
@@ -84,8 +76,8 @@ def server(redis_server: EmbeddedRedis) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def errors() -> Iterator[_Errors]:
-    handler = _Errors()
+def errors() -> Iterator[ErrorRecords]:
+    handler = ErrorRecords()
     loggers = [logging.getLogger(n) for n in ("aiohttp.server", "aiohttp.web", "aiohttp.access", "prewarm.gateway")]
     for lg in loggers:
         lg.addHandler(handler)
@@ -136,7 +128,7 @@ def _send(port: int, method: str, path: str, body: bytes, headers: dict[str, str
 
 @FUZZ
 @given(method=_methods, path=_paths, body=_bodies, headers=_headers)
-def test_fuzzed_http_requests_get_a_clear_answer(server: Server, errors: _Errors, method: str, path: str,
+def test_fuzzed_http_requests_get_a_clear_answer(server: Server, errors: ErrorRecords, method: str, path: str,
                                                  body: bytes, headers: dict[str, str]) -> None:
     status, raw = _send(server.port, method, path, body, headers)
     assert status < 500 or status == 503, (status, raw[:300])
@@ -150,7 +142,7 @@ def test_fuzzed_http_requests_get_a_clear_answer(server: Server, errors: _Errors
     assert not errors.records, [r.getMessage() for r in errors.records]
 
 
-def test_the_fuzzed_gateway_still_serves(server: Server, errors: _Errors) -> None:
+def test_the_fuzzed_gateway_still_serves(server: Server, errors: ErrorRecords) -> None:
     status, raw = _send(server.port, "POST", "/v1/completions", json.dumps({"model": "m", "prompt": "hi"}).encode(),
                         {"Content-Type": "application/json"})
     assert status == 200, raw

@@ -238,7 +238,7 @@ def test_malformed_payloads_are_refused_and_not_retried(world: World) -> None:
         ((), {"replica_id": f"tiny@r1/{NODE}/0", "pool": "bogus"}, "pool must be one of"),
         ((f"tiny@r1/{NODE}/0",), {"colour": "red"}, "unknown argument 'colour'"),
         ((f"tiny@r1/{NODE}/0", "serving", 42), {}, "model_dir must be a non-empty path string"),
-        ((f"tiny@r1/other-node/0",), {}, "belongs to node 'other-node'"),
+        (("tiny@r1/other-node/0",), {}, "belongs to node 'other-node'"),
     ]
     ids = [world.app.send_task(PREWARM, args=list(a), kwargs=k, queue=q).id for a, k, _ in cases]
     keep = world.app.send_task(KEEP_WARM, args=[f"tiny@r1/{NODE}/0", "soon"], queue=q).id
@@ -255,7 +255,7 @@ def test_malformed_payloads_are_refused_and_not_retried(world: World) -> None:
     for task_id in ids + [keep]:
         assert world.deliveries(task_id, 0) <= 1
         assert world.client.get(keys.task_deliveries(task_id, 1)) is None, "a malformed payload was retried"
-    assert world.registry.get(f"tiny@r1/other-node/0") is None  # the registry was not touched
+    assert world.registry.get("tiny@r1/other-node/0") is None  # the registry was not touched
     assert world.state(f"tiny@r1/{NODE}/0") == "ready"
 
 

@@ -20,7 +20,7 @@ from prewarm.core.metrics import Metrics
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
-from workers.node.supervision import RuntimeHost
+from workers.node.supervision import RuntimeSupervisor
 
 
 @dataclass
@@ -30,18 +30,18 @@ class WorkerContext:
     registry: ReplicaRegistry
     metrics: Metrics
     clock: Callable[[], float] = time.time
-    _host: RuntimeHost | None = field(default=None, repr=False)
+    _runtimes: RuntimeSupervisor | None = field(default=None, repr=False)
 
     @property
     def node(self) -> str:
         return self.settings.agent.node
 
     @property
-    def host(self) -> RuntimeHost:
+    def runtimes(self) -> RuntimeSupervisor:
         """The runtime slot table; created on first use so planner workers never make one."""
-        if self._host is None:
-            self._host = RuntimeHost(self.settings)
-        return self._host
+        if self._runtimes is None:
+            self._runtimes = RuntimeSupervisor(self.settings)
+        return self._runtimes
 
     @classmethod
     def build(cls, settings: Settings, *, registry: CollectorRegistry | None = None) -> "WorkerContext":

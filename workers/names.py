@@ -22,6 +22,9 @@ PREWARM = "prewarm.prewarm_replica"
 RETIRE = "prewarm.retire_replica"
 KEEP_WARM = "prewarm.keep_warm"
 RECYCLE = "prewarm.recycle_if_fragmented"
+SLEEP = "prewarm.sleep_replica"  # drain, then engine level-1 sleep (tier asleep)
+WAKE = "prewarm.wake_replica"  # asleep -> ready
+EVICT = "prewarm.evict_replica"  # drain until no request is in flight, then retire (weights stay in the snapshot)
 REAP = "prewarm.reap"
 HANDLE_DEMAND = "prewarm.handle_demand"
 SCAN_DEMAND = "prewarm.scan_demand"
@@ -31,7 +34,7 @@ APPLY_EVENT = "prewarm.apply_scale_event"
 FORECAST = "prewarm.forecast_and_plan"
 
 #: Tasks that act on one replica and run on the replica's node.
-NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE})
+NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE, SLEEP, WAKE, EVICT})
 
 
 def node_queue(node: str) -> str:

@@ -23,6 +23,7 @@ class ReplicaState(str, Enum):
     WARMING = "warming"
     READY = "ready"
     DRAINING = "draining"
+    ASLEEP = "asleep"  # engine level-1 sleep: weights in host memory, GPU freed; not routable until woken
     RETIRED = "retired"
     FAILED = "failed"
 
@@ -48,14 +49,16 @@ TRANSITIONS: Mapping[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.LOADING: frozenset({ReplicaState.WARMING, ReplicaState.FAILED}),
     ReplicaState.WARMING: frozenset({ReplicaState.READY, ReplicaState.FAILED}),
     ReplicaState.READY: frozenset({ReplicaState.DRAINING, ReplicaState.FAILED}),
-    ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.FAILED}),
+    ReplicaState.DRAINING: frozenset({ReplicaState.RETIRED, ReplicaState.ASLEEP, ReplicaState.FAILED}),
+    # Woken straight to ready: level-1 sleep gives back the same validated bytes.
+    ReplicaState.ASLEEP: frozenset({ReplicaState.READY, ReplicaState.RETIRED, ReplicaState.FAILED}),
     ReplicaState.RETIRED: frozenset(),
     ReplicaState.FAILED: frozenset(),
 }
 
 #: States a replica never leaves: nothing routes to it and no task works on it any more.
 TERMINAL_STATES: frozenset[ReplicaState] = frozenset({ReplicaState.FAILED, ReplicaState.RETIRED})
-#: Every other state: the replica holds (or is about to hold) a slot.
+#: Every other state: the replica holds (or is about to hold) a slot (an asleep one holds host memory).
 LIVE_STATES: frozenset[ReplicaState] = frozenset(ReplicaState) - TERMINAL_STATES
 
 

@@ -107,6 +107,12 @@ def load_times(model: str) -> str:
 
 LOADTIMES_KEEP = 200
 
+
+#: List of recent times to ready (seconds) of a model from one tier of warmth (`asleep`: a wake,
+#: `cached`: a load from the node snapshot, `disk`: a full load) on a node class, newest first.
+def ready_times(model: str, tier: str, node_class: str) -> str:
+    return f"{PREFIX}:readytimes:{model}:{tier}:{node_class}"
+
 #: Marker that a planned scale event was enqueued (idempotency of re-plans); kept EVENT_TTL_S.
 def planned_event(event_id: str) -> str:
     return f"{PREFIX}:planned:{event_id}"
@@ -143,6 +149,10 @@ def node_info(node: str) -> str:
 
 
 NODE_INFO_TTL_S = 60
+#: The fleet planner's last round (JSON: every model's tier and nodes, the memory price): the live view.
+FLEET_PLAN = f"{PREFIX}:fleet:plan"
+#: The fleet planner's carried state (hash: the memory price, budget spent, seconds planned).
+FLEET_STATE = f"{PREFIX}:fleet:state"
 
 # --- the Celery pipeline (workers/) ---------------------------------------------------------
 #: Counter of deliveries of one task message (task id and retry number): the redelivery cap.

@@ -195,6 +195,8 @@ class AgentSettings(_Group):
     node: str = Field(default_factory=socket.gethostname)  # in Kubernetes: spec.nodeName via the downward API
     node_class: str = "cpu"  # GPU model or machine class; latency baselines are per class
     replica_slots: int = Field(2, ge=1)
+    gpu_memory_gb: float = Field(0.0, ge=0)  # GPU memory the fleet planner may fill here (0: unknown, slots only)
+    host_memory_gb: float = Field(0.0, ge=0)  # host memory for sleeping replicas' weights
     port_base: int = Field(18000, ge=1024, le=65000)  # runtime ports are port_base + slot
     advertise_host: str = "127.0.0.1"
     max_attempts: int = Field(3, ge=1)  # deliveries of one task before it is given up
@@ -266,6 +268,10 @@ class PlannerSettings(_Group):
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
     min_serving: int = Field(1, ge=0)  # serving replicas never planned below this; 0 lets a model scale to zero
+    # --- the fleet (many models on one GPU pool, workers/planning/fleet.py) ---
+    fleet_budget_gb: float = Field(0.0, ge=0)  # > 0: one fleet round plans every model within this much GPU memory
+    model_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU footprint of one replica, per model
+    model_priority: dict[str, float] = Field(default_factory=dict)  # weight of a model's requests (default 1)
 
 
 class MetricsSettings(_Group):

@@ -310,6 +310,22 @@ class ReplicaRegistry:
         return values[idx]
 
     @_wrap_redis_errors
+    def record_ready_time(self, model: str, tier: str, node_class: str, seconds: float) -> None:
+        """One measured time to ready from `tier` (asleep / cached / disk): the catalog's per-tier figure."""
+        key = keys.ready_times(model, tier, node_class)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lpush(key, repr(float(seconds)))
+        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        pipe.execute()
+
+    @_wrap_redis_errors
+    def ready_time_p95(self, model: str, tier: str, node_class: str) -> float | None:
+        values = sorted(float(v) for v in self.client.lrange(keys.ready_times(model, tier, node_class), 0, -1))
+        if not values:
+            return None
+        return values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
+
+    @_wrap_redis_errors
     def baseline(self, model: str, node_class: str, revision: str = "") -> float | None:
         """The warm-latency baseline of `model@revision` on `node_class` (expires: `keys.BASELINE_TTL_S`)."""
         v = self.client.hget(keys.baseline(model, node_class, revision), "latency_s")

@@ -239,6 +239,27 @@ class Engine:
                 self._sleep_level = 0
 
     # -- memory --------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes of weights on the device and in host memory; on CUDA what this process's allocator holds.
+
+        One runtime process serves one replica, so `cuda_reserved` is the replica's GPU
+        footprint as the node agent books it (weights, activations, the allocator's cache).
+        """
+        on_device = on_host = 0
+        for _, p in self._loader.model.named_parameters():
+            if p.device.type == "meta":
+                continue
+            n = p.numel() * p.element_size()
+            if p.device.type == "cuda":
+                on_device += n
+            else:
+                on_host += n
+        out = {"weights_device": on_device, "weights_host": on_host, "cuda_allocated": 0, "cuda_reserved": 0}
+        if self.device.type == "cuda":
+            out["cuda_allocated"] = int(torch.cuda.memory_allocated(self.device))
+            out["cuda_reserved"] = int(torch.cuda.memory_reserved(self.device))
+        return out
+
     def fragmentation(self) -> float:
         """1 - allocated/reserved from the CUDA caching allocator; 0.0 on CPU or nothing reserved."""
         if self.device.type != "cuda":

@@ -185,6 +185,7 @@ class ModelHost(CompletionHandlers, ControlHandlers, ValidationHandlers):
             "fragmentation": float(self.engine.fragmentation()),  # 1 - allocated/reserved; 0.0 on CPU
             "device": str(self.engine.device), "sleeping": bool(self.engine.is_sleeping),
             "validated": self.state.validated,
+            "memory": self.engine.memory() if hasattr(self.engine, "memory") else {},  # bytes; the agent books them
         })
 
     async def models(self, request: web.Request) -> web.Response:

@@ -22,10 +22,13 @@ back after the visibility timeout, and the next agent adopts the orphaned runtim
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,7 @@ from prewarm.core.errors import PrewarmError
 from prewarm.core.settings import Settings
 from workers import context
 from workers.node import operations
+from workers.node.memory import ASLEEP, GB, GPU, footprint_bytes, models_on_disk, residency, warmest
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
@@ -45,6 +49,9 @@ from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
 log = logging.getLogger("prewarm.agent")
+
+#: How often the node view re-reads which models lie in the models directory (the disk tier).
+DISK_SCAN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self._metrics_server: Any = None
         self._loaded: set[str] = set()  # model@revision this agent brought to ready (snapshot hint)
+        self._disk_scan: tuple[float, set[str]] = (-DISK_SCAN_S - 1.0, set())  # (when, model@revision on disk)
         self._unhealthy: dict[str, int] = {}  # replica id -> consecutive failed readiness checks
 
     @property
@@ -90,9 +98,9 @@ class Agent:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             self._retire_on_shutdown(hosted.replica)
-        self.ctx.host.stop_all(grace_s=10.0)
+        self.ctx.runtimes.stop_all(grace_s=10.0)
         try:
             self.ctx.client.delete(keys.node_info(self.node))
         except redis.RedisError:
@@ -112,7 +120,7 @@ class Agent:
             if rec.state is ReplicaState.READY:
                 rec = self.ctx.registry.transition(replica.id, ReplicaState.DRAINING, now=self.ctx.clock(),
                                                    reason=reason)
-            if rec.state in (ReplicaState.DRAINING, ReplicaState.PENDING):
+            if rec.state in (ReplicaState.DRAINING, ReplicaState.PENDING, ReplicaState.ASLEEP):
                 self.ctx.registry.transition(replica.id, ReplicaState.RETIRED, now=self.ctx.clock(), reason=reason)
             else:
                 operations.safe_fail(self.ctx, replica.id, reason)
@@ -126,8 +134,16 @@ class Agent:
             rec = self.ctx.registry.get(replica.id)
             return rec if rec is not None and rec.state not in TERMINAL_STATES else None
 
-        adopted = self.ctx.host.adopt_orphans(keep)
-        hosted = self.ctx.host.hosted_ids()
+        adopted = self.ctx.runtimes.adopt_orphans(keep)
+        for h in adopted:  # an adopted runtime already holds its memory: book it as it is
+            try:
+                nbytes = footprint_bytes(self.settings, h.replica.model, h.model_dir)
+            except Exception as exc:  # noqa: BLE001 - a runtime whose directory went away still holds memory
+                log.warning("could not read the footprint of adopted %s: %s", h.replica.id, exc)
+                continue
+            self.ctx.runtimes.ledger.book(h.replica.id, h.replica.model, nbytes,
+                                      ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU)
+        hosted = self.ctx.runtimes.hosted_ids()
         failed = []
         for rec in self.ctx.registry.live_on_node(self.node):
             if rec.id in hosted:
@@ -150,7 +166,7 @@ class Agent:
         idempotent prewarm of the same replica id, so whichever runs second finds it ready.
         """
         resumed = []
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             rec = self.ctx.registry.get(hosted.replica.id)
             if rec is not None and rec.state in (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING):
                 app.send_task(PREWARM, args=[rec.id, rec.pool.value, hosted.model_dir or None])
@@ -161,8 +177,8 @@ class Agent:
     # --- heartbeats -------------------------------------------------------------------
     def heartbeat_once(self) -> None:
         now = self.ctx.clock()
-        self.ctx.host.touch_leases()  # first, so that a Redis outage does not orphan the runtimes
-        for hosted in self.ctx.host.all():
+        self.ctx.runtimes.touch_leases()  # first, so that a Redis outage does not orphan the runtimes
+        for hosted in self.ctx.runtimes.all():
             rid = hosted.replica.id
             code = hosted.exit_code()
             if code is not None:
@@ -171,29 +187,61 @@ class Agent:
                     self.ctx.metrics.loading_failures.labels(rec.model, self.node, "runtime_exited").inc()
                     log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=runtime_exited "
                               "detail=status %s", rid, rec.model, self.node, code)
-                self.ctx.host.stop(rid)
+                self.ctx.runtimes.stop(rid)
                 continue
             stored = self.ctx.registry.heartbeat(hosted.replica, now=now)
-            self.ctx.host.update(stored)
+            self.ctx.runtimes.update(stored)
             if stored.state in TERMINAL_STATES and self.ctx.client.get(keys.replica_lock(rid)) is None:
                 log.warning("replica %s is %s in the registry (%s): stopping its runtime", rid, stored.state.value,
                             stored.reason)
-                self.ctx.host.stop(rid)
+                self.ctx.runtimes.stop(rid)
         self._publish_node(now)
 
     def _publish_node(self, now: float) -> None:
         # A model brought to ready here left a node-local snapshot (the first load writes it): a
         # placement hint for the planner (LRU eviction may have dropped it since; then it costs a load).
-        self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.host.all()
-                         if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING)}
-        info = {"name": self.node, "node_class": self.settings.agent.node_class,
+        self._loaded |= {f"{h.replica.model}@{h.replica.revision}" for h in self.ctx.runtimes.all()
+                         if h.replica.state in (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ASLEEP)}
+        info = {**self._memory_view(),"name": self.node, "node_class": self.settings.agent.node_class,
                 "snapshots": ",".join(sorted(self._loaded)),
-                "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.host.all())),
-                "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now)}
+                "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.runtimes.all())),
+                "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
+                "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
+                "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
         pipe = self.ctx.client.pipeline(transaction=True)
         pipe.hset(keys.node_info(self.node), mapping=info)
         pipe.expire(keys.node_info(self.node), keys.NODE_INFO_TTL_S)
         pipe.execute()
+
+    def _memory_view(self) -> dict[str, str]:
+        """Per-tier residency and free memory for the node view (`keys.node_info`).
+
+        `residency`: model@revision -> its warmest tier here (gpu, asleep, cached, disk);
+        `replica_tiers`: hosted replica id -> gpu or asleep; `*_used_gb` what hosted replicas
+        book, `*_free_gb` what is left under the budget ('' when that memory is not accounted;
+        host memory then reports what the OS has available).
+        """
+        ledger = self.ctx.runtimes.ledger
+        per_replica = {h.replica.id: ASLEEP if h.replica.state is ReplicaState.ASLEEP else GPU
+                       for h in self.ctx.runtimes.all()}
+        per_model: dict[str, list[str]] = {}
+        for h in self.ctx.runtimes.all():
+            per_model.setdefault(f"{h.replica.model}@{h.replica.revision}", []).append(per_replica[h.replica.id])
+        now = time.monotonic()
+        if now - self._disk_scan[0] > DISK_SCAN_S:
+            self._disk_scan = (now, models_on_disk(self.settings.runtime.models_dir))
+        res = residency({k: warmest(v) for k, v in per_model.items()}, self._disk_scan[1] | self._loaded,
+                        self.settings.runtime.snapshot_dir)
+        gpu_free, host_free = ledger.free(GPU), ledger.free(ASLEEP)
+        if host_free is None:
+            try:
+                host_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                host_free = None
+        return {"gpu_used_gb": repr(ledger.used(GPU) / GB), "host_used_gb": repr(ledger.used(ASLEEP) / GB),
+                "gpu_free_gb": "" if gpu_free is None else repr(gpu_free / GB),
+                "host_free_gb": "" if host_free is None else repr(host_free / GB),
+                "residency": json.dumps(res, sort_keys=True), "replica_tiers": json.dumps(per_replica, sort_keys=True)}
 
     def _heartbeat_loop(self) -> None:
         interval = self.settings.registry.heartbeat_interval_s
@@ -211,7 +259,7 @@ class Agent:
         (a request the runtime answers with an error proves it alive). Returns the replicas failed."""
         failed = []
         hosted_ids = set()
-        for hosted in self.ctx.host.all():
+        for hosted in self.ctx.runtimes.all():
             rid = hosted.replica.id
             hosted_ids.add(rid)
             if hosted.replica.state is not ReplicaState.READY or not hosted.replica.endpoint or \
@@ -248,7 +296,7 @@ class Agent:
         interval = self.settings.warmup.keepalive_interval_s
         while not self._stop.wait(interval):
             now = self.ctx.clock()
-            for hosted in self.ctx.host.all():
+            for hosted in self.ctx.runtimes.all():
                 try:
                     until = self.ctx.client.get(keys.keep_warm(hosted.replica.id))
                     if until is not None and float(until) > now:

@@ -36,7 +36,9 @@ from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import CheckName, Outcome, TensorSpec, ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, WarmupRequest, generate_requests
 from workers.context import WorkerContext
+from workers.node.memory import CACHED, DISK, in_snapshot
 from workers.node.supervision import HostedRuntime, RuntimeExited
+from workers.node.tiers import TierOutcome, admit_load, wake_locked
 from workers.node.lock import ReplicaLock
 from workers.payload import PrewarmRequest
 from workers.node.runtime_client import RuntimeClient, make_client
@@ -247,16 +249,16 @@ class PrewarmJob:
                                    f"({self.ctx.settings.agent.task_time_limit_s}s)", retry_after=1.0)
         if hosted is not None and hosted.exit_code() is not None:
             raise RuntimeExited(f"runtime of {self.rid} exited with status {hosted.exit_code()}: "
-                                f"{self.ctx.host.log_tail(hosted.slot)}")
+                                f"{self.ctx.runtimes.log_tail(hosted.slot)}")
 
     def _transition(self, to: ReplicaState, expected: ReplicaState, reason: str = "") -> Replica:
         rec = self.ctx.registry.transition(self.rid, to, now=self.ctx.clock(), expected=expected, reason=reason)
-        self.ctx.host.update(rec)
+        self.ctx.runtimes.update(rec)
         return rec
 
     def _ready_and_hosted(self) -> bool:
         rec = self.ctx.registry.get(self.rid)
-        hosted = self.ctx.host.get(self.rid)
+        hosted = self.ctx.runtimes.get(self.rid)
         return rec is not None and rec.state is ReplicaState.READY and hosted is not None \
             and hosted.exit_code() is None
 
@@ -280,7 +282,7 @@ class PrewarmJob:
         ctx, ref = self.ctx, self.req.replica
         rec = ctx.registry.get(self.rid)
         if rec is not None and rec.state is ReplicaState.READY:
-            hosted = ctx.host.get(self.rid)
+            hosted = ctx.runtimes.get(self.rid)
             if hosted is not None and hosted.exit_code() is None:
                 log.info("replica %s is already ready: nothing to do", self.rid)
                 return PrewarmResult(self.rid, PrewarmOutcome.ALREADY_READY)
@@ -289,10 +291,19 @@ class PrewarmJob:
         if rec is not None and rec.state is ReplicaState.DRAINING:
             log.info("replica %s is draining: not prewarming it again", self.rid)
             return PrewarmResult(self.rid, PrewarmOutcome.SKIPPED)
+        if rec is not None and rec.state is ReplicaState.ASLEEP:  # a prewarm of a sleeping replica wakes it
+            outcome, seconds = wake_locked(ctx, self.rid)
+            if outcome is TierOutcome.READY:
+                return PrewarmResult(self.rid, PrewarmOutcome.READY, seconds)
+            if outcome is TierOutcome.ALREADY:
+                return PrewarmResult(self.rid, PrewarmOutcome.ALREADY_READY)
+            if outcome is TierOutcome.NO_MEMORY:
+                return PrewarmResult(self.rid, PrewarmOutcome.SKIPPED)
+            rec = ctx.registry.get(self.rid)
         if rec is None or rec.state in TERMINAL_STATES:
             now = ctx.clock()
             fresh = Replica(model=ref.model, revision=ref.revision, node=ref.node, slot=ref.slot,
-                            endpoint=ctx.host.endpoint_of(ref.slot), pool=self.req.pool,
+                            endpoint=ctx.runtimes.endpoint_of(ref.slot), pool=self.req.pool,
                             state=ReplicaState.PENDING, created_at=now, updated_at=now, heartbeat_at=now)
             created = ctx.registry.register(fresh, now=now)
             rec = ctx.registry.get(self.rid)
@@ -301,13 +312,16 @@ class PrewarmJob:
             log.info("replica %s registered %s (state %s)", self.rid, "new" if created else "existing", rec.state.value)
         else:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
+        if ctx.runtimes.get(self.rid) is None:  # its runtime is not up yet: book its GPU memory first
+            admit_load(ctx, self.rid, ref.model, model_dir, self.deadline)
+        tier = CACHED if in_snapshot(ctx.settings.runtime.snapshot_dir, f"{ref.model}@{ref.revision}") else DISK
 
         # Loading starts with the runtime process itself (interpreter, torch, CUDA context).
         def connect(rec: Replica) -> ServerDriver:
-            hosted = ctx.host.ensure(rec, str(model_dir), now=ctx.clock())
+            hosted = ctx.runtimes.ensure(rec, str(model_dir), now=ctx.clock())
             if rec.endpoint != hosted.endpoint:
                 ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
-            ctx.host.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
+            ctx.runtimes.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
             self._hosted = hosted
             return make_client(ctx.settings, hosted.endpoint)
 
@@ -318,12 +332,17 @@ class PrewarmJob:
                         transition=lambda to, expected, reason: self._transition(to, expected, reason),
                         check=lambda: self._check(lock, self._hosted), after_load=self._record_phases,
                         poll_s=self.poll_s)
+        if done.cold_start_s is not None:  # the catalog's measured time to ready from this tier
+            ctx.registry.record_ready_time(ref.model, tier, ctx.settings.agent.node_class, done.cold_start_s)
         return PrewarmResult(self.rid, done.outcome, done.cold_start_s)
 
     def _record_phases(self, server: ServerDriver) -> None:
         ref = self.req.replica
         if not isinstance(server, RuntimeClient):
             return
+        measured = server.gpu_bytes()  # on CUDA: what the runtime's allocator holds, booked when above the estimate
+        if measured is not None:
+            self.ctx.runtimes.ledger.measured(self.rid, measured)
         phases = server.phase_durations()
         for phase, seconds in phases.items():
             self.ctx.metrics.loading_phase_duration.labels(ref.model, phase, ref.node).observe(seconds)

@@ -53,34 +53,34 @@ def retire(ctx: WorkerContext, req: RetireRequest, *, owner: str, deadline: floa
         rec = ctx.registry.get(rid)
         ctx.client.delete(keys.keep_warm(rid))
         if rec is None or rec.state in (ReplicaState.RETIRED, ReplicaState.FAILED):
-            ctx.host.stop(rid)
+            ctx.runtimes.stop(rid)
             return RetireOutcome.ALREADY_GONE
         if rec.state in (ReplicaState.LOADING, ReplicaState.WARMING):
             _set_state(ctx, rid, ReplicaState.FAILED, f"retired while {rec.state.value}: {reason}")
-            ctx.host.stop(rid)
+            ctx.runtimes.stop(rid)
             return RetireOutcome.CANCELLED
         if rec.state is ReplicaState.PENDING:
             _set_state(ctx, rid, ReplicaState.RETIRED, reason)
-            ctx.host.stop(rid)
+            ctx.runtimes.stop(rid)
             return RetireOutcome.RETIRED
         if rec.state is ReplicaState.READY:
             rec = _set_state(ctx, rid, ReplicaState.DRAINING, reason)
         _drain(ctx, rec, min(deadline, time.monotonic() + ctx.settings.agent.drain_timeout_s))
         _set_state(ctx, rid, ReplicaState.RETIRED, reason)
-        ctx.host.stop(rid)
+        ctx.runtimes.stop(rid)
         log.info("replica %s retired: %s", rid, reason)
         return RetireOutcome.RETIRED
 
 
 def _set_state(ctx: WorkerContext, rid: str, to: ReplicaState, reason: str) -> Replica:
     rec = ctx.registry.transition(rid, to, now=ctx.clock(), reason=reason)
-    ctx.host.update(rec)
+    ctx.runtimes.update(rec)
     return rec
 
 
 def _drain(ctx: WorkerContext, rec: Replica, deadline: float) -> None:
     """Wait until the runtime has no request in flight (or the drain timeout passes)."""
-    hosted = ctx.host.get(rec.id)
+    hosted = ctx.runtimes.get(rec.id)
     if hosted is None or hosted.exit_code() is not None:
         return
     client = make_client(ctx.settings, hosted.endpoint)
@@ -109,7 +109,7 @@ def keep_warm(ctx: WorkerContext, req: KeepWarmRequest) -> int:
 def send_keepalive(ctx: WorkerContext, rid: str) -> int:
     """One round of signed synthetic requests to a ready hosted replica; returns how many were sent."""
     rec = ctx.registry.get(rid)
-    hosted = ctx.host.get(rid)
+    hosted = ctx.runtimes.get(rid)
     if rec is None or rec.state is not ReplicaState.READY or hosted is None or hosted.exit_code() is not None:
         return 0
     wcfg = ctx.settings.warmup
@@ -125,7 +125,7 @@ def fragmentation_decision(ctx: WorkerContext, rid: str) -> RecycleDecision:
     """Measure the replica's allocator fragmentation and decide whether to recycle it."""
     threshold = ctx.settings.agent.fragmentation_threshold
     rec = ctx.registry.get(rid)
-    hosted = ctx.host.get(rid)
+    hosted = ctx.runtimes.get(rid)
     if rec is None or rec.state is not ReplicaState.READY or hosted is None or hosted.exit_code() is not None:
         return RecycleDecision(rid, None, threshold, False)
     frag = make_client(ctx.settings, hosted.endpoint).fragmentation()
@@ -140,5 +140,5 @@ def safe_fail(ctx: WorkerContext, rid: str, reason: str) -> Replica | None:
         rec = ctx.registry.transition(rid, ReplicaState.FAILED, now=ctx.clock(), reason=reason[:500])
     except (IllegalTransition, ReplicaNotFound):
         return None
-    ctx.host.update(rec)
+    ctx.runtimes.update(rec)
     return rec

@@ -10,7 +10,6 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
 from prewarm.core import http
 from prewarm.core.settings import Settings
-from prewarm.policy.validation import LogitStats, TensorSpec, ValidationReport
+from prewarm.policy.validation import ValidationReport
 from prewarm.policy.warmup import WarmupRequest
 
 
@@ -92,6 +91,21 @@ class RuntimeClient:
     def inflight(self) -> int | None:
         value = self._stats().get("inflight")
         return int(value) if isinstance(value, (int, float)) else None
+
+    def gpu_bytes(self) -> int | None:
+        """What the runtime's CUDA allocator holds (its replica's GPU footprint); None on CPU or unknown."""
+        mem = self._stats().get("memory")
+        value = mem.get("cuda_reserved") if isinstance(mem, dict) else None
+        return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    def sleep(self, level: int = 1) -> bool:
+        return self.adapter.sleep(level)
+
+    def wake_up(self) -> bool:
+        return self.adapter.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.adapter.is_sleeping()
 
     def fragmentation(self) -> float | None:
         """1 - allocated/reserved of the runtime's allocator, when the runtime reports it."""

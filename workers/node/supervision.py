@@ -28,6 +28,7 @@ from prewarm.core import http
 from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
+from workers.node.memory import MemoryLedger
 
 log = logging.getLogger("prewarm.agent.host")
 
@@ -121,7 +122,7 @@ def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
     return False, reason
 
 
-class RuntimeHost:
+class RuntimeSupervisor:
     """The slot table of one agent: which runtime process serves which replica."""
 
     def __init__(self, settings: Settings) -> None:
@@ -130,6 +131,7 @@ class RuntimeHost:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._slots: dict[int, HostedRuntime] = {}
+        self.ledger = MemoryLedger.from_settings(settings)  # GPU / host memory each hosted replica holds
 
     # --- table ------------------------------------------------------------------------
     def port_of(self, slot: int) -> int:
@@ -266,9 +268,10 @@ class RuntimeHost:
 
     # --- stop -------------------------------------------------------------------------
     def stop(self, rid: str, *, grace_s: float = 10.0) -> bool:
-        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`); False if not hosted."""
+        """Stop the runtime of `rid` (SIGTERM, then SIGKILL after `grace_s`) and free its memory; False if not hosted."""
         with self._lock:
             hosted = self.get(rid)
+            self.ledger.release(rid)  # also a booking whose runtime never started
             if hosted is None:
                 return False
             self._forget(hosted.slot)
@@ -356,4 +359,4 @@ def _terminate(pid: int, proc: "subprocess.Popen[bytes] | None", grace_s: float)
         proc.wait(timeout=5)
 
 
-__all__ = ["HostedRuntime", "RuntimeExited", "RuntimeHost"]
+__all__ = ["HostedRuntime", "RuntimeExited", "RuntimeSupervisor"]

@@ -33,7 +33,7 @@ from prewarm.core import keys
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError
 from workers import names
 from workers import context, payload
-from workers.node import operations
+from workers.node import operations, tiers
 from workers.context import WorkerContext
 from workers.payload import ReplicaRef
 from prewarm.core.errors import failure_reason
@@ -81,7 +81,7 @@ def _fail(ctx: WorkerContext, ref: ReplicaRef, exc: BaseException, *, reason: st
         log.error("[COLDSTART] replica=%s model=%s node=%s state=failed reason=%s detail=%s", ref.replica_id,
                   ref.model, ref.node, code, str(exc).replace("\n", " | ")[:1000])
     if ref.node == ctx.node:
-        ctx.host.stop(ref.replica_id)
+        ctx.runtimes.stop(ref.replica_id)
 
 
 def _finished(ctx: WorkerContext, task: Task, outcome: str) -> None:
@@ -197,7 +197,7 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
         rid = req.replica.replica_id
         decision = operations.fragmentation_decision(ctx, rid)
         if decision.recycle:
-            hosted = ctx.host.get(rid)
+            hosted = ctx.runtimes.get(rid)
             rec = ctx.registry.get(rid)
             model_dir = hosted.model_dir if hosted else None
             pool = rec.pool.value if rec else "serving"
@@ -212,9 +212,51 @@ def recycle_if_fragmented(self: Task, *args: Any, **kwargs: Any) -> Any:
                          lambda r: r.replica, work, args, kwargs)
 
 
+def sleep_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Drain a ready replica (no request in flight is cut) and put its engine to level-1 sleep (tier asleep)."""
+
+    def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
+        rid = req.replica.replica_id
+        outcome = tiers.sleep(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.STILL_DRAINING:  # a long request is still running: go on waiting
+            self.app.send_task(names.SLEEP, args=[rid])
+        return {"replica_id": rid, "outcome": outcome.value}
+
+    return _replica_task(self, lambda a, k: payload.parse_replica_only("sleep_replica", a, k),
+                         lambda r: r.replica, work, args, kwargs)
+
+
+def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Wake an asleep replica to ready (refused, left asleep, when the node's GPU memory is full)."""
+
+    def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
+        rid = req.replica.replica_id
+        outcome, seconds = tiers.wake(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        return {"replica_id": rid, "outcome": outcome.value, "wake_s": seconds}
+
+    return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),
+                         lambda r: r.replica, work, args, kwargs)
+
+
+def evict_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
+    """Drain until no request is in flight (no drain timeout), then retire; the snapshot keeps the weights."""
+
+    def work(ctx: WorkerContext, req: payload.RetireRequest, deadline: float) -> dict[str, Any]:
+        rid = req.replica.replica_id
+        outcome = tiers.evict(ctx, rid, req.reason, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.STILL_DRAINING:
+            self.app.send_task(names.EVICT, args=[rid, req.reason])
+        return {"replica_id": rid, "outcome": outcome.value}
+
+    return _replica_task(self, payload.parse_retire, lambda r: r.replica, work, args, kwargs)
+
+
 def register(app: Celery) -> None:
     """Register the node tasks on `app` (the planner's are in `workers.planning.tasks`)."""
     app.task(name=names.PREWARM, **names.TASK_OPTIONS)(prewarm_replica)
     app.task(name=names.RETIRE, **names.TASK_OPTIONS)(retire_replica)
     app.task(name=names.KEEP_WARM, **names.TASK_OPTIONS)(keep_warm)
     app.task(name=names.RECYCLE, **names.TASK_OPTIONS)(recycle_if_fragmented)
+    app.task(name=names.SLEEP, **names.TASK_OPTIONS)(sleep_replica)
+    app.task(name=names.WAKE, **names.TASK_OPTIONS)(wake_replica)
+    app.task(name=names.EVICT, **names.TASK_OPTIONS)(evict_replica)

@@ -2,8 +2,9 @@
 
 - `reap`: fail replicas whose heartbeat expired (their agent died), so nothing routes to them.
 - `handle_demand(model)`: the gateway found nothing ready for `model` and recorded unmet
-  demand (`keys.demand`, announced on `keys.DEMAND_CHANNEL`). If no replica of the model is
-  ready or loading, prewarm one on the live node with the most free slots. Idempotent: a
+  demand (`keys.demand`, announced on `keys.DEMAND_CHANNEL`). If the model's only live
+  replicas are asleep, wake one (`wake_replica` on its node); if none is ready or loading,
+  prewarm one on the live node with the most free slots. Idempotent: a
   short claim key and the deterministic replica id make repeats harmless.
 - `scan_demand`: the beat's safety net for demand announcements nobody heard.
 - `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
@@ -56,6 +57,15 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
     if view.serving or view.warm or view.loading:
         return {"model": model, "outcome": "covered"}
     replicas = ctx.registry.replicas_of(model)
+    asleep = sorted(r.id for r in replicas if r.state is ReplicaState.ASLEEP)
+    if asleep and not any(r.state in LIVE_STATES - {ReplicaState.ASLEEP} for r in replicas):
+        # Only sleeping replicas: wake one (a fraction of a load), on its own node. Repeats are
+        # harmless (the wake is idempotent under the replica lock); the claim keeps them rare.
+        if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
+            return {"model": model, "outcome": "claimed"}
+        app.send_task(names.WAKE, args=[asleep[0]])
+        log.info("wake on demand: unmet demand for %s -> wake %s", model, asleep[0])
+        return {"model": model, "outcome": "wake", "replica_id": asleep[0]}
     if any(r.state in LIVE_STATES for r in replicas):
         return {"model": model, "outcome": "starting"}
     if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
@@ -156,9 +166,16 @@ def apply_scale_event(self: Task, *args: Any, **kwargs: Any) -> Any:
 def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
     at = payload.parse_forecast(args, kwargs)
     ctx = _ctx(self)
+    now = ctx.clock() if at is None else at
+    if ctx.settings.planner.fleet_budget_gb > 0:  # many models, one GPU budget: one fleet round
+        from workers.planning.fleet import fleet_and_plan
+
+        plans = fleet_and_plan(ctx, self.app, now=now)
+    else:
+        plans = run_forecast_and_plan(ctx, now=now)
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
                         "new_events": list(m.new_events), "dropped": m.dropped, "mode": m.mode}
-                       for m in run_forecast_and_plan(ctx, now=ctx.clock() if at is None else at)]}
+                       for m in plans]}
 
 
 def register(app: Celery) -> None:

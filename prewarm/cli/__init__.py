@@ -1,5 +1,7 @@
 """The `prewarm` command: wires the stages together; imported by nothing.
 
+`prewarm backtest` (trace replay, sweeps, the fleet backtest) is in `prewarm.cli.backtest`.
+
 Each subcommand is a `_cmd_<name>(args, settings)` function registered in `_build_parser`.
 Settings are loaded once (environment, then `--config`), and a bad setting ends the
 command with exit code 2 and a message naming it.
@@ -15,6 +17,7 @@ from typing import Callable, Iterator
 
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import Settings
+from prewarm.cli import backtest
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -38,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", type=int, default=1,
+                   help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
+                        "that cannot hold them all, planned as a fleet")
     p.set_defaults(handler=_cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway (embedded Redis when PREWARM_REDIS_URL is unset)")
@@ -135,25 +141,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default="127.0.0.1")
     p.set_defaults(handler=_cmd_flower)
 
-    p = sub.add_parser("backtest", help="replay a trace through the scaling policies and score them (TTFT, cold starts, GPU-hours)")
-    p.add_argument("trace", help="a trace file (Azure CSV, Mooncake JSONL, ServeGen or NASA rates)")
-    p.add_argument("--policies", default="reactive,fixed_pool,keepalive,prewarm,oracle", help="comma-separated policies")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--plot", metavar="OUT.png", help="write traffic vs replicas and TTFT CDFs")
-    p.add_argument("--time-scale", type=float, default=1.0, help="compress time by X (rates x X)")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate by Y")
-    p.add_argument("--cold-start", type=float, default=None, help="cold start seconds (default: planner default_cold_start_s)")
-    p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
-    p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit-s", type=float, default=None, metavar="S",
-                   help="replay only the first S seconds of the trace (say so when quoting figures)")
-    p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
-                   help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
-                        "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
-    p.add_argument("--score-after", type=float, default=0.0, metavar="S",
-                   help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
-    p.set_defaults(handler=_cmd_backtest)
+    backtest.add_parser(sub)
 
     return parser
 
@@ -190,6 +178,10 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
     )
     with _redis_for(settings):
+        if args.models and args.models > 1:
+            from workers.up import fleet
+
+            return fleet.run(settings, opts, args.models)
         return up.run(settings, opts)
 
 
@@ -460,84 +452,3 @@ def _redis_unreachable(exc: BaseException) -> bool:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return False
 
-
-def _cmd_backtest(args: argparse.Namespace, settings: Settings) -> int:
-    import json
-
-    from forecasting.sim.report import print_table, progress_bar
-    from forecasting.sim.scoring import run_backtest
-    from forecasting.sim.simulate import SimParams
-    from forecasting.data.traces import HistoryError, load_trace
-
-    try:
-        trace: object = load_trace(args.trace)
-        if args.limit_s is not None:
-            trace = _head(trace, args.limit_s)
-        params = SimParams(
-            slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
-            cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
-            cold_start_cv=args.cold_start_cv,
-        )
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        if args.sweep:
-            return _sweep(args, settings, trace, params, policies)
-        with progress_bar() as progress:
-            out = run_backtest(trace, params, policies, progress=progress,
-                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
-                               score_after_s=args.score_after)
-    except (HistoryError, ValueError) as exc:
-        print(f"prewarm backtest: {exc}", file=sys.stderr)
-        return 2
-    print_table(out["result"])
-    if args.plot:
-        from forecasting.sim.report import plot
-
-        path = plot(out["work"], out["runs"], args.plot, title=out["result"]["trace"])
-        print(f"plot written to {path}")
-    if args.json:
-        print(json.dumps(out["result"], default=float))
-    return 0
-
-
-def _head(trace: object, seconds: float) -> object:
-    """The first `seconds` of a trace (request or rate trace), with its source saying so."""
-    from dataclasses import replace
-
-    import numpy as np
-
-    src = f"{getattr(trace, 'source', 'trace')} (first {seconds / 3600:g} h)"
-    if hasattr(trace, "t"):
-        t = np.asarray(trace.t)
-        keep = t - t[0] < seconds
-        ctx, gen = getattr(trace, "context_tokens", None), getattr(trace, "generated_tokens", None)
-        return replace(trace, t=t[keep], source=src,  # type: ignore[type-var]
-                       context_tokens=None if ctx is None else np.asarray(ctx)[keep],
-                       generated_tokens=None if gen is None else np.asarray(gen)[keep])
-    keep = np.asarray(trace.window_start_s) < seconds  # type: ignore[attr-defined]
-    return replace(trace, window_start_s=np.asarray(trace.window_start_s)[keep],  # type: ignore[type-var, attr-defined]
-                   rate=np.asarray(trace.rate)[keep], source=src)  # type: ignore[attr-defined]
-
-
-def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: object, policies: list[str]) -> int:
-    import json
-
-    from forecasting.sim.report import plot_sweep, progress_bar
-    from forecasting.sim.scoring import run_sweep
-
-    with progress_bar() as progress:
-        sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
-                          policy_kwargs={"prewarm": {"planner_settings": settings.planner}}, progress=progress)
-    print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
-    for pt in sweep["points"]:
-        knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
-        print(f"  {pt['policy']:<10} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
-              f"p99 {pt['ttft_p99_s']:.3f} s{'  (default)' if pt['default'] else ''}")
-    path = plot_sweep(sweep, args.sweep)
-    print(f"sweep plot written to {path}")
-    if args.json:
-        print(json.dumps(sweep, default=float))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

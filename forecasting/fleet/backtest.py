@@ -1,0 +1,124 @@
+"""The multi-model backtest: every policy on the same arrivals, its knob swept into a curve.
+
+`run_fleet_backtest` builds the fleet (catalog, nodes sized so their GPU memory cannot hold
+every model), replays the trace through each policy at its default setting, sweeps each
+policy's knob (keep-alive seconds, the histogram's tail percentile, the planner's budget)
+into a curve of cold-start share against warm GPU-memory-time, and reports the target
+comparison: the fleet planner given the hybrid histogram's own average warm memory as its
+budget, against the hybrid histogram, at equal or lower memory-time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from forecasting.fleet.catalog import Catalog, default_catalog
+from forecasting.fleet.policies import FLEET_POLICIES, FleetEnv, make_fleet_policy
+from forecasting.fleet.simulate import FleetScore, simulate
+from forecasting.fleet.traces import FleetTrace
+
+#: Each policy's knob values for the curve.
+KEEPALIVE_S = (60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 4 * 3600.0)
+HH_TAIL_PCT = (50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
+#: The planner's budgets: reactive's average warm GB plus these shares of the hybrid histogram's extra over it.
+FLEET_BUDGET_SHARE = (0.25, 0.5, 0.75, 1.0, 1.5)
+
+
+def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
+    """The same trace on a finer step (requests spread evenly) or a coarser one (summed)."""
+    if math.isclose(step_s, trace.step_s):
+        return trace
+    if trace.step_s > step_s:
+        k = int(round(trace.step_s / step_s))
+        if not math.isclose(k * step_s, trace.step_s):
+            raise ValueError(f"step {step_s} s does not divide the trace's {trace.step_s} s")
+        counts = np.repeat(trace.counts / k, k, axis=0)
+    else:
+        k = int(round(step_s / trace.step_s))
+        n = trace.n_steps // k * k
+        counts = trace.counts[:n].reshape(-1, k, trace.n_models).sum(axis=1)
+    return replace(trace, counts=counts, step_s=float(step_s))
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """The fleet a backtest runs on: nodes and their memory, sized from the catalog when not given."""
+
+    n_nodes: int = 0  # 0: enough nodes of ``node_gpu_gb`` for ``capacity_share`` of all footprints
+    node_gpu_gb: float = 640.0
+    node_host_gb: float = 1024.0
+    capacity_share: float = 0.4
+    step_s: float = 60.0
+    score_after_s: float = 86_400.0
+    sizes_gb: tuple[float, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
+        n = self.n_nodes or max(1, int(math.ceil(self.capacity_share * catalog.total_gb() / self.node_gpu_gb)))
+        return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
+                        node_host_gb=self.node_host_gb, counts=counts)
+
+
+def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
+         progress: Callable[[str], None] | None) -> FleetScore:
+    if progress is not None:
+        progress(f"{name} {'' if knob is None else knob}")
+    policy = make_fleet_policy(name, knob)
+    score = simulate(trace, policy, env, score_after_s=min(setup.score_after_s, trace.duration_s / 2))
+    return replace(score, knob=knob)
+
+
+def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, setup: FleetSetup = FleetSetup(),
+                       policies: Sequence[str] = FLEET_POLICIES, curve: bool = True,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram."""
+    trace = resample(trace, setup.step_s)
+    if catalog is None:
+        catalog = default_catalog(trace.names, setup.sizes_gb) if setup.sizes_gb else default_catalog(trace.names)
+    env = setup.env(catalog, trace.counts)
+    rows: dict[str, FleetScore] = {}
+    for name in policies:
+        if name == "fleet":
+            continue
+        rows[name] = _run(trace, env, name, None, setup, progress)
+    hh = rows.get("hybrid_histogram") or _run(trace, env, "hybrid_histogram", None, setup, progress)
+    target: dict[str, Any] = {}
+    if "fleet" in policies:
+        budget = hh.avg_warm_gb
+        fleet = _run(trace, env, "fleet", budget, setup, progress)
+        for _ in range(4):  # the budget is an average the controller tracks: tighten if it overshot
+            if fleet.warm_gb_h <= hh.warm_gb_h:
+                break
+            budget *= 0.998 * hh.warm_gb_h / fleet.warm_gb_h
+            fleet = _run(trace, env, "fleet", budget, setup, progress)
+        rows["fleet"] = fleet
+        target = {
+            "budget_gb": budget,
+            "hybrid_cold_share": hh.cold_share, "fleet_cold_share": fleet.cold_share,
+            "cold_ratio": fleet.cold_share / hh.cold_share if hh.cold_share > 0 else float("nan"),
+            "hybrid_warm_gb_h": hh.warm_gb_h, "fleet_warm_gb_h": fleet.warm_gb_h,
+            "met": bool(fleet.warm_gb_h <= hh.warm_gb_h * 1.0001 and fleet.cold_share <= 0.5 * hh.cold_share),
+        }
+    curves: dict[str, list[dict[str, Any]]] = {}
+    if curve:
+        reactive = rows.get("reactive") or _run(trace, env, "reactive", None, setup, progress)
+        floor = reactive.avg_warm_gb
+        knobs: dict[str, Sequence[float]] = {
+            "keepalive": KEEPALIVE_S, "hybrid_histogram": HH_TAIL_PCT,
+            "fleet": tuple(floor + s * max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb) for s in FLEET_BUDGET_SHARE),
+        }
+        for name, values in knobs.items():
+            if name in policies:
+                curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
+    return {
+        "trace": trace.source, "kind": trace.kind, "models": trace.n_models, "steps": trace.n_steps,
+        "step_s": trace.step_s, "requests": trace.total_requests,
+        "fleet": {"nodes": env.n_nodes, "node_gpu_gb": env.node_gpu_gb, "gpu_capacity_gb": env.gpu_capacity_gb,
+                  "all_models_gb": catalog.total_gb(), "node_host_gb": env.node_host_gb},
+        "score_after_s": min(setup.score_after_s, trace.duration_s / 2),
+        "rows": [r.row() for r in rows.values()], "target": target, "curves": curves,
+    }

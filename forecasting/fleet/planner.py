@@ -1,0 +1,250 @@
+"""The fleet planner: which models stay warm, where, and how warm, under one GPU budget.
+
+One round sees every model's outlook (chance of a request in the next step, requests a
+cold start would hit) and every node's GPU and host memory with what is resident there,
+and decides for all models together:
+
+- value of keeping a model on GPU for the next step = priority x P(request) x requests a
+  cold start would hit; its *density* is that value per GB of GPU memory. Models are kept
+  in order of density while it is at least the threshold ``lam`` and memory lasts: the
+  greedy answer to "maximise expected requests spared a cold start per GPU-memory-second";
+- ``lam`` is the price of GPU memory. A fleet budget (average warm GB) is met by an
+  integral controller on ``lam``: spending above the budget raises the price, below lowers
+  it, so the budget is spent where the outlook is best (dense models, whose outlook is ~1,
+  stay warm; a sparse model stays warm exactly while its own idle-time hazard pays for it,
+  which gives it a keep-alive window and a pre-warm from its own distribution);
+- a model with requests in flight is never evicted;
+- below GPU, the next best models are put to sleep (weights in pinned host memory, woken in
+  a fraction of a load) while host memory lasts; the rest stay in the page cache or on disk;
+- placement is one pass over all models of the round: a model stays where it is resident,
+  else goes where it is asleep or cached (the fastest wake), else to the best-fitting node.
+
+Pure: no I/O, `now` and the outlook are passed in, state is passed through.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from forecasting.fleet.catalog import Catalog, Tier
+
+
+class ActionKind(str, enum.Enum):
+    """What the agents are told to do with a model on a node."""
+
+    LOAD = "load"  # from cache or disk onto GPU
+    WAKE = "wake"  # asleep -> GPU
+    SLEEP = "sleep"  # GPU -> asleep (level-1: weights to host memory)
+    EVICT = "evict"  # GPU or asleep -> page cache / disk
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    """A GPU node as the planner sees it: memory, and each resident model's tier and in-flight count."""
+
+    name: str
+    gpu_gb: float
+    host_gb: float
+    node_class: str = "default"
+    resident: Mapping[str, Tier] = field(default_factory=dict)
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FleetParams:
+    """Knobs of the fleet planner.
+
+    ``budget_gb``: the average GPU memory warm models may hold (None: the nodes' capacity,
+    with ``lam`` fixed); ``sleep_share``: share of host memory for sleeping models;
+    ``host_price``: host GB priced as this share of a GPU GB.
+    """
+
+    step_s: float = 60.0
+    budget_gb: float | None = None
+    cap_gb: float | None = None  # a hard ceiling on GPU memory per round (in-flight replicas excepted)
+    lam0: float = 1e-3
+    gain: float = 0.08
+    sleep_share: float = 0.75
+    host_price: float = 0.001
+    lam_min: float = 1e-9
+    lam_max: float = 1e9
+
+
+@dataclass(frozen=True)
+class FleetContext:
+    """One planning round's inputs, in the catalog's model order."""
+
+    now: float
+    catalog: Catalog
+    nodes: tuple[FleetNode, ...]
+    rate: np.ndarray  # per model: requests' arrivals expected per warm step (the estimator's outlook)
+    burst_requests: np.ndarray
+    params: FleetParams
+    replicas: Mapping[str, int] = field(default_factory=dict)  # dense models: replicas their forecast needs
+
+
+@dataclass
+class FleetState:
+    """What the planner carries between rounds: the memory price and the budget spent so far."""
+
+    lam: float = 1e-3
+    spent_gb_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FleetAction:
+    kind: ActionKind
+    model: str
+    node: str
+    density: float
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """Where every model is after the round: ``gpu[model]`` nodes (one per replica), ``asleep[model]``."""
+
+    gpu: Mapping[str, tuple[str, ...]]
+    asleep: Mapping[str, str]
+    actions: tuple[FleetAction, ...]
+    gpu_gb: float
+    lam: float
+    density: np.ndarray
+
+
+def cold_requests(burst: np.ndarray, ready_s: np.ndarray, step_s: float) -> np.ndarray:
+    """Requests of a burst of ``burst`` per step that arrive before a cold model is ready."""
+    first = step_s / (burst + 1.0)
+    return np.maximum(1.0, burst * np.minimum(1.0, (first + ready_s) / step_s))
+
+
+def densities(ctx: FleetContext) -> tuple[np.ndarray, np.ndarray]:
+    """Expected requests spared a cold start per GB per warm step: (on GPU rather than asleep, asleep rather than cached).
+
+    Marginal values: GPU memory is worth what it saves over the tier the model falls back to
+    (asleep, woken in a fraction of a load), host memory what sleeping saves over a load from
+    the page cache. A large model that wakes slowly earns GPU memory before a small one that
+    wakes in a second.
+    """
+    cat = ctx.catalog
+    step = ctx.params.step_s
+    b = ctx.burst_requests
+    base = cat.priority_array * ctx.rate / cat.mem_array
+    asleep = cold_requests(b, cat.ready_array(Tier.ASLEEP), step)
+    cached = cold_requests(b, cat.ready_array(Tier.CACHED), step)
+    return base * asleep, base * np.maximum(cached - asleep, 0.0)
+
+
+def _where(nodes: Sequence[FleetNode]) -> dict[str, dict[Tier, list[str]]]:
+    """model -> tier -> nodes where it is resident at that tier."""
+    out: dict[str, dict[Tier, list[str]]] = {}
+    for n in nodes:
+        for model, t in n.resident.items():
+            out.setdefault(model, {}).setdefault(t, []).append(n.name)
+    return out
+
+
+def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetState]:
+    """One fleet round: every model's tier and node, within node memory and the fleet budget."""
+    params = ctx.params
+    cat = ctx.catalog
+    cards, index, mem = cat.cards, cat.index, cat.mem_array
+    dens, host_dens = densities(ctx)
+    free = {n.name: n.gpu_gb for n in ctx.nodes}
+    total_gb = sum(free.values())
+    host_free = {n.name: n.host_gb * params.sleep_share for n in ctx.nodes}
+    by_model = _where(ctx.nodes)
+    gpu: dict[str, list[str]] = {}
+    actions: list[FleetAction] = []
+
+    def put(i: int, node: str) -> None:
+        free[node] -= mem[i]
+        gpu.setdefault(cards[i].name, []).append(node)
+        tiers = by_model.get(cards[i].name, {})
+        if node not in tiers.get(Tier.GPU, []):
+            kind = ActionKind.WAKE if node in tiers.get(Tier.ASLEEP, []) else ActionKind.LOAD
+            actions.append(FleetAction(kind, cards[i].name, node, float(dens[i])))
+
+    def place(i: int) -> bool:
+        name = cards[i].name
+        tiers = by_model.get(name, {})
+        placed = gpu.get(name, [])
+        prefer = tiers.get(Tier.GPU, []) + tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.CACHED, [])
+        if params.cap_gb is not None and total_gb - sum(free.values()) + mem[i] > params.cap_gb + 1e-9:
+            return False
+        node = next((n for n in prefer if n not in placed and free[n] >= mem[i]), None)
+        if node is None:
+            fits = [n for n in free if n not in placed and free[n] >= mem[i]]
+            if not fits:
+                return False
+            node = min(fits, key=lambda n: free[n])  # best fit
+        put(i, node)
+        return True
+
+    # 1. replicas with requests in flight stay, whatever their value
+    for fnode in ctx.nodes:
+        for model, n in fnode.in_flight.items():
+            if n > 0 and fnode.resident.get(model) == Tier.GPU and fnode.name not in gpu.get(model, []):
+                put(index[model], fnode.name)
+    # 2. models worth their memory at the price ``lam``, best density first, where they are if possible
+    order = np.argsort(-dens, kind="stable")
+    keep = order[dens[order] >= state.lam]
+    for i in keep:
+        if cards[i].name not in gpu:
+            place(i)
+    # 3. dense models: the replicas their forecast needs beyond the first, while memory lasts
+    for model, want in ctx.replicas.items():
+        i = index[model]
+        while len(gpu.get(model, [])) < want and place(i):
+            pass
+    # 4. below GPU: the next best asleep in host memory (where they are, else the node with most room)
+    asleep: dict[str, str] = {}
+    host_lam = state.lam * params.host_price
+    host_order = np.argsort(-host_dens, kind="stable")
+    for i in host_order[(host_dens[host_order] >= host_lam) & (host_dens[host_order] > 0)]:
+        name = cards[i].name
+        if name in gpu:
+            continue
+        tiers = by_model.get(name, {})
+        cand = tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.GPU, [])
+        host = next((n for n in cand if host_free[n] >= mem[i]), None)
+        if host is None:
+            host = max(host_free, key=lambda n: host_free[n])
+            if host_free[host] < mem[i]:
+                continue
+        host_free[host] -= mem[i]
+        asleep[name] = host
+    # 5. what leaves GPU or host memory
+    for model, tiers in by_model.items():
+        i = index[model]
+        on = gpu.get(model, [])
+        for node in tiers.get(Tier.GPU, []):
+            if node not in on:
+                kind = ActionKind.SLEEP if asleep.get(model) == node else ActionKind.EVICT
+                actions.append(FleetAction(kind, model, node, float(dens[i])))
+        for node in tiers.get(Tier.ASLEEP, []):
+            if asleep.get(model) != node and node not in on:
+                actions.append(FleetAction(ActionKind.EVICT, model, node, float(dens[i])))
+    used = sum(n.gpu_gb for n in ctx.nodes) - sum(free.values())
+    new_state = _price(state, params, used)
+    plan = FleetPlan(gpu={k: tuple(v) for k, v in gpu.items()}, asleep=asleep, actions=tuple(actions),
+                     gpu_gb=float(used), lam=state.lam, density=dens)
+    return plan, new_state
+
+
+def _price(state: FleetState, params: FleetParams, used_gb: float) -> FleetState:
+    """Integral control of the memory price toward the fleet budget (average warm GB)."""
+    spent = state.spent_gb_s + used_gb * params.step_s
+    elapsed = state.elapsed_s + params.step_s
+    lam = state.lam
+    if params.budget_gb is not None and params.budget_gb > 0:
+        over = (spent / elapsed - params.budget_gb) / params.budget_gb
+        now_over = (used_gb - params.budget_gb) / params.budget_gb
+        lam = lam * math.exp(params.gain * float(np.clip(over + now_over, -3.0, 3.0)))
+        lam = float(min(params.lam_max, max(params.lam_min, lam)))
+    return FleetState(lam=lam, spent_gb_s=spent, elapsed_s=elapsed)

@@ -1,0 +1,246 @@
+"""Fleet warmth policies the backtest compares: who is kept on GPU at each step.
+
+Each policy sees only the past (the counts of steps already replayed) and answers, at the
+start of a step, which models it wants on GPU and which asleep in host memory. The
+simulator (`forecasting.fleet.simulate`) loads a cold model on demand when a request
+comes (every policy does), charges memory, and counts cold requests.
+
+- `KeepAlive`: unload a model K minutes after its last request (AWS Lambda-like, 10 min);
+  ``K`` = one step is the purely reactive policy.
+- `HybridHistogram`: Shahrad et al., "Serverless in the Wild" (ATC'20): per-model histogram
+  of idle times (1-minute bins, 4 h range); pre-warm at its 5th percentile and keep alive to
+  its 99th (10% margins) when the histogram is representative; a standard 4 h keep-alive
+  when not; a time-series guess of the next idle time when most idle times exceed the range.
+- `FleetPlanner`: the pure fleet planner (`forecasting.fleet.planner`) fed by the online
+  `ArrivalEstimator`, with node placement and a fleet budget.
+- `Oracle`: knows the future; loads each model exactly one load time before its next
+  request and unloads it when a reload would cost less than staying: zero cold starts at
+  the least memory (the bound to compare against).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from forecasting.fleet.catalog import Catalog, Tier
+from forecasting.fleet.estimate import ArrivalEstimator
+from forecasting.fleet.planner import FleetContext, FleetNode, FleetParams, FleetState, plan_fleet
+
+
+@dataclass(frozen=True)
+class FleetEnv:
+    """What a policy may know of the fleet before the replay: catalog, step, nodes."""
+
+    catalog: Catalog
+    step_s: float
+    n_nodes: int
+    node_gpu_gb: float
+    node_host_gb: float
+    counts: np.ndarray | None = None  # the whole trace: only the oracle may read it
+
+    @property
+    def gpu_capacity_gb(self) -> float:
+        return self.n_nodes * self.node_gpu_gb
+
+
+class FleetPolicy(ABC):
+    """A warmth policy over the whole fleet, stepped by the simulator."""
+
+    name: str = "policy"
+
+    def reset(self, env: FleetEnv) -> None:
+        self.env = env
+        m = len(env.catalog)
+        self.idle = np.full(m, -1, dtype=np.int64)  # inactive steps since the last active one; -1: never
+
+    @abstractmethod
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(on GPU, asleep) masks wanted for step ``t``."""
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+        """Step ``t`` happened: ``counts`` arrived; ``gpu`` was warm (incl. on-demand loads)."""
+        self.idle = np.where(counts > 0, 0, np.where(self.idle >= 0, self.idle + 1, -1))
+
+    def _none(self) -> np.ndarray:
+        return np.zeros(len(self.env.catalog), dtype=bool)
+
+
+class KeepAlive(FleetPolicy):
+    """Keep a model on GPU until ``keep_s`` seconds pass without a request."""
+
+    def __init__(self, keep_s: float = 600.0, name: str = "keepalive") -> None:
+        self.keep_s = float(keep_s)
+        self.name = name
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        k = max(1, int(math.ceil(self.keep_s / self.env.step_s - 1e-9)))
+        return (self.idle >= 0) & (self.idle < k), self._none()
+
+
+class HybridHistogram(FleetPolicy):
+    """The hybrid-histogram keep-alive of "Serverless in the Wild", per model."""
+
+    name = "hybrid_histogram"
+
+    def __init__(self, head_pct: float = 5.0, tail_pct: float = 99.0, range_min: int = 240,
+                 cv_min: float = 2.0, oob_share: float = 0.5, min_samples: int = 5, margin: float = 0.1) -> None:
+        self.head, self.tail = head_pct, tail_pct
+        self.range_min, self.cv_min, self.oob_share = range_min, cv_min, oob_share
+        self.min_samples, self.margin = min_samples, margin
+
+    def reset(self, env: FleetEnv) -> None:
+        super().reset(env)
+        m = len(env.catalog)
+        self.step_min = env.step_s / 60.0
+        self.hist = np.zeros((m, self.range_min + 1))
+        self.oob = np.zeros(m)
+        self.oob_log_mean = np.zeros(m)
+        self.pre = np.zeros(m)  # pre-warm window (minutes)
+        self.keep = np.full(m, float(self.range_min))  # keep-alive window (minutes)
+
+    def _windows(self, i: int) -> None:
+        h = self.hist[i]
+        n = h.sum() + self.oob[i]
+        if n >= self.min_samples and self.oob[i] / n > self.oob_share:
+            pred = math.exp(self.oob_log_mean[i])  # the next idle time, from past out-of-range ones
+            self.pre[i], self.keep[i] = 0.85 * pred, 0.3 * pred
+            return
+        if h.sum() >= self.min_samples and h.std() / max(h.mean(), 1e-12) >= self.cv_min:
+            cdf = np.cumsum(h) / h.sum()
+            head = float(np.searchsorted(cdf, self.head / 100.0))
+            tail = float(np.searchsorted(cdf, self.tail / 100.0)) + 1.0
+            pre = math.floor(head * (1.0 - self.margin))
+            self.pre[i], self.keep[i] = pre, math.ceil(tail * (1.0 + self.margin)) - pre
+            return
+        self.pre[i], self.keep[i] = 0.0, float(self.range_min)
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        idle_min = (self.idle + 1) * self.step_min  # minutes since the last request, at this step's end
+        idle_min_start = self.idle * self.step_min
+        pre_ok = idle_min >= self.pre  # the pre-warm window is over within this step
+        keep_ok = idle_min_start < self.pre + self.keep
+        warm_after = (self.pre == 0) | (self.idle > 0)
+        return (self.idle >= 0) & pre_ok & keep_ok & warm_after, self._none()
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+        active = counts > 0
+        self.hist[active & (self.idle == 0), 0] += 1  # back-to-back minutes: an idle time of 0
+        for i in np.flatnonzero(active & (self.idle > 0)):
+            it = self.idle[i] * self.step_min
+            if it <= self.range_min:
+                self.hist[i, int(it)] += 1
+            else:
+                self.oob[i] += 1
+                self.oob_log_mean[i] += (math.log(it) - self.oob_log_mean[i]) / self.oob[i]
+        for i in np.flatnonzero(~active & (self.idle == 0)):  # going idle: its windows from all it has seen
+            self._windows(int(i))
+        super().observe(t, counts, gpu)
+
+
+class FleetPlanner(FleetPolicy):
+    """The fleet planner with its online estimator; ``budget_gb`` is the fleet's average warm GB."""
+
+    name = "fleet"
+
+    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, estimator: dict[str, Any] | None = None,
+                 **params: Any) -> None:
+        self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
+        self.est_kw = dict(estimator or {})
+
+    def reset(self, env: FleetEnv) -> None:
+        super().reset(env)
+        self.est = ArrivalEstimator(len(env.catalog), env.step_s, **self.est_kw)
+        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **self.params_kw)
+        self.state = FleetState(lam=self.lam0)
+        self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
+        self.placed: dict[str, tuple[str, ...]] = {}
+        self.asleep: dict[str, str] = {}
+        self.busy: set[str] = set()
+        self.names = env.catalog.names
+        self.mem = {c.name: c.mem_gb for c in env.catalog.cards}
+
+    def _nodes(self) -> tuple[FleetNode, ...]:
+        resident: dict[str, dict[str, Tier]] = {n: {} for n in self.node_names}
+        for model, node in self.asleep.items():
+            resident[node][model] = Tier.ASLEEP
+        for model, nodes in self.placed.items():
+            for node in nodes:
+                resident[node][model] = Tier.GPU
+        return tuple(FleetNode(name=n, gpu_gb=self.env.node_gpu_gb, host_gb=self.env.node_host_gb,
+                               resident=resident[n],
+                               in_flight={m: 1 for m in self.busy if n in self.placed.get(m, ())})
+                     for n in self.node_names)
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        out = self.est.outlook()
+        ctx = FleetContext(now=t * self.env.step_s, catalog=self.env.catalog, nodes=self._nodes(),
+                           rate=out.rate, burst_requests=out.burst_requests, params=self.params)
+        plan, self.state = plan_fleet(ctx, self.state)
+        self.placed = dict(plan.gpu)
+        self.asleep = dict(plan.asleep)
+        gpu = np.array([n in plan.gpu for n in self.names])
+        asleep = np.array([n in plan.asleep for n in self.names])
+        return gpu, asleep
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+        self.est.observe(counts)
+        self.busy = {self.names[i] for i in np.flatnonzero(counts > 0)}
+        used = {n: 0.0 for n in self.node_names}
+        for model, nodes in self.placed.items():
+            for node in nodes:
+                used[node] += self.mem[model]
+        for i in np.flatnonzero(gpu):  # loaded on demand by the simulator: give it a node
+            model = self.names[i]
+            if model not in self.placed:
+                node = min(self.node_names, key=lambda n: used[n])
+                used[node] += self.mem[model]
+                self.placed[model] = (node,)
+                self.asleep.pop(model, None)
+        super().observe(t, counts, gpu)
+
+
+class Oracle(FleetPolicy):
+    """Knows every future request: ready exactly at each burst, unloaded whenever reloading is cheaper."""
+
+    name = "oracle"
+
+    def reset(self, env: FleetEnv) -> None:
+        super().reset(env)
+        if env.counts is None:
+            raise ValueError("the oracle needs the trace")
+        active = env.counts > 0
+        lead = np.array([max(1, int(math.ceil(c.time_to_ready(Tier.DISK) / env.step_s))) for c in env.catalog.cards])
+        T, _ = active.shape
+        # next active step at or after t, per model (T: none)
+        nxt = np.full(active.shape, T, dtype=np.int64)
+        nxt_row = np.full(active.shape[1], T, dtype=np.int64)
+        for t in range(T - 1, -1, -1):
+            nxt_row = np.where(active[t], t, nxt_row)
+            nxt[t] = nxt_row
+        self.want = (nxt - np.arange(T)[:, None]) <= lead[None, :]
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.want[t].copy(), self._none()
+
+
+def make_fleet_policy(name: str, knob: float | None = None, **kw: Any) -> FleetPolicy:
+    """A policy by name; ``knob`` is its trade-off setting (keep-alive s, tail percentile, budget GB)."""
+    if name == "keepalive":
+        return KeepAlive(keep_s=knob if knob is not None else 600.0)
+    if name == "reactive":
+        return KeepAlive(keep_s=knob if knob is not None else 0.0, name="reactive")
+    if name == "hybrid_histogram":
+        return HybridHistogram(tail_pct=knob if knob is not None else 99.0, **kw)
+    if name == "fleet":
+        return FleetPlanner(budget_gb=knob, **kw)
+    if name == "oracle":
+        return Oracle()
+    raise ValueError(f"unknown fleet policy {name!r} (keepalive, reactive, hybrid_histogram, fleet, oracle)")
+
+
+FLEET_POLICIES = ("keepalive", "hybrid_histogram", "reactive", "fleet", "oracle")

@@ -1,0 +1,166 @@
+"""Replay a fleet trace through a warmth policy and score it: cold share, TTFT, GPU memory-time.
+
+One step at a time (the trace's step, e.g. a minute), for all models at once:
+
+1. the policy says which models it wants on GPU and which asleep for this step; a model it
+   adds is loaded from the tier it is in (asleep, page cache or disk: the catalog's time to
+   ready) and is ready that many seconds into the step;
+2. requests of the step arrive spread evenly over it; a model with requests and no GPU
+   replica is loaded on demand (every policy does), ready one load time after its first
+   request; every request that arrives before its model is ready is a *cold* request and
+   waits for it;
+3. GPU memory is charged for every model on GPU during the step (loading included); memory
+   of a model on GPU during a step without requests is *wasted*; the fleet's GPU capacity is
+   enforced by evicting the least recently used models without requests in flight;
+4. evicted weights stay in the page cache (least recently used first, in the host memory
+   that sleeping models leave free), else fall back to disk.
+
+One replica per model: the fleet question is whether a model is warm at all; how many
+replicas a dense model needs for its throughput is the single-model planner's question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from forecasting.fleet.catalog import Tier
+from forecasting.fleet.policies import FleetEnv, FleetPolicy
+from forecasting.fleet.traces import FleetTrace
+
+_TIERS = (Tier.ASLEEP, Tier.CACHED, Tier.DISK)
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The q-quantile of ``values``, each counted ``weights`` times."""
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    if values.size == 0 or cum[-1] <= 0:
+        return float("nan")
+    return float(values[order][min(int(np.searchsorted(cum, q * cum[-1])), values.size - 1)])
+
+
+@dataclass(frozen=True)
+class FleetScore:
+    """A policy's figures over the scored span."""
+
+    policy: str
+    knob: float | None
+    requests: float
+    cold_requests: float
+    cold_share: float
+    full_load_share: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_p999_s: float
+    warm_gb_h: float
+    wasted_gb_h: float
+    avg_warm_gb: float
+    peak_warm_gb: float
+    loads: int
+    wakes: int
+    cold_by_model: tuple[float, ...] = ()
+    warm_gb_h_by_model: tuple[float, ...] = ()
+
+    def row(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_by_model")}
+
+
+def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_after_s: float = 0.0,
+             progress: Callable[[int, int], None] | None = None) -> FleetScore:
+    """Replay ``trace`` through ``policy`` on ``env``; score steps starting at or after ``score_after_s``."""
+    cards = env.catalog.cards
+    if tuple(c.name for c in cards) != trace.names:
+        raise ValueError("the catalog and the trace list different models")
+    policy.reset(env)
+    m, dt = trace.n_models, trace.step_s
+    mem = np.array([c.mem_gb for c in cards])
+    ready = np.array([[c.time_to_ready(t) for t in _TIERS] for c in cards])  # [m, 3]
+    warm_ttft = np.array([c.ttft_warm_s for c in cards])
+    host_total = env.n_nodes * env.node_host_gb
+    cap = env.gpu_capacity_gb
+    gpu = np.zeros(m, dtype=bool)
+    ready_at = np.zeros(m)
+    last_used = np.full(m, -1.0)
+    off_tier = np.full(m, 2, dtype=np.int64)  # index into _TIERS for models off GPU
+    first_scored = int(np.ceil(score_after_s / dt - 1e-9))
+    req = cold = full = gb_s = waste_s = 0.0
+    peak = 0.0
+    loads = wakes = 0
+    warm_w = np.zeros(m)
+    cold_m = np.zeros(m)
+    gb_s_m = np.zeros(m)
+    waits: list[np.ndarray] = []
+    weights: list[np.ndarray] = []
+    for t in range(trace.n_steps):
+        start = t * dt
+        want, asleep = policy.decide(t)
+        want = want.copy()
+        c = trace.counts[t]
+        busy = c > 0
+        # weights off GPU: asleep where the policy says, else page cache (LRU) within host memory, else disk
+        host_left = host_total - float(mem[asleep & ~want].sum())
+        off = ~want & ~asleep
+        order = np.argsort(-last_used[off], kind="stable")
+        idx = np.flatnonzero(off)[order]
+        fits = np.cumsum(mem[idx]) <= host_left
+        off_tier[:] = 2
+        off_tier[idx[fits & (last_used[idx] >= 0)]] = 1
+        off_tier[asleep & ~want] = 0
+        newly = want & ~gpu
+        ready_at[newly] = start + ready[newly, off_tier[newly]]
+        # on-demand loads: the first request of the step starts them
+        demand = busy & ~want
+        first = dt / (c + 1.0)
+        ready_at[demand] = start + first[demand] + ready[demand, off_tier[demand]]
+        from_tier = np.where(newly | demand, off_tier, -1)
+        gpu = want | busy
+        # the fleet's GPU capacity: evict least recently used models without requests this step
+        used = float(mem[gpu].sum())
+        if used > cap:
+            cand = np.flatnonzero(gpu & ~busy)
+            for i in cand[np.argsort(last_used[cand], kind="stable")]:
+                if used <= cap:
+                    break
+                gpu[i] = False
+                used -= mem[i]
+        last_used[busy] = start
+        late = np.clip(ready_at - start, 0.0, dt)
+        coldf = np.where(busy, np.minimum(1.0, late / dt), 0.0)
+        cold_req = np.where(coldf > 0, np.minimum(c, np.maximum(1.0, c * coldf)), 0.0)
+        policy.observe(t, c, gpu)
+        if t < first_scored:
+            continue
+        req += float(c.sum())
+        cold += float(cold_req.sum())
+        full += float(cold_req[from_tier >= 1].sum())
+        loads += int(((from_tier >= 1) & gpu).sum())
+        wakes += int((from_tier == 0).sum())
+        gb_s += used * dt
+        peak = max(peak, used)
+        waste_s += float(mem[gpu & ~busy].sum()) * dt
+        warm_w += c - cold_req
+        cold_m += cold_req
+        gb_s_m += np.where(gpu, mem, 0.0) * dt
+        hit = np.flatnonzero(cold_req > 0)
+        if hit.size:
+            span = np.where(demand[hit], ready_at[hit] - start - first[hit], late[hit])
+            span = np.maximum(span, 0.0)
+            half = cold_req[hit] / 2.0
+            waits.append(np.concatenate([0.25 * span, 0.75 * span]) + np.tile(warm_ttft[hit], 2))
+            weights.append(np.concatenate([half, half]))
+        if progress is not None and t % 500 == 0:
+            progress(t, trace.n_steps)
+    w_all = np.concatenate([warm_w] + weights) if weights else warm_w
+    v_all = np.concatenate([warm_ttft] + waits) if waits else warm_ttft
+    span_s = max(dt, (trace.n_steps - first_scored) * dt)
+    return FleetScore(
+        policy=policy.name, knob=None, requests=req, cold_requests=cold,
+        cold_share=cold / req if req else 0.0, full_load_share=full / req if req else 0.0,
+        ttft_p50_s=weighted_quantile(v_all, w_all, 0.5), ttft_p99_s=weighted_quantile(v_all, w_all, 0.99),
+        ttft_p999_s=weighted_quantile(v_all, w_all, 0.999),
+        warm_gb_h=gb_s / 3600.0, wasted_gb_h=waste_s / 3600.0, avg_warm_gb=gb_s / span_s, peak_warm_gb=peak,
+        loads=loads, wakes=wakes, cold_by_model=tuple(cold_m.tolist()),
+        warm_gb_h_by_model=tuple((gb_s_m / 3600.0).tolist()))

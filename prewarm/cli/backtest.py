@@ -1,0 +1,172 @@
+"""`prewarm backtest`: replay a trace through the scaling policies and score them.
+
+A request or rate trace runs the single-model policies (`forecasting.sim`), `--sweep` runs
+each over its knob, and a fleet trace runs the fleet policies (`forecasting.fleet`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from prewarm.core.settings import Settings
+
+
+def add_parser(sub: Any) -> None:
+    """Register `backtest` on the CLI's subparsers."""
+    p = sub.add_parser("backtest", help="replay a trace through the scaling policies and score them (TTFT, cold starts, GPU-hours)")
+    p.add_argument("trace", nargs="+", help="a trace file (Azure CSV, Mooncake JSONL, ServeGen or NASA rates); "
+                   "a fleet trace (per-client rates, Azure Functions days in order, a request log) runs the fleet backtest")
+    p.add_argument("--policies", default=None, help="comma-separated policies (default: every policy of the mode)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--plot", metavar="OUT.png", help="write traffic vs replicas and TTFT CDFs")
+    p.add_argument("--time-scale", type=float, default=1.0, help="compress time by X (rates x X)")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate by Y")
+    p.add_argument("--cold-start", type=float, default=None, help="cold start seconds (default: planner default_cold_start_s)")
+    p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
+    p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-s", type=float, default=None, metavar="S",
+                   help="replay only the first S seconds of the trace (say so when quoting figures)")
+    p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
+                   help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
+                        "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
+    p.add_argument("--score-after", type=float, default=0.0, metavar="S",
+                   help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
+    _fleet_args(p)
+    p.set_defaults(handler=run)
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet backtest (many models on one GPU pool)")
+    g.add_argument("--fleet", action="store_true", help="read the trace as a fleet (implied by a fleet format)")
+    g.add_argument("--time-column", help="request log: the column of arrival times (e.g. gmt_create)")
+    g.add_argument("--model-column", help="request log: the column naming the model (e.g. checkpoint_model_version_id)")
+    g.add_argument("--unit", choices=["app", "function"], default="app", help="Azure Functions: a model per app or function")
+    g.add_argument("--step", type=float, default=60.0, help="simulation step in seconds (default 60)")
+    g.add_argument("--catalog", help="a JSON model catalog (default: footprints from a stable hash of the name)")
+    g.add_argument("--nodes", type=int, default=0, help="GPU nodes (default: enough for --capacity-share of all models)")
+    g.add_argument("--node-gpu-gb", type=float, default=640.0)
+    g.add_argument("--node-host-gb", type=float, default=1024.0)
+    g.add_argument("--capacity-share", type=float, default=0.4, help="fleet GPU memory as a share of all models' footprints")
+    g.add_argument("--top", type=int, default=0, help="keep only the N models with the most requests")
+    g.add_argument("--no-curve", action="store_true", help="skip the knob sweeps (the curve)")
+
+
+def _cmd_fleet_backtest(args: argparse.Namespace) -> int:
+    import json
+
+    from forecasting.fleet.backtest import FleetSetup, run_fleet_backtest
+    from forecasting.fleet.catalog import load_catalog
+    from forecasting.fleet.policies import FLEET_POLICIES
+    from forecasting.fleet.report import plot_curves, print_fleet
+    from forecasting.fleet.traces import load_fleet
+    from forecasting.data.traces import HistoryError
+
+    try:
+        trace = load_fleet(args.trace, time_column=args.time_column, model_column=args.model_column,
+                           step_s=args.step, unit=args.unit)
+        if args.top:
+            trace = trace.head(args.top)
+        catalog = load_catalog(args.catalog, trace.names) if args.catalog else None
+        setup = FleetSetup(n_nodes=args.nodes, node_gpu_gb=args.node_gpu_gb, node_host_gb=args.node_host_gb,
+                           capacity_share=args.capacity_share, step_s=args.step,
+                           score_after_s=args.score_after or 86_400.0)
+        policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
+        out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
+                                 progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
+    except (HistoryError, ValueError, KeyError) as exc:
+        print(f"prewarm backtest: {exc}", file=sys.stderr)
+        return 2
+    print_fleet(out)
+    if args.plot:
+        print(f"plot written to {plot_curves(out, args.plot)}")
+    if args.json:
+        print(json.dumps(out, default=float))
+    return 0
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """`prewarm backtest`: one trace through the policies, a sweep, or a fleet trace through the fleet policies."""
+    import json
+
+    from forecasting.fleet.traces import is_fleet_trace
+
+    if args.fleet or args.time_column or args.model_column or is_fleet_trace(args.trace[0]):
+        return _cmd_fleet_backtest(args)
+
+    from forecasting.sim.report import print_table, progress_bar
+    from forecasting.sim.scoring import run_backtest
+    from forecasting.sim.simulate import SimParams
+    from forecasting.data.traces import HistoryError, load_trace
+
+    try:
+        trace: object = load_trace(args.trace[0])
+        if args.limit_s is not None:
+            trace = _head(trace, args.limit_s)
+        params = SimParams(
+            slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
+            cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
+            cold_start_cv=args.cold_start_cv,
+        )
+        policies = [p.strip() for p in (args.policies or "reactive,fixed_pool,keepalive,prewarm,oracle").split(",")
+                    if p.strip()]
+        if args.sweep:
+            return _sweep(args, settings, trace, params, policies)
+        with progress_bar() as progress:
+            out = run_backtest(trace, params, policies, progress=progress,
+                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
+                               score_after_s=args.score_after)
+    except (HistoryError, ValueError) as exc:
+        print(f"prewarm backtest: {exc}", file=sys.stderr)
+        return 2
+    print_table(out["result"])
+    if args.plot:
+        from forecasting.sim.report import plot
+
+        path = plot(out["work"], out["runs"], args.plot, title=out["result"]["trace"])
+        print(f"plot written to {path}")
+    if args.json:
+        print(json.dumps(out["result"], default=float))
+    return 0
+
+
+def _head(trace: object, seconds: float) -> object:
+    """The first `seconds` of a trace (request or rate trace), with its source saying so."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    src = f"{getattr(trace, 'source', 'trace')} (first {seconds / 3600:g} h)"
+    if hasattr(trace, "t"):
+        t = np.asarray(trace.t)
+        keep = t - t[0] < seconds
+        ctx, gen = getattr(trace, "context_tokens", None), getattr(trace, "generated_tokens", None)
+        return replace(trace, t=t[keep], source=src,  # type: ignore[type-var]
+                       context_tokens=None if ctx is None else np.asarray(ctx)[keep],
+                       generated_tokens=None if gen is None else np.asarray(gen)[keep])
+    keep = np.asarray(trace.window_start_s) < seconds  # type: ignore[attr-defined]
+    return replace(trace, window_start_s=np.asarray(trace.window_start_s)[keep],  # type: ignore[type-var, attr-defined]
+                   rate=np.asarray(trace.rate)[keep], source=src)  # type: ignore[attr-defined]
+
+
+def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: object, policies: list[str]) -> int:
+    import json
+
+    from forecasting.sim.report import plot_sweep, progress_bar
+    from forecasting.sim.scoring import run_sweep
+
+    with progress_bar() as progress:
+        sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
+                          policy_kwargs={"prewarm": {"planner_settings": settings.planner}}, progress=progress)
+    print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
+    for pt in sweep["points"]:
+        knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
+        print(f"  {pt['policy']:<10} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
+              f"p99 {pt['ttft_p99_s']:.3f} s{'  (default)' if pt['default'] else ''}")
+    path = plot_sweep(sweep, args.sweep)
+    print(f"sweep plot written to {path}")
+    if args.json:
+        print(json.dumps(sweep, default=float))
+    return 0

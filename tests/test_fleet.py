@@ -1,0 +1,196 @@
+"""The fleet: trace readers, catalog, estimator, the pure fleet planner and the multi-model backtest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forecasting.fleet.backtest import FleetSetup, resample, run_fleet_backtest
+from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, load_catalog
+from forecasting.fleet.estimate import ArrivalEstimator
+from forecasting.fleet.planner import ActionKind, FleetContext, FleetNode, FleetParams, FleetState, plan_fleet
+from forecasting.fleet.policies import FleetEnv, HybridHistogram, KeepAlive, Oracle
+from forecasting.fleet.simulate import simulate
+from forecasting.fleet.traces import FleetTrace, is_fleet_trace, load_fleet, read_azure_functions, read_request_log
+from forecasting.data.traces import HistoryError
+
+FIX = Path(__file__).parent / "fixtures" / "fleet"
+AZURE = [FIX / "azure_functions_d01.csv", FIX / "azure_functions_d02.csv"]
+
+
+# --- readers ---------------------------------------------------------------------------------
+def test_client_rates_become_counts_per_window() -> None:
+    tr = load_fleet([FIX / "client_rates.csv"])
+    assert tr.kind == "client_rates" and tr.step_s == 600.0
+    assert set(tr.names) == {"client-dense", "client-periodic", "client-sparse", "client-rare"}
+    rare = tr.counts[:, tr.names.index("client-rare")]
+    assert np.flatnonzero(rare).tolist() == [40, 41, 200]
+    assert rare[40] == pytest.approx(0.05 * 600)
+    assert (tr.counts[:, tr.names.index("client-dense")] > 0).all()
+
+
+def test_azure_functions_read_by_name_whatever_the_column_order() -> None:
+    tr = read_azure_functions(AZURE)
+    assert tr.kind == "azure_functions" and tr.step_s == 60.0 and tr.n_steps == 2 * 1440
+    # day 2 names its minutes minute_N and puts the hashes in reverse order: same apps, same totals
+    import pandas as pd
+
+    d1, d2 = (pd.read_csv(p) for p in AZURE)
+    assert tr.n_models == d1["HashApp"].nunique()
+    assert tr.counts[:1440].sum() == d1[[str(m) for m in range(1, 1441)]].to_numpy().sum()
+    assert tr.counts[1440:].sum() == d2[[f"minute_{m}" for m in range(1, 1441)]].to_numpy().sum()
+    per_function = read_azure_functions(AZURE, unit="function")
+    assert per_function.n_models == len(d1) and per_function.total_requests == tr.total_requests
+
+
+def test_request_log_with_user_named_columns() -> None:
+    tr = read_request_log(FIX / "genai_requests.csv", time_column="gmt_create",
+                          model_column="checkpoint_model_version_id", step_s=60)
+    import pandas as pd
+
+    rows = pd.read_csv(FIX / "genai_requests.csv")
+    assert tr.names == ("ckpt-a", "ckpt-b", "ckpt-c")
+    assert tr.total_requests == len(rows)
+    assert tr.counts[:, 0].sum() == (rows["checkpoint_model_version_id"] == "ckpt-a").sum()
+    with pytest.raises(HistoryError, match="no column"):
+        read_request_log(FIX / "genai_requests.csv", time_column="ts", model_column="checkpoint_model_version_id")
+
+
+def test_format_detection() -> None:
+    assert is_fleet_trace(AZURE[0]) and is_fleet_trace(FIX / "client_rates.csv")
+    assert not is_fleet_trace(FIX / "genai_requests.csv")
+    with pytest.raises(HistoryError, match="time-column"):
+        load_fleet([FIX / "genai_requests.csv"])
+
+
+def test_resample_keeps_requests() -> None:
+    tr = load_fleet([FIX / "client_rates.csv"])
+    fine = resample(tr, 60.0)
+    assert fine.n_steps == tr.n_steps * 10 and fine.total_requests == pytest.approx(tr.total_requests)
+    assert resample(fine, 600.0).total_requests == pytest.approx(tr.total_requests)
+
+
+# --- catalog ---------------------------------------------------------------------------------
+def test_catalog_defaults_are_stable_and_tiers_ordered(tmp_path: Path) -> None:
+    a, b = default_catalog(["m1", "m2", "m3"]), default_catalog(["m3", "m1"])
+    assert a.card("m1").mem_gb == b.card("m1").mem_gb
+    for c in a.cards:
+        times = [c.time_to_ready(t) for t in Tier]
+        assert times == sorted(times) and times[0] == 0.0
+    measured = a.with_measured("m1", "h100", Tier.ASLEEP, 0.9)
+    assert measured.card("m1").time_to_ready(Tier.ASLEEP, "h100") == 0.9
+    (tmp_path / "cat.json").write_text(json.dumps({"models": [{"name": "m2", "mem_gb": 5, "priority": 3}]}))
+    loaded = load_catalog(tmp_path / "cat.json", ["m1", "m2"])
+    assert loaded.names == ("m1", "m2") and loaded.card("m2").priority == 3.0
+
+
+# --- estimator -------------------------------------------------------------------------------
+def test_estimator_learns_a_period_and_bridges_the_gap() -> None:
+    est = ArrivalEstimator(2, 60.0)
+    for t in range(600):
+        est.observe(np.array([1.0 if t % 10 == 0 else 0.0, 0.0]))
+    out = est.outlook()  # idle 9 steps into a period of 10: the next step is the arrival
+    assert out.rate[0] > 0.5
+    assert out.rate[1] == 0.0 and out.p_next[1] == 0.0  # never seen: nothing to warm
+    est.observe(np.array([1.0, 0.0]))
+    est.observe(np.array([0.0, 0.0]))
+    assert est.outlook().rate[0] > 1.0 / 12  # one idle step in: worth staying warm until the next tick
+
+
+def test_estimator_fades_past_every_gap_it_has_seen() -> None:
+    """A model idle far longer than any gap of the fleet: a small chance (about 1/idle), never 1."""
+    est = ArrivalEstimator(2, 60.0)
+    est.observe(np.array([0.0, 1.0]))
+    for t in range(300):
+        est.observe(np.array([1.0, 0.0]))  # model 0 busy every step: the fleet has no gaps at all
+    out = est.outlook()
+    assert out.rate[1] < 0.05 and out.p_next[1] < 0.05
+    assert out.rate[0] > 0.9
+
+
+# --- planner ---------------------------------------------------------------------------------
+def _ctx(rate: list[float], nodes: tuple[FleetNode, ...], budget: float | None = None,
+         mems: tuple[float, ...] = (40.0, 40.0, 40.0)) -> FleetContext:
+    cat = Catalog(tuple(ModelCard(name=f"m{i}", mem_gb=m) for i, m in enumerate(mems)))
+    return FleetContext(now=0.0, catalog=cat, nodes=nodes, rate=np.array(rate), burst_requests=np.full(len(mems), 10.0),
+                        params=FleetParams(step_s=60.0, budget_gb=budget))
+
+
+def test_planner_keeps_the_best_density_within_node_memory() -> None:
+    nodes = (FleetNode("a", gpu_gb=80.0, host_gb=100.0), FleetNode("b", gpu_gb=40.0, host_gb=0.0))
+    plan, _ = plan_fleet(_ctx([0.9, 0.5, 0.1], nodes), FleetState(lam=0.0))
+    assert sum(len(v) for v in plan.gpu.values()) == 3  # 120 GB of 120
+    plan, _ = plan_fleet(_ctx([0.9, 0.5, 0.1], nodes, mems=(40.0, 40.0, 60.0)), FleetState(lam=0.0))
+    assert set(plan.gpu) == {"m0", "m1"} and plan.gpu_gb <= 120.0
+    assert plan.asleep == {"m2": "a"}  # the next best sleeps in host memory
+
+
+def test_planner_never_evicts_a_replica_with_requests_in_flight() -> None:
+    node = FleetNode("a", gpu_gb=80.0, host_gb=0.0, resident={"m2": Tier.GPU}, in_flight={"m2": 3})
+    plan, _ = plan_fleet(_ctx([0.9, 0.8, 0.0], (node,)), FleetState(lam=1e-6))
+    assert plan.gpu["m2"] == ("a",) and set(plan.gpu) == {"m0", "m2"}
+    idle = FleetNode("a", gpu_gb=80.0, host_gb=0.0, resident={"m2": Tier.GPU})
+    plan, _ = plan_fleet(_ctx([0.9, 0.8, 0.0], (idle,)), FleetState(lam=1e-6))
+    assert "m2" not in plan.gpu
+    assert any(a.kind == ActionKind.EVICT and a.model == "m2" for a in plan.actions)
+
+
+def test_planner_price_tracks_the_fleet_budget() -> None:
+    nodes = (FleetNode("a", gpu_gb=200.0, host_gb=0.0),)
+    state = FleetState(lam=1e-6)
+    used = []
+    for _ in range(200):
+        plan, state = plan_fleet(_ctx([0.9, 0.5, 0.1], nodes, budget=60.0), state)
+        used.append(plan.gpu_gb)
+    assert np.mean(used[100:]) <= 60.0 * 1.25 and state.lam > 1e-6
+    assert set(plan_fleet(_ctx([0.9, 0.5, 0.1], nodes, budget=60.0), state)[0].gpu) <= {"m0", "m1"}
+
+
+# --- backtest --------------------------------------------------------------------------------
+def test_simulated_policies_order_as_expected() -> None:
+    tr = read_azure_functions(AZURE)
+    cat = default_catalog(tr.names)
+    env = FleetEnv(catalog=cat, step_s=60.0, n_nodes=1, node_gpu_gb=cat.total_gb(), node_host_gb=512.0,
+                   counts=tr.counts)
+    short = simulate(tr, KeepAlive(60.0, name="reactive"), env, score_after_s=86_400)
+    long = simulate(tr, KeepAlive(3600.0), env, score_after_s=86_400)
+    oracle = simulate(tr, Oracle(), env, score_after_s=86_400)
+    hh = simulate(tr, HybridHistogram(), env, score_after_s=86_400)
+    assert long.cold_share < short.cold_share and long.warm_gb_h > short.warm_gb_h
+    assert oracle.cold_share == 0.0 and oracle.warm_gb_h < long.warm_gb_h
+    assert hh.requests == short.requests == tr.counts[1440:].sum()
+    assert short.wasted_gb_h <= short.warm_gb_h
+
+
+def test_fleet_backtest_runs_every_policy_and_the_curve(tmp_path: Path) -> None:
+    tr = load_fleet(AZURE)
+    out = run_fleet_backtest(tr, setup=FleetSetup(capacity_share=0.5, score_after_s=86_400))
+    names = [r["policy"] for r in out["rows"]]
+    assert names == ["keepalive", "hybrid_histogram", "reactive", "oracle", "fleet"]
+    assert set(out["curves"]) == {"keepalive", "hybrid_histogram", "fleet"}
+    fleet = out["rows"][-1]
+    assert fleet["warm_gb_h"] <= out["target"]["hybrid_warm_gb_h"] * 1.0001
+    assert all(r["avg_warm_gb"] <= out["fleet"]["gpu_capacity_gb"] + 1e-6 for r in out["rows"])
+    from forecasting.fleet.report import plot_curves, table_lines
+
+    assert plot_curves(out, tmp_path / "curve.png").stat().st_size > 0
+    assert len(table_lines(out, markdown=True)) == 2 + len(out["rows"])
+
+
+def test_backtest_cli_reads_a_request_log(capsys: pytest.CaptureFixture[str]) -> None:
+    from prewarm.cli import main
+
+    rc = main(["backtest", str(FIX / "genai_requests.csv"), "--time-column", "gmt_create",
+               "--model-column", "checkpoint_model_version_id", "--no-curve", "--nodes", "1", "--node-gpu-gb", "40",
+               "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["models"] == 3 and {r["policy"] for r in result["rows"]} >= {"fleet", "oracle", "hybrid_histogram"}
+
+
+def test_fleet_trace_head_keeps_the_busiest() -> None:
+    tr = FleetTrace(("a", "b", "c"), np.array([[1.0, 5.0, 0.0], [0.0, 5.0, 2.0]]), 60.0, "x", "test")
+    assert tr.head(2).names == ("b", "c")

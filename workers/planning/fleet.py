@@ -1,0 +1,212 @@
+"""The fleet round, live: every planned model at once, within one GPU-memory budget.
+
+With `planner.fleet_budget_gb` set, `forecast_and_plan` runs this instead of planning each
+model alone:
+1. history: each model's complete buckets from the gateway's counters (`load_redis`),
+   aligned into one ``counts[bucket, model]`` matrix;
+2. catalog: each model's footprint (`planner.model_memory_gb`) and priority, with the
+   registry's measured load time p95 as its time to ready from the node's cache;
+3. nodes: what agents publish (`keys.node_info`: `gpu_memory_gb`, `host_memory_gb`) and
+   which models are live on each (the registry); a model with a request in the last bucket
+   counts as in flight there, so the planner never evicts it;
+4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
+   models' own forecasters on a slower cadence, the fleet planner);
+5. act: a LOAD becomes `prewarm_replica` on the chosen node's queue, a WAKE `wake_replica`
+   of the replica asleep there (else a load), a SLEEP `sleep_replica` (engine level-1 sleep:
+   weights to host memory), an EVICT `evict_replica` (the weights stay in the node's
+   snapshot: the cached tier); sleep and evict wait for requests in flight
+   (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
+The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
+live in this process (a restarted planner refits them, staggered).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from celery import Celery
+
+from forecasting.data.history import load_redis, rate_series
+from forecasting.data.traces import HistoryError
+from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
+from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
+from forecasting.fleet.round import RoundParams, RoundState, fleet_round
+from prewarm.core import keys
+from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
+from workers import names
+from workers.context import WorkerContext
+from workers.planning.forecast import ModelPlan, planned_models
+from workers.planning.nodes import live_nodes
+
+log = logging.getLogger("prewarm.planner.fleet")
+
+#: How much history a fleet round reads per model (its estimator needs gaps, not weeks).
+FLEET_HISTORY_S = 86_400
+#: How far the dense models' forecasts look ahead.
+FLEET_HORIZON_S = 900
+_STATE = RoundState()
+
+
+def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
+    """Cards from the settings (footprint, priority, capacity) and the registry's measured load times."""
+    p = ctx.settings.planner
+    defaults = {c.name: c for c in default_catalog(models).cards}
+    cards = []
+    for name in models:
+        mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
+        ready = {t: float(v) for t, v in default_ready_s(mem).items()}
+        measured = ctx.registry.load_time_p95(name)
+        if measured is not None:
+            ready[Tier.CACHED] = measured
+            ready[Tier.DISK] = max(ready[Tier.DISK], measured)
+        for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
+            got = ctx.registry.ready_time_p95(name, tier.value, ctx.settings.agent.node_class)
+            if got is not None:
+                ready[tier] = got
+        cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
+                               priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
+    return Catalog(tuple(cards))
+
+
+def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetNode, ...]:
+    out = []
+    biggest = max((c.mem_gb for c in catalog.cards), default=1.0)
+    for ns in live_nodes(ctx):
+        info = ctx.client.hgetall(keys.node_info(ns.node))
+        gpu = float(info.get("gpu_memory_gb") or 0.0) or ns.slots * biggest  # a slots-only node: a slot per model
+        host = float(info.get("host_memory_gb") or 0.0)
+        resident: dict[str, Tier] = {}
+        for r in ctx.registry.live_on_node(ns.node):
+            if r.model in catalog.index and r.state in LIVE_STATES:
+                tier = Tier.ASLEEP if r.state is ReplicaState.ASLEEP else Tier.GPU
+                if resident.get(r.model) is not Tier.GPU:
+                    resident[r.model] = tier
+        for snap in (s for s in info.get("snapshots", "").split(",") if s):
+            resident.setdefault(snap.partition("@")[0], Tier.CACHED)
+        resident = {m: t for m, t in resident.items() if m in catalog.index}
+        out.append(FleetNode(name=ns.node, gpu_gb=gpu, host_gb=host, node_class=info.get("node_class", "default"),
+                             resident=resident, in_flight={m: 1 for m, t in resident.items()
+                                                           if t is Tier.GPU and m in busy}))
+    return tuple(out)
+
+
+def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket: float) -> pd.Series:
+    """Requests/s per complete bucket of ``model`` in [start, end) from the gateway's counters (empty if none)."""
+    resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
+    resolution = max((r for r in resolutions if bucket % r == 0), default=resolutions[0])
+    first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
+    if first is not None:
+        start = max(start, math.floor(float(first) / bucket) * bucket)
+    if start >= end:
+        return pd.Series(dtype=float)
+    try:
+        frame = load_redis(ctx.client, model, resolution_s=resolution, start=start, end=end)
+    except HistoryError as exc:
+        log.info("no request history for %s yet: %s", model, exc)
+        return pd.Series(dtype=float)
+    return rate_series(frame, model, bucket_s=int(bucket)) if not frame.empty else pd.Series(dtype=float)
+
+
+def _load_state(ctx: WorkerContext) -> FleetState:
+    raw = ctx.client.hgetall(keys.FLEET_STATE)
+    try:
+        return FleetState(lam=float(raw["lam"]), spent_gb_s=float(raw["spent_gb_s"]),
+                          elapsed_s=float(raw["elapsed_s"]))
+    except (KeyError, ValueError):
+        return FleetState()
+
+
+def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[ModelPlan]:
+    """One fleet round over every planned model; returns one `ModelPlan` per model."""
+    global _STATE
+    p = ctx.settings.planner
+    specs = {s.name: s for s in planned_models(ctx)}
+    if not specs:
+        return []
+    names_ = sorted(specs)
+    bucket = float(p.bucket_s)
+    n = max(2, int(min(p.history_s, FLEET_HISTORY_S) // bucket))
+    end = math.floor(now / bucket) * bucket
+    grid = end - bucket * np.arange(n, 0, -1, dtype=float)
+    counts = np.zeros((n, len(names_)))
+    for j, name in enumerate(names_):
+        y = _history(ctx, name, start=float(grid[0]), end=end, bucket=bucket)
+        if len(y):
+            pos = np.searchsorted(grid, y.index.to_numpy(dtype=float))
+            ok = (pos < n) & (grid[np.minimum(pos, n - 1)] == y.index.to_numpy(dtype=float))
+            counts[pos[ok], j] = y.to_numpy(dtype=float)[ok] * bucket
+    catalog = fleet_catalog(ctx, names_)
+    busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
+    nodes = _nodes(ctx, catalog, busy)
+    params = RoundParams(bucket_s=bucket, horizon=max(1, int(FLEET_HORIZON_S // bucket)), quantile=p.quantile,
+                         headroom=1.0 + p.headroom,
+                         fleet=FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb,
+                                           cap_gb=p.fleet_budget_gb))
+    _STATE.planner = _load_state(ctx)
+    result, _STATE = fleet_round(counts, catalog, nodes, now=now, params=params, state=_STATE)
+    plan = result.plan
+    ctx.client.hset(keys.FLEET_STATE, mapping={"lam": repr(_STATE.planner.lam),
+                                               "spent_gb_s": repr(_STATE.planner.spent_gb_s),
+                                               "elapsed_s": repr(_STATE.planner.elapsed_s)})
+    sent: dict[str, list[str]] = {m: [] for m in names_}
+    used_slots = {ns.node: set(ns.used) for ns in live_nodes(ctx)}
+    slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
+    for action in plan.actions:
+        spec = specs[action.model]
+        asleep_here = [r.id for r in ctx.registry.live_on_node(action.node)
+                       if r.model == action.model and r.state is ReplicaState.ASLEEP]
+        if action.kind is ActionKind.WAKE and asleep_here:  # a sleeping replica there: wake it, no load
+            if p.dry_run:
+                log.info("dry run: would wake %s", asleep_here[0])
+            else:
+                app.send_task(names.WAKE, args=[asleep_here[0]])
+            sent[action.model].append(asleep_here[0])
+        elif action.kind in (ActionKind.LOAD, ActionKind.WAKE):
+            free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
+            if not free:
+                log.warning("fleet: no free slot on %s for %s", action.node, action.model)
+                continue
+            used_slots[action.node].add(free[0])
+            rid = replica_id(spec.name, spec.revision, action.node, free[0])
+            if p.dry_run:
+                log.info("dry run: would prewarm %s (%s)", rid, action.kind.value)
+            else:
+                app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
+            sent[action.model].append(rid)
+        else:
+            # SLEEP: drain and sleep (weights to host memory); EVICT: drain and retire (the snapshot keeps
+            # the weights). Both wait for requests in flight to finish (workers.node.tiers).
+            task = names.SLEEP if action.kind is ActionKind.SLEEP else names.EVICT
+            for r in ctx.registry.live_on_node(action.node):
+                if r.model == action.model and (r.state is ReplicaState.READY or (
+                        task == names.EVICT and r.state is ReplicaState.ASLEEP)):
+                    why = f"fleet: {action.kind.value} (density {action.density:.3g} below the memory price)"[:200]
+                    if p.dry_run:
+                        log.info("dry run: would %s %s", action.kind.value, r.id)
+                    else:
+                        app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
+    view: dict[str, dict[str, Any]] = {}
+    for j, name in enumerate(names_):
+        tier = "gpu" if name in plan.gpu else "asleep" if name in plan.asleep else "cold"
+        view[name] = {"tier": tier, "nodes": list(plan.gpu.get(name, ())) or ([plan.asleep[name]] if name in
+                                                                             plan.asleep else []),
+                      "density": float(plan.density[j]), "rate": float(result.rate[j]),
+                      "replicas": len(plan.gpu.get(name, ())), "dense": name in result.dense,
+                      "mem_gb": catalog.cards[j].mem_gb}
+    ctx.client.set(keys.FLEET_PLAN, json.dumps({"at": now, "lam": plan.lam, "gpu_gb": plan.gpu_gb,
+                                                "budget_gb": p.fleet_budget_gb, "refits": result.refits,
+                                                "models": view}))
+    out = []
+    for name in names_:
+        status = f"fleet: {view[name]['tier']}" + (" (dry run)" if p.dry_run else "")
+        ctx.client.hset(keys.last_forecast(name), mapping={"status": status, "at": repr(now),
+                                                            "need_now": str(view[name]["replicas"])})
+        out.append(ModelPlan(name, status, (), tuple(sent[name]), 0, view[name]["replicas"]))
+    log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d refit(s)",
+             len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), result.refits)
+    return out
