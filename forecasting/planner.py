@@ -23,7 +23,10 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    the plan can go below what a stabilised reactive scaler keeps;
 5. `_budget`: warm capacity beyond the next bucket's need (early scale-ups, holds, the
    warm pool) stays within `budget_share` of the planned capacity; what it cuts is
-   reported;
+   reported. In predictive mode the budget holds on average over `budget_window_s` (the
+   state carries the account), so a step may pre-warm a rise the forecaster learned to
+   expect (a recurring step, priced at `phase_quantile`) with what calm steps left unspent;
+   in reactive mode it holds at every step;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -66,6 +69,7 @@ class PlannerParams:
     warm_pool_size: int | None = None
     warm_pool_percent: float = 0.0
     budget_share: float = 0.12
+    budget_window_s: float = 3600.0  # the budget holds on average over this (0: at every step)
     bucket_s: float = 60.0  # coarse buckets: the seasonal profile's history
     fine_bucket_s: float = 10.0  # fine buckets: requests and peak in flight, what the nowcast reads
     interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
@@ -76,6 +80,7 @@ class PlannerParams:
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
     phase_period_s: float = 600.0  # errors recurring at one phase of this period (on the clock) are calibrated apart
     phase_span_s: float = 6 * 3600.0  # ... over this much history
+    phase_quantile: float | None = 0.99  # the quantile of those recurring errors (None: `quantile`); predictive mode only
     profile_refit_s: float = 3600.0
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
     schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
@@ -152,12 +157,15 @@ class PlannerState:
     profile_at: float | None = None
     mode: str = REACTIVE
     mode_since: float | None = None
+    warm_avg: float | None = None  # planned warm share, averaged over `budget_window_s` (the budget's account)
+    warm_at: float | None = None
 
     def to_json(self) -> str:
         return json.dumps({
             "profile": None if self.profile is None else
             {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days},
             "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
+            "warm_avg": self.warm_avg, "warm_at": self.warm_at,
         })
 
     @classmethod
@@ -167,7 +175,8 @@ class PlannerState:
         d = json.loads(raw)
         p = d.get("profile")
         profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]))
-        return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"))
+        return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
+                   d.get("warm_avg"), d.get("warm_at"))
 
 
 @dataclass(frozen=True)
@@ -323,24 +332,49 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     return target, why
 
 
-def _budget(target: int, need_next: int, pool: int, live: int, p: PlannerParams) -> tuple[int, int, list[str]]:
+def _allowed_share(state: PlannerState, now: float, p: PlannerParams) -> float:
+    """The warm share this step may plan: the budget holds on average over `budget_window_s`, so a step
+    may spend what the recent steps left unspent (an exponential average; unknown history: the budget)."""
+    if p.budget_window_s <= 0 or state.warm_avg is None or state.warm_at is None:
+        return p.budget_share
+    a = _avg_weight(now - state.warm_at, p)
+    if a <= 0:
+        return p.budget_share
+    return max(p.budget_share, min(1.0, state.warm_avg + (p.budget_share - state.warm_avg) / a))
+
+
+def _avg_weight(dt: float, p: PlannerParams) -> float:
+    return 1.0 - math.exp(-max(0.0, dt) / p.budget_window_s) if p.budget_window_s > 0 else 1.0
+
+
+def _account(state: PlannerState, now: float, share: float, p: PlannerParams) -> PlannerState:
+    """The budget's account after a step that planned `share` of its capacity warm beyond need."""
+    if state.warm_avg is None or state.warm_at is None:
+        return replace(state, warm_avg=share, warm_at=now)
+    a = _avg_weight(now - state.warm_at, p)
+    return replace(state, warm_avg=state.warm_avg + a * (share - state.warm_avg), warm_at=now)
+
+
+def _budget(target: int, need_next: int, pool: int, live: int, p: PlannerParams,
+            allowed: float | None = None) -> tuple[int, int, list[str]]:
     """Trim warm capacity beyond `need_next` (holds and early scale-ups first, then the pool) to the budget.
 
     Capacity already live and kept by the reactive fallback is not trimmed below `live`'s
     share the forecast asked for; the budget caps what the forecast adds."""
     notes: list[str] = []
-    if p.budget_share >= 1.0:
+    cap = p.budget_share if allowed is None else allowed
+    if cap >= 1.0:
         return target, pool, notes
     base = max(need_next, p.min_serving)
 
     def share(t: int, q: int) -> float:
         return warm_cost(t + q, base)
 
-    while target > base and share(target, pool) > p.budget_share:
-        notes.append(f"budget: warm share {share(target, pool):.1%} > {p.budget_share:.0%}; one early/held replica cut")
+    while target > base and share(target, pool) > cap:
+        notes.append(f"budget: warm share {share(target, pool):.1%} > {cap:.0%}; one early/held replica cut")
         target -= 1
-    while pool > 0 and share(target, pool) > p.budget_share:
-        notes.append(f"budget: warm share {share(target, pool):.1%} > {p.budget_share:.0%}; warm pool cut to {pool - 1}")
+    while pool > 0 and share(target, pool) > cap:
+        notes.append(f"budget: warm share {share(target, pool):.1%} > {cap:.0%}; warm pool cut to {pool - 1}")
         pool -= 1
     return target, pool, notes
 
@@ -431,12 +465,14 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     h = lead_buckets(lead, obs.bucket_s)
     kw = dict(horizon=h, quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
               level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
-              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s))
+              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
+              phase_quantile=p.phase_quantile)
     # the mean load in flight is what a replica's slots serve when the forecast of it is good;
     # while it is not (bursts), the peaks are planned and released only reactively
     fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     mode = _mode(fc, p)
     if mode == REACTIVE:
+        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
         fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
@@ -452,7 +488,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     if batch_lead:
         why += f" (batch jobs {batch_lead})"
     pool = _pool_target(p, need_next)
-    budget_target, pool, notes = _budget(target, need_next, pool, inp.replicas.live, p)
+    budget_target, pool, notes = _budget(target, need_next, pool, inp.replicas.live, p,
+                                         _allowed_share(state, inp.now, p) if mode == PREDICTIVE else None)
     dropped: list[DroppedEvent] = []
     if budget_target < target or notes:
         cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
@@ -465,6 +502,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
     schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, margin), pool) if p.batch_jobs else ()
+    share = warm_cost(target + pool, max(need_next, p.min_serving))
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
-                        mode, fc, warm_cost(target + pool, max(need_next, p.min_serving)), schedule)
-    return decision, state
+                        mode, fc, share, schedule)
+    return decision, _account(state, inp.now, share, p)

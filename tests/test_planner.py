@@ -165,6 +165,20 @@ def test_budget_covers_early_scale_ups_and_says_why() -> None:
     assert free.target == 14 and free.dropped == ()
 
 
+def test_predictive_budget_holds_on_average_so_an_unspent_account_pays_for_an_expected_rise() -> None:
+    """In predictive mode the budget is an hour's average: after calm steps (nothing warm beyond need) the same
+    early capacity is allowed; after steps that spent it, it is capped at the budget as at every step."""
+    job = BatchJob(cron=EVERY_10_MIN, model="m", replicas=12, duration_s=300.0)
+    params = replace(BASE, budget_share=0.12, batch_jobs=(job,), default_cold_start_s=170.0)
+    inp = inputs([8.0] * buckets_until(-100.0), ready=2, params=params)
+    calm, state = step(inp, PlannerState(warm_avg=0.0, warm_at=inp.now - 10.0))
+    assert calm.mode == PREDICTIVE and calm.target == 14 and calm.dropped == ()
+    assert state.warm_avg is not None and 0.0 < state.warm_avg < 0.12 and state.warm_at == inp.now
+    spent, _ = step(inp, PlannerState(warm_avg=0.5, warm_at=inp.now - 10.0))
+    assert spent.target == 2 and spent.warm_share <= 0.12 + 1e-9
+    assert PlannerState.from_json(state.to_json()) == state
+
+
 def test_warm_pool_from_settings_rides_on_top() -> None:
     d, _ = step(inputs([40.0] * 400, ready=7, params=replace(BASE, warm_pool_size=2)), PlannerState())
     assert d.pool_target == 2 and ("scale_up", "warm", 2) in kinds(d)

@@ -21,6 +21,14 @@ outcomes whatever the traffic (calm, bursty, ramping), and adapts within the win
 the traffic changes. The score of the chosen method (relative MAE of the median) is the
 forecast-quality figure the planner's gate reads.
 
+Errors that recur on the clock (a rate that steps every ``phase_period`` buckets) are
+calibrated apart: the residuals of the origins at the same phase of the period (and their
+neighbours) give a second upper quantile, and with ``phase_quantile`` (the planner passes
+it in predictive mode only) that quantile is taken at the upper tail of those recurring
+changes, and the candidate forecaster is the one that scored best at that phase (after a
+step the last bucket beats the minute's mean). A trace with no recurring errors gets
+nothing from it: its phase residuals are its ordinary ones.
+
 Pure numpy: no I/O, no clock.
 """
 
@@ -123,15 +131,9 @@ def _phase_quantile(y: np.ndarray, h: int, start: float, bucket_s: float, method
                     profile: Profile | None, season: int, quantile: float, period: int, span: int) -> float | None:
     """The planning quantile of the residuals of origins at the phase of the period the next origin is
     at (and its neighbours), over the last `span` buckets: errors that recur on the clock."""
-    n = y.size
-    nxt = n - 1  # the origin of the forecast being made
-    first = max(0, n - h - span)
-    cand = np.arange(nxt - period, first - 1, -period, dtype=np.int64)
-    cand = np.concatenate([cand - 1, cand, cand + 1])
-    cand = cand[(cand >= first) & (cand < n - h)]
+    cand = _phase_origins(y.size, h, period, span)
     if cand.size < 10:
         return None
-    cand.sort()
     target = np.max(np.stack([y[cand + 1 + j] for j in range(h)]), axis=0)
     pts = _points(y, cand, h, start, bucket_s, level_buckets, profile, season).get(method)
     if pts is None:
@@ -139,9 +141,33 @@ def _phase_quantile(y: np.ndarray, h: int, start: float, bucket_s: float, method
     return _q(_fwd(target) - _fwd(pts), quantile)
 
 
+def _phase_origins(n: int, h: int, period: int, span: int) -> np.ndarray:
+    """The scored origins at the phase of `period` the next origin (n - 1) is at, and their neighbours,
+    within the last `span` buckets."""
+    first = max(0, n - h - span)
+    cand = np.arange(n - 1 - period, first - 1, -period, dtype=np.int64)
+    cand = np.concatenate([cand - 1, cand, cand + 1])
+    cand = cand[(cand >= first) & (cand < n - h)]
+    cand.sort()
+    return cand
+
+
+def _phase_best(y: np.ndarray, h: int, start: float, bucket_s: float, level_buckets: int, profile: Profile | None,
+                season: int, period: int, span: int, methods: set[str]) -> str | None:
+    """The candidate forecaster with the lowest MAE at the phase of the period the next origin is at."""
+    cand = _phase_origins(y.size, h, period, span)
+    if cand.size < 10:
+        return None
+    target = np.max(np.stack([y[cand + 1 + j] for j in range(h)]), axis=0)
+    pts = _points(y, cand, h, start, bucket_s, level_buckets, profile, season)
+    maes = {m: float(np.mean(np.abs(target - p))) for m, p in pts.items() if m in methods}
+    return min(maes, key=lambda m: (maes[m], m != "persistence")) if maes else None
+
+
 def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int, quantile: float,
                   window: int = 360, level_buckets: int = 6, profile: Profile | None = None,
-                  min_scored: int = 12, phase_period: int = 0, phase_span: int = 0) -> Forecast:
+                  min_scored: int = 12, phase_period: int = 0, phase_span: int = 0,
+                  phase_quantile: float | None = None) -> Forecast:
     """Forecast the peak of ``y`` (per fine bucket, from epoch ``start``) over the next ``horizon`` buckets.
 
     ``y`` holds complete buckets only, oldest first; the forecast is made at the end of its
@@ -168,12 +194,22 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     best = min(maes, key=lambda m: (maes[m], m != "persistence"))
     fp = _fwd(pts[best])
     z = _fwd(target) - fp
-    z_med, z_up = _q(z, 0.5), _q(z, quantile)
-    if np.mean(np.abs(target - _inv(fp + z_med))) > maes[best]:
-        z_med = 0.0  # the median shift did not pay on the scored window: the point forecast is the median
+    z_med = _median_shift(target, fp, z, maes[best])
+    # the gate's figure: the error of the forecaster that scored best over the whole window
+    scale = float(np.mean(target))
+    error = float(np.mean(np.abs(target - _inv(fp + z_med))) / scale) if scale > 0 else 0.0
+    if phase_period > 0 and phase_quantile is not None:
+        # errors that recur on the clock: at this phase, the forecaster that scored best at it
+        pb = _phase_best(y, h, start, bucket_s, level_buckets, profile, season, phase_period, phase_span, set(maes))
+        if pb is not None and pb != best:
+            best = pb
+            fp = _fwd(pts[best])
+            z = _fwd(target) - fp
+            z_med = _median_shift(target, fp, z, maes[best])
+    z_up = _q(z, quantile)
     if phase_period > 0:
-        zp = _phase_quantile(y, h, start, bucket_s, best, level_buckets, profile, season, quantile, phase_period,
-                             phase_span)
+        zp = _phase_quantile(y, h, start, bucket_s, best, level_buckets, profile, season,
+                             quantile if phase_quantile is None else phase_quantile, phase_period, phase_span)
         if zp is not None:
             z_up = max(z_up, zp)
     base = float(_fwd(now_pts[best][0]))
@@ -182,12 +218,16 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     # the next bucket alone: the same point, the residuals of a one-bucket horizon
     z1 = _fwd(y[origins + 1]) - fp
     next_upper = min(upper, float(_inv(base + _q(z1, quantile))))
-    scale = float(np.mean(target))
-    error = float(np.mean(np.abs(target - _inv(fp + z_med))) / scale) if scale > 0 else 0.0
     coverage = float(np.mean(target <= _inv(fp + z_up) + 1e-9))
     r = lambda v: round(max(0.0, v), 9)  # noqa: E731  (square-root round trips leave float noise)
     return Forecast(best, r(median), r(upper), r(next_upper), r(error), coverage, k,
                     tuple(sorted((m, r(v)) for m, v in maes.items())))
+
+
+def _median_shift(target: np.ndarray, fp: np.ndarray, z: np.ndarray, mae: float) -> float:
+    """The median residual, or 0 where shifting by it did not pay on the scored window."""
+    z_med = _q(z, 0.5)
+    return 0.0 if np.mean(np.abs(target - _inv(fp + z_med))) > mae else z_med
 
 
 def _fwd(x: np.ndarray | float) -> np.ndarray:
