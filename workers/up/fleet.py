@@ -33,7 +33,7 @@ from forecasting.fleet.traces import FleetTrace
 from prewarm.core import keys
 from prewarm.core.settings import Settings
 from prewarm.runtime.model import load_manifest, make_model
-from workers.up.run import UpRun
+from workers.up.run import UpRun, run_to_end
 from workers.up.traffic import TrafficStats, drive
 from workers.up.workload import UpOptions
 
@@ -217,17 +217,5 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray]) -> list[
 
 
 def run(settings: Settings, opts: UpOptions, n_models: int) -> int:
-    console = Console()
-    up = FleetUpRun(settings, opts, console, n_models)
-    try:
-        asyncio.run(up.run_fleet())
-        return 0
-    except KeyboardInterrupt:
-        console.print("interrupted: stopping everything")
-        return 130
-    except RuntimeError as exc:
-        console.print(f"[red]prewarm up failed:[/red] {exc}")
-        return 1
-    finally:
-        up.close()
-        console.print(f"all processes stopped; logs in {up.sup.log_dir}")
+    up = FleetUpRun(settings, opts, Console(), n_models)
+    return run_to_end(up, up.run_fleet())

@@ -20,7 +20,7 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Coroutine
 
 import redis
 from rich.console import Console, Group
@@ -282,10 +282,15 @@ class UpRun:
 
 
 def run(settings: Settings, opts: UpOptions) -> int:
-    console = Console()
-    up = UpRun(settings, opts, console)
+    up = UpRun(settings, opts, Console())
+    return run_to_end(up, up.run())
+
+
+def run_to_end(up: UpRun, main: Coroutine[Any, Any, Any]) -> int:
+    """Run `main` (a run's coroutine) to its end or Ctrl-C, then stop everything the run started."""
+    console = up.console
     try:
-        asyncio.run(up.run())
+        asyncio.run(main)
         return 0
     except KeyboardInterrupt:
         console.print("interrupted: stopping everything")
