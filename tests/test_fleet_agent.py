@@ -29,6 +29,7 @@ from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.runtime.manifest import load_manifest
 from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
+from tests.runtime_server import call
 from workers.app import make_app
 from workers.names import EVICT, PREWARM, SLEEP
 
@@ -142,17 +143,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert runtime_pids(settings.agent.port_base + slot) == [], "the agent left a runtime running"
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 90.0) -> tuple[int, dict[str, str], Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        return exc.code, dict(exc.headers), json.loads(raw) if raw else None
-
-
 def test_two_models_on_one_agent_under_a_memory_budget(fleet: Fleet) -> None:
     for m in ("a", "b"):
         fleet.app.send_task(PREWARM, args=[RID[m], "serving", None])
@@ -245,7 +235,8 @@ def test_sleeping_replica_is_woken_by_a_request_through_the_gateway(fleet: Fleet
     wait_for(lambda: dict(fleet.client.pubsub_numsub(keys.DEMAND_CHANNEL)).get(keys.DEMAND_CHANNEL, 0) >= 1, 30,
              "the planner's demand listener to subscribe")
     started = time.monotonic()
-    status, _, body = _post(f"{fleet.gateway_url}/v1/completions", {"model": "b", "prompt": "hi", "max_tokens": 4})
+    status, body, _ = call(f"{fleet.gateway_url}/v1/completions", "POST", {"model": "b", "prompt": "hi", "max_tokens": 4},
+                           timeout=90.0)
     waited = time.monotonic() - started
     assert status == 200, (status, body, fleet.logs())
     assert body["choices"][0]["text"] is not None
