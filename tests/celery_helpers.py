@@ -9,11 +9,14 @@ so a test can read what the worker said and a failure shows it.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
@@ -117,24 +120,36 @@ def publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
 # else gets a port by accident: `free_port()` (bind to port 0) and every outgoing connection
 # draw theirs from the ephemeral range, so a block chosen there could be handed to another
 # test's server between the check and the runtime's bind. `prewarm up` uses 20000-29999.
-# Each pytest-xdist worker walks its own share of 30000-32767, so two workers never pick the same block.
+# A block is claimed with an exclusive lock on a file named after it, held until this test
+# process exits, so neither another xdist worker nor another test session on this machine
+# (a second checkout, a developer's run beside CI) can take it; the walk starts at a random
+# block so that two sessions do not queue on the same first blocks.
 _BLOCKS_FROM, _BLOCKS_TO = 30000, 32760
-_next_block = 0
+_LOCK_DIR = Path(tempfile.gettempdir()) / "prewarm-test-port-blocks"
+_held_blocks: dict[int, int] = {}  # base port -> the fd whose flock claims it (kept open on purpose)
 
 
 def _port_block(size: int = 8) -> int:
-    """A base port with `size` free ports after it (runtime ports are port_base + slot)."""
-    global _next_block
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    index, count = (int(worker) if worker.isdigit() else 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    share = (_BLOCKS_TO - _BLOCKS_FROM) // max(count, 1)
-    start = _BLOCKS_FROM + index * share
-    for _ in range(share // size):
-        base = start + (_next_block * size) % (share - size)
-        _next_block += 1
+    """A base port with `size` free ports after it (runtime ports are port_base + slot), claimed for this process."""
+    _LOCK_DIR.mkdir(exist_ok=True)
+    count = (_BLOCKS_TO - _BLOCKS_FROM) // size
+    first = random.randrange(count)
+    for k in range(count):
+        base = _BLOCKS_FROM + ((first + k) % count) * size
+        if base in _held_blocks:
+            continue
+        fd = os.open(_LOCK_DIR / f"{base}-{size}", os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
         if all(_free(base + i) for i in range(size)):
+            _held_blocks[base] = fd
             return base
-    raise RuntimeError(f"no block of {size} free ports in {start}..{start + share}")
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    raise RuntimeError(f"no block of {size} free ports in {_BLOCKS_FROM}..{_BLOCKS_TO}")
 
 
 def _free(port: int) -> bool:

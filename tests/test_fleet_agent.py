@@ -28,7 +28,7 @@ from prewarm.core import keys
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.runtime.manifest import load_manifest
-from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, _port_block, runtime_pids, settings_from_env, wait_for, worker_env
 from tests.runtime_server import call
 from workers.app import make_app
 from workers.names import EVICT, PREWARM, SLEEP
@@ -80,27 +80,6 @@ def _model(root: Path, name: str, seed: int) -> Path:
     return make_model(root / name / "r1", cfg, seed=seed, name=name, revision="r1")
 
 
-def _random_port_block(size: int = 8) -> int:
-    """Runtime ports away from the first blocks every other test session on this machine tries first."""
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(31000, 32700 - size, size)
-        ok = True
-        for port in range(base, base + size):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free block of runtime ports")
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet-agent")
@@ -110,7 +89,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     common = {"PREWARM_AGENT_TASK_TIME_LIMIT_S": "60", "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "61",
               "PREWARM_GATEWAY_HOLD_TIMEOUT_S": "60", "PREWARM_GATEWAY_UPSTREAM_TIMEOUT_S": "600", "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]'}
     env = worker_env(server.url, tmp, PREWARM_AGENT_NODE=NODE, PREWARM_METRICS_PORT=str(free_port()),
-                     PREWARM_AGENT_PORT_BASE=str(_random_port_block()),
+                     PREWARM_AGENT_PORT_BASE=str(_port_block()),
                      PREWARM_AGENT_GPU_MEMORY_GB=repr(2.5 * footprint),  # two replicas fit, three do not
                      PREWARM_AGENT_HOST_MEMORY_GB=repr(4 * footprint), **common)
     agent = WorkerProcess(["agent", "--node", NODE], env, tmp / "agent.log")
