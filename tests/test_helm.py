@@ -181,13 +181,25 @@ def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
     assert term["matchExpressions"] == [{"key": "model.type", "operator": "In", "values": ["llama", "mistral"]}]
     container = spec["containers"][0]
     assert container["args"] == ["agent"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["memory"]
     env = env_of(ds)
     assert env["PREWARM_AGENT_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["PREWARM_AGENT_REPLICA_SLOTS"] == "2"
     assert [p["containerPort"] for p in container["ports"] if p["name"].startswith("runtime-")] == [18000, 18001]
     assert "affinity" not in pod_spec(find(render(), "DaemonSet", "-agent"))
+
+
+def test_agents_ask_for_a_gpu_only_when_they_host_replicas() -> None:
+    """Issue 18: in Kubernetes mode (the default) the agents host nothing; a GPU request on every labelled
+    node would leave a one-GPU node's inference pod unschedulable. Without Kubernetes they host the replicas."""
+    k8s_mode = render()
+    agent = pod_spec(find(k8s_mode, "DaemonSet", "-agent"))["containers"][0]
+    assert "nvidia.com/gpu" not in agent["resources"]["limits"]
+    assert pod_spec(find(k8s_mode, "Deployment", "-inference"))["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] == 1  # the pod that serves gets the node's one GPU
+    hosting = render({"kubernetes": {"enabled": False}, "agent": {"gpus": 2}})
+    agent = pod_spec(find(hosting, "DaemonSet", "-agent"))["containers"][0]
+    assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_exactly_one_beat_and_the_planner_workers() -> None:
