@@ -85,6 +85,12 @@ def demand(model: str) -> str:
     return f"{PREFIX}:demand:{model}"
 
 
+#: Marker that a signed warmup request's nonce was accepted by a gateway (any of them): a second use is a
+#: replay. Set NX with a TTL running to the end of its timestamp's skew window (`signing.MAX_SKEW_S`).
+def warmup_nonce(nonce: str) -> str:
+    return f"{PREFIX}:warmupnonce:{nonce}"
+
+
 #: Pub/sub channel on which the gateway announces unmet demand (scale from zero).
 DEMAND_CHANNEL = f"{PREFIX}:demand"
 #: Demand records expire after this long without a new unmet request.

@@ -38,6 +38,7 @@ from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
 from prewarm.gateway.guard import ConnectionGate, serve
+from prewarm.gateway.nonces import SharedNonces
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -108,13 +109,13 @@ class Gateway:
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
         self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client)
-        self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
         key = settings.runtime.api_key
         self.upstream_auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
         self.redis = async_client(settings.redis)
+        self.nonces = SharedNonces(self.redis, self.secret)  # a replayed warmup request is user traffic (all gateways)
         self.reader = AsyncRegistryReader(self.redis)
         self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
@@ -281,8 +282,7 @@ class Gateway:
 
         warmup = False
         if signing.HEADER in request.headers:
-            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time(),
-                                             self.nonces)
+            warmup = await self.nonces.is_valid_warmup(request.headers, request.method, request.path, body, time.time())
             if not warmup and self.cfg.warmup_forged == "refuse":
                 return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
         kind = "warmup" if warmup else "user"
