@@ -22,7 +22,7 @@ from prewarm.cli import _build_parser
 from prewarm.adapters.k8s import API_CALLS
 from prewarm.gateway.keda import MODEL_KEY, TARGET_METRIC
 from tests.keda_crd import check_scaled_object
-from prewarm.core.settings import _GROUPS
+from prewarm.core.settings import _GROUPS, KubernetesSettings
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
 SEED_SET = "autoscaling.warmupPoolSize=2,hpa.behavior.scaleDown.stabilizationWindowSeconds=300"
@@ -275,6 +275,39 @@ def test_pod_warmer_warms_the_inference_pods() -> None:
         render({"inference": {"enabled": False}})
     for off in ({"podWarmer": {"enabled": False}}, {"kubernetes": {"enabled": False}}):
         assert not [d for d in render(off) if d["metadata"]["name"].endswith("-pod-warmer")]
+
+
+def test_each_models_key_secret_reaches_its_warmer_and_the_gateway() -> None:
+    """Issue 18: a model's Deployment names its key Secret; its pod warmer registers the reference and the
+    gateway mounts the key under that reference (the registry never holds the key)."""
+    docs = render({"autoscaling": {"mode": "keda", "targets": [
+        {"model": "llama3", "deployment": "vllm-llama3", "revision": "2024-06", "apiKeySecret": "llama-key",
+         "apiKeySecretKey": "token"},
+        {"model": "qwen", "deployment": "vllm-qwen", "revision": "q1"}]},
+        "podWarmer": {"apiKeySecret": "shared-key"}})
+    warmers = {pod_spec(d)["containers"][0]["args"][3]: env_of(d) for d in docs
+               if d["kind"] == "Deployment" and "-pod-warmer" in d["metadata"]["name"]}
+    assert warmers["vllm-llama3"]["PREWARM_KUBERNETES_POD_API_KEY"] == {
+        "secretKeyRef": {"name": "llama-key", "key": "token"}}
+    assert warmers["vllm-llama3"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "llama-key/token"
+    assert warmers["vllm-qwen"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "shared-key/api-key"  # podWarmer's default
+    assert warmers["pw-prewarm-inference"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "shared-key/api-key"
+    gateway = find(docs, "Deployment", "-gateway")
+    keys_dir = env_of(gateway)["PREWARM_GATEWAY_UPSTREAM_KEYS_DIR"]
+    (mount,) = pod_spec(gateway)["containers"][0]["volumeMounts"]
+    assert mount["mountPath"] == keys_dir and mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec(gateway)["volumes"] if v["name"] == mount["name"]]
+    mounted = {src["secret"]["items"][0]["path"]: (src["secret"]["name"], src["secret"]["items"][0]["key"],
+                                                   src["secret"]["optional"]) for src in volume["projected"]["sources"]}
+    assert mounted == {"llama-key/token": ("llama-key", "token", True), "shared-key/api-key": ("shared-key", "api-key", True)}
+    for ref in mounted:  # every path the gateway reads is a reference a replica may carry
+        KubernetesSettings(pod_api_key_ref=ref)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(gateway, version, strict=True)
+    plain = find(render(), "Deployment", "-gateway")  # no key Secret named: nothing mounted, the runtimes' key only
+    assert "volumes" not in pod_spec(plain) and "PREWARM_GATEWAY_UPSTREAM_KEYS_DIR" not in env_of(plain)
+    with pytest.raises(helm_python.HelmValuesError):
+        _chart().validate_schema(_chart().merge_values({"podWarmer": {"apiKeySecret": "../etc"}}))
 
 
 def test_redis_is_optional_with_an_external_url_or_secret() -> None:

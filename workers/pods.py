@@ -60,7 +60,7 @@ from prewarm.adapters.k8s import call
 from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod, WatchStats, pod_is_ready
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter
 from prewarm.core import keys
-from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_name, replica_id
+from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_key_ref, check_name, replica_id
 from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
     TemporaryError, failure_reason
 from prewarm.core.settings import Settings
@@ -101,6 +101,7 @@ class PodTarget:
     require_logprobs: bool = True
     sleep_mode: bool = False
     api_key: str | None = None
+    api_key_ref: str = ""  # registered with each replica: the name under which the gateway holds `api_key`
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
 
@@ -108,6 +109,7 @@ class PodTarget:
         check_name(self.model, "model")
         check_name(self.revision, "revision")
         check_name(self.node_class, "node class")
+        check_key_ref(self.api_key_ref, "the pods' API key reference")
         if not self.served_model:
             raise InvalidPayload("the served model name must not be empty")
 
@@ -214,7 +216,7 @@ class PodPrewarmer:
         now = ctx.clock()
         fresh = Replica(model=t.model, revision=t.revision, node=pod.node, slot=pod_slot(pod.namespace, pod.name),
                         endpoint=pod.endpoint, pool=t.pool, state=ReplicaState.PENDING, created_at=now,
-                        updated_at=now, heartbeat_at=now)
+                        updated_at=now, heartbeat_at=now, auth_ref=t.api_key_ref)
         ctx.registry.register(fresh, now=now)
         self._track(pod, fresh)
         spec = BringUpSpec(model=t.model, node=pod.node, node_class=t.node_class, served_model=t.served_model,
@@ -427,6 +429,7 @@ def target_from(settings: Settings, *, model: str, revision: str, served_model: 
         model=model, revision=revision, served_model=served_model or model, pool=Pool(pool),
         node_class=node_class or settings.agent.node_class, require_logprobs=kube.pod_require_logprobs,
         sleep_mode=kube.pod_sleep_mode, api_key=kube.pod_api_key.get_secret_value() if kube.pod_api_key else None,
+        api_key_ref=kube.pod_api_key_ref,
         ready_timeout_s=kube.pod_ready_timeout_s,
     )
 

@@ -58,7 +58,7 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 
 
 #: Fields the routing view reads, in the order VIEW returns them (the rest derive from the id).
-_VIEW_FIELDS = ("id", "endpoint", "pool", "state", "progress", "phase", "heartbeat_at")
+_VIEW_FIELDS = ("id", "endpoint", "pool", "state", "progress", "phase", "heartbeat_at", "auth_ref")
 VIEW = view_script(_VIEW_FIELDS)
 
 

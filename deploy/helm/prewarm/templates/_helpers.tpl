@@ -151,3 +151,21 @@ scaleUp:
       name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
       key: control-token
 {{- end -}}
+
+{{/* The upstreams' own API keys (issue 18), as a JSON object "<secret>/<key>" -> {secret, key}:
+     podWarmer.apiKeySecret and each autoscaling.targets entry's apiKeySecret. The gateway mounts each
+     at <gateway keys dir>/<secret>/<key>; a pod warmer registers the reference "<secret>/<key>" with
+     each replica it makes, so Redis holds names of keys, never keys. */}}
+{{- define "prewarm.upstreamKeys" -}}
+{{- $out := dict -}}
+{{- with .Values.podWarmer.apiKeySecret -}}
+{{- $_ := set $out (printf "%s/%s" . $.Values.podWarmer.apiKeySecretKey) (dict "secret" . "key" $.Values.podWarmer.apiKeySecretKey) -}}
+{{- end -}}
+{{- range .Values.autoscaling.targets -}}
+{{- if .apiKeySecret -}}
+{{- $k := .apiKeySecretKey | default "api-key" -}}
+{{- $_ := set $out (printf "%s/%s" .apiKeySecret $k) (dict "secret" .apiKeySecret "key" $k) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
