@@ -29,6 +29,7 @@ from prewarm.runtime.model import make_model
 from prewarm.core.settings import Settings
 from tests.celery_helpers import wait_for
 from tests.k8s_double import KubeDouble
+from tests.k8s_events import KubeDoubleWithEvents
 from tests.runtime_server import SECRET, RuntimeProcess, poison, start_runtime, wait_loaded
 from workers.context import WorkerContext
 from workers.pods import (
@@ -102,7 +103,7 @@ def _settings(mp: pytest.MonkeyPatch, redis_url: str, pod_port: int) -> Settings
 @dataclass
 class Running:
     ctx: WorkerContext
-    double: KubeDouble
+    double: KubeDoubleWithEvents
     stop: threading.Event
     thread: threading.Thread
     out: dict[str, object]
@@ -124,7 +125,7 @@ def running(redis_url: str, clean_env: pytest.MonkeyPatch, request: pytest.Fixtu
     runtime: RuntimeProcess = request.getfixturevalue(request.param)
     settings = _settings(clean_env, redis_url, _port(runtime))
     ctx = WorkerContext.build(settings, registry=CollectorRegistry())
-    with KubeDouble() as double:
+    with KubeDoubleWithEvents() as double:
         double.add_deployment(NS, "llm", replicas=1, labels=LABELS)
         stop = threading.Event()
         out: dict[str, object] = {}
@@ -166,16 +167,25 @@ def test_replica_ids_are_stable_per_pod() -> None:
 def test_a_pods_time_to_ready_is_the_planners_lead_and_keep_warm_reaches_it(
     running: Running, good: RuntimeProcess
 ) -> None:
-    """Creation to validated is recorded as agents record a cold start (the planner's lead in a
-    cluster: `load_time_p95`); a HOLD's keep-warm mark makes the pod warmer send it signed requests."""
+    """Creation to validated, less the image pull the pod waited for, is recorded as agents record a
+    cold start (the planner's lead in a cluster: `load_time_p95`, per model, revision and node class); the
+    pull is recorded apart. A HOLD's keep-warm mark makes the pod warmer send it signed requests."""
     double, ctx = running.double, running.ctx
     created = time.time() - 40.0  # scheduled, pulled and started 40 s ago; Ready only now
+    double.put_pod(NS, "llm-t", LABELS, ready=False, ip="127.0.0.1", node="gpu-a", created_at=created)
+    double.add_pod_event(NS, "llm-t", "Pulling", 'Pulling image "vllm/vllm-openai:v0.6.3"', created + 1)
+    double.add_pod_event(NS, "llm-t", "Pulled", 'Successfully pulled image "vllm/vllm-openai:v0.6.3" in 24.5s '
+                         '(25s including waiting). Image size: 9876543210 bytes.', created + 26)
     double.put_pod(NS, "llm-t", LABELS, ready=True, ip="127.0.0.1", node="gpu-a", created_at=created)
     rid = f"tiny@r1/gpu-a/{pod_slot(NS, 'llm-t')}"
     wait_for(lambda: running.state(rid) in ("ready", "failed"), 30, f"{rid} to be ready")
     assert running.state(rid) == "ready"
-    p95 = ctx.registry.load_time_p95("tiny")
-    assert p95 is not None and 39.0 <= p95 <= time.time() - created + 1.0  # whole seconds on the API server
+    node_class = ctx.settings.agent.node_class
+    p95 = ctx.registry.load_time_p95("tiny", "r1", node_class)
+    assert p95 is not None and 14.0 <= p95 <= time.time() - created - 25.0 + 1.0  # whole seconds on the API server
+    assert ctx.registry.image_pulls("tiny", "r1", node_class) == [25.0]  # reported apart
+    assert running.sample("model_image_pull_seconds_sum", model="tiny", node="gpu-a") == 25.0
+    assert ctx.registry.load_time_p95("tiny", "r2") is None and ctx.registry.load_time_p95("tiny", "r1", "h100") is None
     assert running.sample("model_cold_start_seconds_count", model="tiny", node="gpu-a") == 1
 
     warm0 = json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"]

@@ -154,12 +154,14 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
     assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
     assert env_of(find(seeded, "Deployment", "-beat"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
     hpa = find(render({"autoscaling": {"mode": "hpa"}}), "HorizontalPodAutoscaler", "-inference")
-    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    # issue 17: the seed's 300 s is the planner's reactive fallback, not a second window behind its plan
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 0
+    assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_STABILIZATION_S"] == "300"
     other = render({"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}}},
                     "autoscaling": {"warmupPoolSize": 0, "mode": "hpa"}})
     assert find(other, "HorizontalPodAutoscaler", "-inference")["spec"]["behavior"]["scaleDown"][
         "stabilizationWindowSeconds"
-    ] == 120
+    ] == 0
     planner_env = env_of(find(other, "Deployment", "-planner"))
     assert planner_env["PREWARM_PLANNER_STABILIZATION_S"] == "120"
     assert planner_env["PREWARM_PLANNER_WARM_POOL_SIZE"] == "0"  # zero is a value, not "unset"
@@ -169,7 +171,12 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
                         "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
                 "ScaledObject", "-inference")
     assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
-        "stabilizationWindowSeconds": 90}
+        "stabilizationWindowSeconds": 0}
+    assert keda["spec"]["cooldownPeriod"] <= 1  # no second window before scaling to zero either
+    keda_env = env_of(find(render({"autoscaling": {"mode": "keda"},
+                                   "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
+                           "Deployment", "-planner"))
+    assert keda_env["PREWARM_PLANNER_STABILIZATION_S"] == "90"
 
 
 def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:

@@ -133,7 +133,9 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
 def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: PlannerParams, *,
            now: float) -> StepInputs:
     """2. The step's inputs, as the simulator builds them (`observed_from_counts`)."""
-    p95 = ctx.registry.load_time_p95(spec.name)
+    p95 = ctx.registry.load_time_p95(spec.name, spec.revision)  # the lead of this revision, on its slowest class
+    if p95 is None:  # a revision not measured yet: its model's other revisions (their weights are alike), else the default
+        p95 = ctx.registry.load_time_p95(spec.name)
     (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)

@@ -125,10 +125,14 @@ prometheus.io/path: /metrics
 {{- toJson $out -}}
 {{- end -}}
 
-{{/* The HPA behavior of both autoscaling modes (KEDA hands it to the HPA it creates). */}}
+{{/* The HPA behavior of both autoscaling modes (KEDA hands it to the HPA it creates). The HPA follows the
+     planner's target, which already holds capacity where it should: a scale-down window here would put a
+     second, blind 300 s behind every predictive release. The window (hpa.behavior.scaleDown) is the
+     planner's own (PREWARM_PLANNER_STABILIZATION_S): its reactive fallback keeps it while its forecasts
+     are poor. */}}
 {{- define "prewarm.hpaBehavior" -}}
 scaleDown:
-  stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds }}
+  stabilizationWindowSeconds: 0
 scaleUp:
   stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleUp.stabilizationWindowSeconds }}
 {{- end -}}
