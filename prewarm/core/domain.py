@@ -237,7 +237,6 @@ class ScaleEvent:
             "pool": self.pool.value,
             "nodes": list(self.nodes),
             "reason": self.reason,
-            "auth_ref": self.auth_ref,
         }
 
     @classmethod
