@@ -16,7 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -318,3 +318,58 @@ def test_cli_prewarm_pods(redis_url: str, clean_env: pytest.MonkeyPatch, good: R
     rec = ctx.registry.get(rid)
     assert rec is not None and rec.state is ReplicaState.READY and rec.endpoint == good.url
     ctx.client.close()
+
+
+def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
+        redis_url: str, clean_env: pytest.MonkeyPatch, good: RuntimeProcess) -> None:
+    """Issue 17: a pod the planner parks asleep goes through its server's /sleep, /is_sleeping and
+    /wake_up. The server here is prewarm's own runtime, which speaks vLLM's sleep API (on CPU its
+    level-1 sleep moves nothing, but the API, the drain and the states are the same)."""
+    from prewarm.registry.targets import schedule_fields
+    from tests.runtime_server import TOKEN
+
+    ctx = WorkerContext.build(_settings(clean_env, redis_url, _port(good)), registry=CollectorRegistry())
+    target = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=10.0, sleep_mode=True,
+                       api_key=TOKEN)
+    warmer = PodPrewarmer(ctx, target)
+    pod = _ready_pod("llm-s", good.url)
+    rid = warmer.handle(pod).replica_id
+    assert ctx.registry.get(rid).state is ReplicaState.READY  # type: ignore[union-attr]
+
+    def plan(pods: int, awake: int) -> None:  # what the planner records (`publish_cluster_target`)
+        ctx.client.hset(keys.last_forecast("tiny"), mapping=schedule_fields([(time.time(), pods)],
+                                                                            planned_at=time.time(), awake=awake))
+
+    def sleeping() -> bool:
+        req = urllib.request.Request(good.url + "/is_sleeping", headers={"Authorization": f"Bearer {TOKEN}"})
+        return bool(json.load(urllib.request.urlopen(req, timeout=5))["is_sleeping"])
+
+    try:
+        assert warmer.tier_round() == {}  # no plan recorded: nothing moves
+        plan(1, 1)
+        assert warmer.tier_round() == {} and not sleeping()
+        plan(1, 0)  # parked asleep
+        assert warmer.tier_round() == {rid: "asleep"}
+        assert sleeping() and ctx.registry.get(rid).state is ReplicaState.ASLEEP  # type: ignore[union-attr]
+        assert ctx.registry.ready("tiny", Pool.SERVING, now=time.time()) == []  # the gateway routes nothing to it
+        assert warmer.sync({"llm-s": _listed(pod)}) == {rid: "heartbeat"}  # asleep, and alive
+        plan(1, 1)
+        assert warmer.tier_round() == {rid: "ready"}
+        assert not sleeping() and [r.id for r in ctx.registry.ready("tiny", Pool.SERVING, now=time.time())] == [rid]
+        assert ctx.registry.ready_time_p95("tiny", "asleep", target.node_class) is not None  # the measured wake
+        transitions = [(f["from"], f["to"]) for _, f in ctx.registry.events() if f.get("replica") == rid]
+        assert transitions[-3:] == [("ready", "draining"), ("draining", "asleep"), ("asleep", "ready")]
+    finally:
+        if sleeping():
+            urllib.request.urlopen(urllib.request.Request(good.url + "/wake_up", data=b"", method="POST",
+                                                          headers={"Authorization": f"Bearer {TOKEN}"}), timeout=30)
+        ctx.client.close()
+
+
+def _listed(pod: ReadyPod) -> Any:
+    """The pod as the API lists it (what `sync` reads): Ready, with its uid and IP."""
+    from kubernetes import client as k8s
+
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=pod.name, uid=pod.uid),
+                     status=k8s.V1PodStatus(pod_ip=pod.pod_ip, conditions=[k8s.V1PodCondition(type="Ready",
+                                                                                               status="True")]))

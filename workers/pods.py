@@ -69,6 +69,7 @@ from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
 from workers.node.bringup import BringUpSpec, bring_up, owner_token
 from workers.node.lock import ReplicaLock
+from workers.pod_tiers import tier_round
 
 log = logging.getLogger("prewarm.external")
 
@@ -324,6 +325,26 @@ class PodPrewarmer:
             sent[rid] = len(requests)
         return sent
 
+    def tier_round(self) -> dict[str, str]:
+        """With `sleep_mode`: park ready pods asleep, or wake them, to the planner's awake count
+        (`workers.pod_tiers`). A pod whose server refused to sleep is warmed and registered again."""
+        t = self.target
+        if not t.sleep_mode:
+            return {}
+        with self._mu:
+            tracked = {rid: tr.pod for rid, tr in self._tracked.items()}
+        done = tier_round(self.ctx, t.model, t.node_class, {rid: pod.endpoint for rid, pod in tracked.items()},
+                          self.adapter_factory, owner_token("pod-tiers"), self._retrack)
+        for rid, what in done.items():
+            if what == "failed":
+                self.handle(tracked[rid])
+        return done
+
+    def _retrack(self, rec: Replica) -> None:
+        with self._mu:
+            if rec.id in self._tracked:
+                self._tracked[rec.id] = _Tracked(self._tracked[rec.id].pod, rec)
+
     def sync(self, pods: Mapping[str, Any]) -> dict[str, str]:
         """One heartbeat round over `pods` (name -> pod object as listed): a tracked replica whose
         pod is there and Ready gets a heartbeat; one whose pod is gone or unready is retired.
@@ -424,6 +445,7 @@ def run_pod_prewarmer(
     def keeper() -> None:
         while not beat_stop.wait(ctx.settings.warmup.keepalive_interval_s):
             try:
+                prewarmer.tier_round()  # asleep or awake, as the planner wants, before keeping the awake warm
                 prewarmer.keepalive_round()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
                 log.warning("pod keep-alive round failed: %s", exc)

@@ -99,6 +99,8 @@ prometheus.io/path: /metrics
 {{- end }}
 - name: PREWARM_KUBERNETES_AUTOSCALING
   value: {{ .Values.autoscaling.mode | quote }}
+- name: PREWARM_KUBERNETES_POD_SLEEP_MODE  # the pods can be parked asleep: a fleet round counts them in the target
+  value: {{ .Values.podWarmer.sleepMode | quote }}
 {{- if .Values.autoscaling.targets }}
 {{- $map := dict }}
 {{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- end }}
