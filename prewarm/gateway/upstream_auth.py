@@ -42,6 +42,7 @@ class UpstreamKeys:
         self.dir = Path(keys_dir) if keys_dir else None
         self.refresh_s = refresh_s
         self._cache: dict[str, tuple[float, str | None]] = {}  # ref -> (read at, monotonic; key or None)
+        self._logged: dict[str, float] = {}  # replica id -> when its refusal was last logged (one line per refresh)
 
     def _key(self, ref: str) -> str | None:
         now = time.monotonic()
@@ -68,10 +69,12 @@ class UpstreamKeys:
         where = f"under {self.dir}" if self.dir else "(gateway.upstream_keys_dir is not set)"
         return _bad_gateway(f"the gateway holds no API key {replica.auth_ref!r} for replica {replica.id} {where}")
 
-    @staticmethod
-    def refused(rid: str, ref: str, status: int) -> web.Response:
-        log.error("replica %s answered %d to the gateway's API key %r: its key and the gateway's differ", rid, status,
-                  ref or "runtime.api_key")
+    def refused(self, rid: str, ref: str, status: int) -> web.Response:
+        now = time.monotonic()
+        if now - self._logged.get(rid, -self.refresh_s) >= self.refresh_s:  # every request would be one line
+            self._logged[rid] = now
+            log.error("replica %s answered %d to the gateway's API key %r: its key and the gateway's differ", rid,
+                      status, ref or "runtime.api_key")
         return _bad_gateway(f"replica {rid} refused the gateway's API key {ref or 'runtime.api_key'!r} ({status})")
 
 
