@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
 
 from prewarm import cli
@@ -27,10 +28,11 @@ from prewarm.core.domain import Pool, ReplicaState
 from prewarm.adapters.k8s_watch import ReadyPod
 from prewarm.runtime.model import make_model
 from prewarm.core.settings import Settings
+from prewarm.registry.targets import schedule_fields
 from tests.celery_helpers import wait_for
 from tests.k8s_double import KubeDouble
 from tests.k8s_events import KubeDoubleWithEvents
-from tests.runtime_server import SECRET, RuntimeProcess, poison, start_runtime, wait_loaded
+from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, poison, start_runtime, wait_loaded
 from workers.context import WorkerContext
 from workers.pods import (
     EXTERNAL_SLOT_BASE,
@@ -325,9 +327,6 @@ def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
     """Issue 17: a pod the planner parks asleep goes through its server's /sleep, /is_sleeping and
     /wake_up. The server here is prewarm's own runtime, which speaks vLLM's sleep API (on CPU its
     level-1 sleep moves nothing, but the API, the drain and the states are the same)."""
-    from prewarm.registry.targets import schedule_fields
-    from tests.runtime_server import TOKEN
-
     ctx = WorkerContext.build(_settings(clean_env, redis_url, _port(good)), registry=CollectorRegistry())
     target = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=10.0, sleep_mode=True,
                        api_key=TOKEN)
@@ -368,8 +367,6 @@ def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
 
 def _listed(pod: ReadyPod) -> Any:
     """The pod as the API lists it (what `sync` reads): Ready, with its uid and IP."""
-    from kubernetes import client as k8s
-
     return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=pod.name, uid=pod.uid),
                      status=k8s.V1PodStatus(pod_ip=pod.pod_ip, conditions=[k8s.V1PodCondition(type="Ready",
                                                                                                status="True")]))
