@@ -329,11 +329,14 @@ def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
     level-1 sleep moves nothing, but the API, the drain and the states are the same)."""
     ctx = WorkerContext.build(_settings(clean_env, redis_url, _port(good)), registry=CollectorRegistry())
     target = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=10.0, sleep_mode=True,
-                       api_key=TOKEN)
+                       api_key=TOKEN, api_key_ref="tiny-key/api-key")
     warmer = PodPrewarmer(ctx, target)
     pod = _ready_pod("llm-s", good.url)
     rid = warmer.handle(pod).replica_id
     assert ctx.registry.get(rid).state is ReplicaState.READY  # type: ignore[union-attr]
+    # issue 18: registered with the reference of its key (what the gateway sends it), never the key
+    assert ctx.registry.get(rid).auth_ref == "tiny-key/api-key"  # type: ignore[union-attr]
+    assert TOKEN not in json.dumps(ctx.client.hgetall(keys.replica(rid)))
 
     def plan(pods: int, awake: int) -> None:  # what the planner records (`publish_cluster_target`)
         ctx.client.hset(keys.last_forecast("tiny"), mapping=schedule_fields([(time.time(), pods)],
