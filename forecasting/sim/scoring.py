@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
 from forecasting.planner import warm_cost
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
@@ -125,8 +126,8 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
 #: prewarm's is its quantile until the planner has a cold-start budget (issue 17); reactive_sized's its
 #: square-root staffing margin (the planner's queue_beta: 1.5).
 SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
-    "reactive": ("target", (0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
-    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0), 1.5),
+    "reactive": ("target", (0.3, 0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 6.0), 1.5),
     "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
     "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
     "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
@@ -145,35 +146,6 @@ def default_knob(policy: str, knobs: Mapping[str, tuple[str, tuple[float, ...], 
     """The policy's knob and its default value ("" and nan for a policy without one, the oracle)."""
     knob, _, default = (SWEEP_KNOBS if knobs is None else knobs).get(policy, ("", (), float("nan")))
     return knob, default
-
-
-def at_equal_share(points: Sequence[Mapping[str, Any]], share: float, x: str = "cold_start_share",
-                   y: str = "gpu_hours_vs_reactive") -> float | None:
-    """A curve's `y` interpolated (linearly, points ordered by `x`) at `x == share`; None outside its range.
-
-    A curve that is not monotone in `x` is read through its lower envelope: at each point's x the
-    least y of any setting whose x is no larger (it meets that share too)."""
-    pts = sorted((float(p[x]), float(p[y])) for p in points if p.get(y) is not None and p.get(x) is not None)
-    if not pts or not pts[0][0] <= share <= pts[-1][0]:
-        return None
-    xs = np.asarray([p[0] for p in pts])
-    ys = np.minimum.accumulate(np.asarray([p[1] for p in pts]))  # the best y at this x or below
-    return float(np.interp(share, xs, ys))
-
-
-def sweep_summary(points: Sequence[Mapping[str, Any]], anchor: str = "prewarm", x: str = "cold_start_share",
-                  y: str = "gpu_hours_vs_reactive") -> dict[str, Any]:
-    """`at_equal_cold_start_share`: each policy's `y` on its curve at the anchor's default `x` (null outside its range)."""
-    base = next((p for p in points if p["policy"] == anchor and p["default"]), None)
-    out: dict[str, Any] = {"anchor": anchor, x: None if base is None else base[x], "policies": {}}
-    if base is None:
-        return out
-    by: dict[str, list[Mapping[str, Any]]] = {}
-    for p in points:
-        by.setdefault(str(p["policy"]), []).append(p)
-    for name, pts in by.items():
-        out["policies"][name] = base[y] if name == anchor else at_equal_share(pts, float(base[x]), x, y)
-    return out
 
 
 def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
