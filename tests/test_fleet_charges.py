@@ -109,3 +109,23 @@ def test_the_sleep_baselines_sleep_what_they_release_and_wake_it_on_demand() -> 
     assert env.catalog.cards[0].time_to_ready(Tier.ASLEEP) < env.catalog.cards[0].time_to_ready(Tier.DISK)
     none_fit = simulate(tr, make_fleet_policy("keepalive_sleep"), _fleet(counts, host_gb=4.0)[1])
     assert none_fit.wakes == 0 and none_fit.loads == 6  # no host memory for it: it falls to cache/disk
+
+
+def test_fleet_cli_rows_carry_starts_and_the_charges_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    from pathlib import Path
+
+    from prewarm.cli import main
+
+    fix = Path(__file__).parent / "fixtures" / "fleet" / "client_rates.csv"
+    out = {}
+    for flags in ([], ["--even-counts", "--sleep-gbps", "3", "--sleep-share", "0.5"]):
+        rc = main(["backtest", str(fix), "--no-curve", "--json", "--policies", "keepalive,keepalive_sleep", *flags])
+        assert rc == 0
+        out[bool(flags)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out[False]["poisson_counts"] is True and out[True]["poisson_counts"] is False
+    for result in out.values():
+        assert {r["policy"] for r in result["rows"]} == {"keepalive", "keepalive_sleep"}
+        assert all("starts" in r and "sleeps" in r for r in result["rows"])
+    with pytest.raises(ValueError, match="sleep_share"):
+        FleetSetup(sleep_share=1.5)

@@ -66,6 +66,12 @@ class FleetSetup:
     sleep_share: float = 0.75  # host memory share for sleeping models (planner and sleep baselines alike)
     sleep_gbps: float = 1.75  # the copy to host memory when a model is put to sleep (docs/fleet.md)
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.sleep_share <= 1:
+            raise ValueError(f"sleep_share must be within [0, 1], got {self.sleep_share}")
+        if not self.sleep_gbps > 0:
+            raise ValueError(f"sleep_gbps must be > 0, got {self.sleep_gbps}")
+
     def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
         n = self.n_nodes or max(1, int(math.ceil(self.capacity_share * catalog.total_gb() / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,

@@ -223,7 +223,8 @@ class FleetPlanner(FleetPolicy):
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
         self.est = ArrivalEstimator(len(env.catalog), env.step_s, **self.est_kw)
-        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **self.params_kw)
+        kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
+        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
         self.state = FleetState(lam=self.lam0)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}

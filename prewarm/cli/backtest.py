@@ -99,6 +99,12 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-share", type=float, default=0.4, help="fleet GPU memory as a share of all models' footprints")
     g.add_argument("--top", type=int, default=0, help="keep only the N models with the most requests")
     g.add_argument("--no-curve", action="store_true", help="skip the knob sweeps (the curve)")
+    g.add_argument("--even-counts", action="store_true",
+                   help="rate traces: spread each window's mean evenly instead of seeded Poisson counts per step")
+    g.add_argument("--sleep-share", type=float, default=0.75,
+                   help="share of host memory sleeping models may hold (planner and sleep baselines alike)")
+    g.add_argument("--sleep-gbps", type=float, default=1.75,
+                   help="GB/s of the copy that puts a model to sleep (its GPU memory is held meanwhile)")
 
 
 def _cmd_fleet_backtest(args: argparse.Namespace) -> int:
@@ -119,7 +125,8 @@ def _cmd_fleet_backtest(args: argparse.Namespace) -> int:
         catalog = load_catalog(args.catalog, trace.names) if args.catalog else None
         setup = FleetSetup(n_nodes=args.nodes, node_gpu_gb=args.node_gpu_gb, node_host_gb=args.node_host_gb,
                            capacity_share=args.capacity_share, step_s=args.step,
-                           score_after_s=args.score_after or 86_400.0)
+                           score_after_s=args.score_after or 86_400.0, poisson=not args.even_counts,
+                           seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps)
         policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
         out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
                                  progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
