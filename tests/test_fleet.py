@@ -169,8 +169,16 @@ def test_fleet_backtest_runs_every_policy_and_the_curve(tmp_path: Path) -> None:
     tr = load_fleet(AZURE)
     out = run_fleet_backtest(tr, setup=FleetSetup(capacity_share=0.5, score_after_s=86_400))
     names = [r["policy"] for r in out["rows"]]
-    assert names == ["keepalive", "hybrid_histogram", "reactive", "oracle", "fleet"]
-    assert set(out["curves"]) == {"keepalive", "hybrid_histogram", "fleet"}
+    assert names == ["keepalive", "keepalive_sleep", "hybrid_histogram", "hybrid_histogram_sleep", "reactive",
+                     "oracle", "fleet"]
+    assert set(out["curves"]) == {"keepalive", "keepalive_sleep", "hybrid_histogram", "hybrid_histogram_sleep", "fleet"}
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert all(r["starts"] == r["loads"] + r["wakes"] for r in out["rows"])
+    assert rows["keepalive_sleep"]["sleeps"] > 0 and rows["keepalive"]["sleeps"] == 0
+    assert rows["keepalive_sleep"]["wakes"] > 0 and rows["keepalive"]["wakes"] == 0
+    eq = out["at_equal"]
+    assert eq["cold_share_at_equal_warm_gb_h"]["fleet"] == rows["fleet"]["cold_share"]
+    assert set(eq["warm_gb_h_at_equal_cold_share"]) == set(names)
     fleet = out["rows"][-1]
     assert fleet["warm_gb_h"] <= out["target"]["hybrid_warm_gb_h"] * 1.0001
     assert all(r["avg_warm_gb"] <= out["fleet"]["gpu_capacity_gb"] + 1e-6 for r in out["rows"])

@@ -5,7 +5,9 @@ every model), replays the trace through each policy at its default setting, swee
 policy's knob (keep-alive seconds, the histogram's tail percentile, the planner's budget)
 into a curve of cold-start share against warm GPU-memory-time, and reports the target
 comparison: the fleet planner given the hybrid histogram's own average warm memory as its
-budget, against the hybrid histogram, at equal or lower memory-time.
+budget, against the hybrid histogram, at equal or lower memory-time. `at_equal` reads every
+policy's curve (the sleep-enabled baselines' too) at the planner's point, both ways.
+Rate traces become seeded Poisson counts per step (`FleetSetup.poisson`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from forecasting.curves import at_equal_share
 from forecasting.fleet.catalog import Catalog, default_catalog
 from forecasting.fleet.policies import FLEET_POLICIES, FleetEnv, make_fleet_policy
 from forecasting.fleet.simulate import FleetScore, simulate
@@ -56,11 +59,24 @@ class FleetSetup:
     score_after_s: float = 86_400.0
     sizes_gb: tuple[float, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # rate traces (per-client windows) become seeded Poisson counts per step, so no model's idle times are
+    # exact multiples of a window (False: the window's mean spread evenly, the old yardstick)
+    poisson: bool = True
+    seed: int = 0
+    sleep_share: float = 0.75  # host memory share for sleeping models (planner and sleep baselines alike)
+    sleep_gbps: float = 1.75  # the copy to host memory when a model is put to sleep (docs/fleet.md)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sleep_share <= 1:
+            raise ValueError(f"sleep_share must be within [0, 1], got {self.sleep_share}")
+        if not self.sleep_gbps > 0:
+            raise ValueError(f"sleep_gbps must be > 0, got {self.sleep_gbps}")
 
     def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
         n = self.n_nodes or max(1, int(math.ceil(self.capacity_share * catalog.total_gb() / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
-                        node_host_gb=self.node_host_gb, counts=counts)
+                        node_host_gb=self.node_host_gb, counts=counts, sleep_share=self.sleep_share,
+                        sleep_gbps=self.sleep_gbps)
 
 
 def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
@@ -74,9 +90,16 @@ def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup:
 
 def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, setup: FleetSetup = FleetSetup(),
                        policies: Sequence[str] = FLEET_POLICIES, curve: bool = True,
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram."""
+                       progress: Callable[[str], None] | None = None,
+                       knobs: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram.
+
+    ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
+    hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`)."""
     trace = resample(trace, setup.step_s)
+    if setup.poisson and trace.kind == "client_rates":
+        rng = np.random.default_rng(setup.seed)
+        trace = replace(trace, counts=rng.poisson(trace.counts).astype(np.float64))
     if catalog is None:
         catalog = default_catalog(trace.names, setup.sizes_gb) if setup.sizes_gb else default_catalog(trace.names)
     env = setup.env(catalog, trace.counts)
@@ -107,11 +130,13 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     if curve:
         reactive = rows.get("reactive") or _run(trace, env, "reactive", None, setup, progress)
         floor = reactive.avg_warm_gb
-        knobs: dict[str, Sequence[float]] = {
+        chosen: dict[str, Sequence[float]] = {
             "keepalive": KEEPALIVE_S, "hybrid_histogram": HH_TAIL_PCT,
-            "fleet": tuple(floor + s * max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb) for s in FLEET_BUDGET_SHARE),
-        }
-        for name, values in knobs.items():
+            "keepalive_sleep": KEEPALIVE_S, "hybrid_histogram_sleep": HH_TAIL_PCT, "fleet": FLEET_BUDGET_SHARE,
+        } | dict(knobs or {})
+        extra = max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb)
+        chosen["fleet"] = tuple(floor + s * extra for s in chosen["fleet"])
+        for name, values in chosen.items():
             if name in policies:
                 curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
     return {
@@ -120,5 +145,27 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
         "fleet": {"nodes": env.n_nodes, "node_gpu_gb": env.node_gpu_gb, "gpu_capacity_gb": env.gpu_capacity_gb,
                   "all_models_gb": catalog.total_gb(), "node_host_gb": env.node_host_gb},
         "score_after_s": min(setup.score_after_s, trace.duration_s / 2),
+        "poisson_counts": bool(setup.poisson and trace.kind == "client_rates"),
         "rows": [r.row() for r in rows.values()], "target": target, "curves": curves,
+        "at_equal": equal_points(rows, curves),
     }
+
+
+def equal_points(rows: Mapping[str, FleetScore], curves: Mapping[str, Sequence[Mapping[str, Any]]],
+                 anchor: str = "fleet") -> dict[str, Any]:
+    """Every policy on its curve (default included) at the planner's default point, both ways: its cold
+    share at the planner's warm GB·h, and its warm GB·h at the planner's cold share (None outside its curve)."""
+    base = rows.get(anchor)
+    out: dict[str, Any] = {"anchor": anchor, "warm_gb_h": None, "cold_share": None,
+                           "cold_share_at_equal_warm_gb_h": {}, "warm_gb_h_at_equal_cold_share": {}}
+    if base is None:
+        return out
+    out["warm_gb_h"], out["cold_share"] = base.warm_gb_h, base.cold_share
+    for name, r in rows.items():
+        pts = [r.row(), *curves.get(name, ())]
+        same = name == anchor
+        out["cold_share_at_equal_warm_gb_h"][name] = base.cold_share if same else at_equal_share(
+            pts, base.warm_gb_h, x="warm_gb_h", y="cold_share")
+        out["warm_gb_h_at_equal_cold_share"][name] = base.warm_gb_h if same else at_equal_share(
+            pts, base.cold_share, x="cold_share", y="warm_gb_h")
+    return out

@@ -11,6 +11,9 @@ comes (every policy does), charges memory, and counts cold requests.
   of idle times (1-minute bins, 4 h range); pre-warm at its 5th percentile and keep alive to
   its 99th (10% margins) when the histogram is representative; a standard 4 h keep-alive
   when not; a time-series guess of the next idle time when most idle times exceed the range.
+- `SleepTier` (`keepalive_sleep`, `hybrid_histogram_sleep`): either baseline with the
+  planner's sleep tier: what it takes off GPU sleeps (LRU within the same host-memory share)
+  and is woken on demand, so a comparison with the planner is tool for tool.
 - `FleetPlanner`: the pure fleet planner (`forecasting.fleet.planner`) fed by the online
   `ArrivalEstimator`, with node placement and a fleet budget.
 - `Oracle`: knows the future; loads each model exactly one load time before its next
@@ -42,6 +45,16 @@ class FleetEnv:
     node_gpu_gb: float
     node_host_gb: float
     counts: np.ndarray | None = None  # the whole trace: only the oracle may read it
+    # the share of host memory sleeping models may hold (the planner's FleetParams.sleep_share; the
+    # sleep-enabled baselines keep theirs within the same share)
+    sleep_share: float = 0.75
+    # putting a model to sleep copies its weights to pinned host memory: 0.1 s + GB / this (4.3 s for 8 GB,
+    # 17.9 s for 30 GB measured on an H200, docs/fleet.md); GPU and host memory are both held meanwhile
+    sleep_gbps: float = 1.75
+
+    def sleep_s(self, mem_gb: np.ndarray | float) -> np.ndarray | float:
+        """Seconds to put a model of `mem_gb` to sleep (the copy to host memory)."""
+        return 0.1 + np.asarray(mem_gb, dtype=np.float64) / self.sleep_gbps
 
     @property
     def gpu_capacity_gb(self) -> float:
@@ -57,6 +70,10 @@ class FleetPolicy(ABC):
         self.env = env
         m = len(env.catalog)
         self.idle = np.full(m, -1, dtype=np.int64)  # inactive steps since the last active one; -1: never
+        # the last request's arrival (s; -inf: never), requests spread evenly over their step as the
+        # simulator serves them: idle times are measured on arrivals, not on step multiples
+        self.last_arrival = np.full(m, -np.inf)
+        self.gap_s = np.full(m, np.nan)  # this step's first arrival minus the previous last one (nan: inactive)
 
     @abstractmethod
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +81,12 @@ class FleetPolicy(ABC):
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
         """Step ``t`` happened: ``counts`` arrived; ``gpu`` was warm (incl. on-demand loads)."""
-        self.idle = np.where(counts > 0, 0, np.where(self.idle >= 0, self.idle + 1, -1))
+        dt = self.env.step_s
+        active = counts > 0
+        first = t * dt + dt / (counts + 1.0)
+        self.gap_s = np.where(active, first - self.last_arrival, np.nan)
+        self.last_arrival = np.where(active, t * dt + dt * counts / (counts + 1.0), self.last_arrival)
+        self.idle = np.where(active, 0, np.where(self.idle >= 0, self.idle + 1, -1))
 
     def _none(self) -> np.ndarray:
         return np.zeros(len(self.env.catalog), dtype=bool)
@@ -78,8 +100,10 @@ class KeepAlive(FleetPolicy):
         self.name = name
 
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        k = max(1, int(math.ceil(self.keep_s / self.env.step_s - 1e-9)))
-        return (self.idle >= 0) & (self.idle < k), self._none()
+        # warm for step t while its last request is less than keep_s old when the step starts (at least
+        # the step after a request: the simulator unloads at step boundaries)
+        since = t * self.env.step_s - self.last_arrival
+        return (self.idle >= 0) & ((self.idle == 0) | (since < self.keep_s)), self._none()
 
 
 class HybridHistogram(FleetPolicy):
@@ -129,9 +153,12 @@ class HybridHistogram(FleetPolicy):
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
         active = counts > 0
-        self.hist[active & (self.idle == 0), 0] += 1  # back-to-back minutes: an idle time of 0
-        for i in np.flatnonzero(active & (self.idle > 0)):
-            it = self.idle[i] * self.step_min
+        # idle times between requests, in minutes, measured on the arrivals (not on step multiples)
+        gap_min = np.floor((t * self.env.step_s + self.env.step_s / (counts + 1.0) - self.last_arrival) / 60.0)
+        back_to_back = active & (self.idle == 0) & (gap_min < 1)
+        self.hist[back_to_back, 0] += 1
+        for i in np.flatnonzero(active & (self.idle >= 0) & ~back_to_back):
+            it = float(gap_min[i])
             if it <= self.range_min:
                 self.hist[i, int(it)] += 1
             else:
@@ -139,6 +166,47 @@ class HybridHistogram(FleetPolicy):
                 self.oob_log_mean[i] += (math.log(it) - self.oob_log_mean[i]) / self.oob[i]
         for i in np.flatnonzero(~active & (self.idle == 0)):  # going idle: its windows from all it has seen
             self._windows(int(i))
+        super().observe(t, counts, gpu)
+
+
+class SleepTier(FleetPolicy):
+    """A baseline given the planner's sleep tier: what it takes off GPU goes to sleep instead of out.
+
+    The inner policy (keep-alive, the hybrid histogram) decides what stays on GPU as before;
+    a model it releases from GPU is put to sleep (engine level-1: weights in host memory,
+    woken on demand in a fraction of a load), the most recently used first, while the
+    sleeping models fit in the same share of host memory the planner may use
+    (`FleetEnv.sleep_share`); the least recently used beyond it fall to the page cache or
+    disk. Only a model that was on GPU (or already asleep) can sleep.
+    """
+
+    def __init__(self, inner: FleetPolicy) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}_sleep"
+
+    def reset(self, env: FleetEnv) -> None:
+        super().reset(env)
+        self.inner.reset(env)
+        self.mem = env.catalog.mem_array
+        self.host_gb = env.n_nodes * env.node_host_gb * env.sleep_share
+        self.gpu_prev = self._none()
+        self.asleep = self._none()
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        want, _ = self.inner.decide(t)
+        cand = ~want & (self.gpu_prev | self.asleep)
+        idx = np.flatnonzero(cand)
+        idx = idx[np.argsort(-self.last_arrival[idx], kind="stable")]  # most recently used first
+        fits = np.cumsum(self.mem[idx]) <= self.host_gb
+        asleep = self._none()
+        asleep[idx[fits]] = True
+        self.asleep = asleep
+        return want, asleep.copy()
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+        self.inner.observe(t, counts, gpu)
+        self.gpu_prev = gpu.copy()
+        self.asleep &= ~gpu
         super().observe(t, counts, gpu)
 
 
@@ -155,7 +223,8 @@ class FleetPlanner(FleetPolicy):
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
         self.est = ArrivalEstimator(len(env.catalog), env.step_s, **self.est_kw)
-        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **self.params_kw)
+        kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
+        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
         self.state = FleetState(lam=self.lam0)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
@@ -236,11 +305,16 @@ def make_fleet_policy(name: str, knob: float | None = None, **kw: Any) -> FleetP
         return KeepAlive(keep_s=knob if knob is not None else 0.0, name="reactive")
     if name == "hybrid_histogram":
         return HybridHistogram(tail_pct=knob if knob is not None else 99.0, **kw)
+    if name == "keepalive_sleep":
+        return SleepTier(KeepAlive(keep_s=knob if knob is not None else 600.0))
+    if name == "hybrid_histogram_sleep":
+        return SleepTier(HybridHistogram(tail_pct=knob if knob is not None else 99.0, **kw))
     if name == "fleet":
         return FleetPlanner(budget_gb=knob, **kw)
     if name == "oracle":
         return Oracle()
-    raise ValueError(f"unknown fleet policy {name!r} (keepalive, reactive, hybrid_histogram, fleet, oracle)")
+    raise ValueError(f"unknown fleet policy {name!r} ({', '.join(FLEET_POLICIES)})")
 
 
-FLEET_POLICIES = ("keepalive", "hybrid_histogram", "reactive", "fleet", "oracle")
+FLEET_POLICIES = ("keepalive", "keepalive_sleep", "hybrid_histogram", "hybrid_histogram_sleep", "reactive", "fleet",
+                  "oracle")

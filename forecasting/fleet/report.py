@@ -13,7 +13,8 @@ from typing import Any, Mapping
 _COLUMNS = (("policy", "policy", "{}"), ("cold %", "cold_share", "{:.4%}"), ("full-load %", "full_load_share", "{:.4%}"),
             ("TTFT p99 s", "ttft_p99_s", "{:.2f}"), ("TTFT p99.9 s", "ttft_p999_s", "{:.2f}"),
             ("warm GB·h", "warm_gb_h", "{:,.0f}"), ("wasted GB·h", "wasted_gb_h", "{:,.0f}"),
-            ("avg warm GB", "avg_warm_gb", "{:,.0f}"), ("loads", "loads", "{:,}"), ("wakes", "wakes", "{:,}"))
+            ("avg warm GB", "avg_warm_gb", "{:,.0f}"), ("loads", "loads", "{:,}"), ("wakes", "wakes", "{:,}"),
+            ("sleeps", "sleeps", "{:,}"), ("starts", "starts", "{:,}"))
 
 
 def table_lines(result: Mapping[str, Any], markdown: bool = False) -> list[str]:
@@ -44,6 +45,13 @@ def print_fleet(result: Mapping[str, Any]) -> None:
         print(f"target: fleet planner at budget {t['budget_gb']:,.0f} GB: cold {t['fleet_cold_share']:.4%} vs "
               f"hybrid histogram {t['hybrid_cold_share']:.4%} (ratio {t['cold_ratio']:.2f}) at "
               f"{t['fleet_warm_gb_h']:,.0f} vs {t['hybrid_warm_gb_h']:,.0f} GB·h: {'met' if t['met'] else 'NOT met'}")
+    eq = result.get("at_equal") or {}
+    if eq.get("warm_gb_h") is not None:
+        print(f"on each policy's curve at the planner's point ({eq['cold_share']:.4%} cold, {eq['warm_gb_h']:,.0f} GB·h):")
+        for name, cold in eq["cold_share_at_equal_warm_gb_h"].items():
+            gbh = eq["warm_gb_h_at_equal_cold_share"].get(name)
+            print(f"  {name:<24} cold at equal GB·h: {'outside its curve' if cold is None else f'{cold:.4%}'}; "
+                  f"GB·h at equal cold: {'outside its curve' if gbh is None else f'{gbh:,.0f}'}")
 
 
 def plot_curves(result: Mapping[str, Any], out: str | Path, title: str = "") -> Path:

@@ -13,7 +13,12 @@ One step at a time (the trace's step, e.g. a minute), for all models at once:
    of a model on GPU during a step without requests is *wasted*; the fleet's GPU capacity is
    enforced by evicting the least recently used models without requests in flight;
 4. evicted weights stay in the page cache (least recently used first, in the host memory
-   that sleeping models leave free), else fall back to disk.
+   that sleeping models leave free), else fall back to disk;
+5. tiers cost what they cost live: only a model on GPU (or already asleep) can go to sleep;
+   sleeping models are capped by the nodes' host memory (the least recently used beyond it
+   fall to the page cache or disk); putting a model to sleep takes its copy time
+   (`FleetEnv.sleep_s`), during which it still holds its GPU memory (charged), and a wake
+   takes the catalog's time to ready from `asleep`.
 
 One replica per model: the fleet question is whether a model is warm at all; how many
 replicas a dense model needs for its throughput is the single-model planner's question.
@@ -61,11 +66,17 @@ class FleetScore:
     peak_warm_gb: float
     loads: int
     wakes: int
+    sleeps: int = 0
     cold_by_model: tuple[float, ...] = ()
     warm_gb_h_by_model: tuple[float, ...] = ()
 
+    @property
+    def starts(self) -> int:
+        """Replicas brought up: full loads (page cache or disk) and wakes from sleep."""
+        return self.loads + self.wakes
+
     def row(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not k.endswith("_by_model")}
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_by_model")} | {"starts": self.starts}
 
 
 def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_after_s: float = 0.0,
@@ -82,13 +93,15 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     host_total = env.n_nodes * env.node_host_gb
     cap = env.gpu_capacity_gb
     gpu = np.zeros(m, dtype=bool)
+    slept = np.zeros(m, dtype=bool)  # asleep during the last step (after the rules below)
+    sleep_s = np.minimum(np.asarray(env.sleep_s(mem), dtype=np.float64), dt)
     ready_at = np.zeros(m)
     last_used = np.full(m, -1.0)
     off_tier = np.full(m, 2, dtype=np.int64)  # index into _TIERS for models off GPU
     first_scored = int(np.ceil(score_after_s / dt - 1e-9))
     req = cold = full = gb_s = waste_s = 0.0
     peak = 0.0
-    loads = wakes = 0
+    loads = wakes = sleeps = 0
     warm_w = np.zeros(m)
     cold_m = np.zeros(m)
     gb_s_m = np.zeros(m)
@@ -100,6 +113,13 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         want = want.copy()
         c = trace.counts[t]
         busy = c > 0
+        # only a model on GPU (or already asleep) can sleep, and sleeping models fit in host memory:
+        # the least recently used beyond it fall to the page cache or disk
+        asleep = asleep & ~want & (gpu | slept)
+        sidx = np.flatnonzero(asleep)
+        sidx = sidx[np.argsort(-last_used[sidx], kind="stable")]
+        asleep[sidx[np.cumsum(mem[sidx]) > host_total]] = False
+        to_sleep = asleep & gpu  # the copy to host memory holds the GPU memory too while it runs
         # weights off GPU: asleep where the policy says, else page cache (LRU) within host memory, else disk
         host_left = host_total - float(mem[asleep & ~want].sum())
         off = ~want & ~asleep
@@ -127,6 +147,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
                 gpu[i] = False
                 used -= mem[i]
         last_used[busy] = start
+        slept = asleep & ~gpu
         late = np.clip(ready_at - start, 0.0, dt)
         coldf = np.where(busy, np.minimum(1.0, late / dt), 0.0)
         cold_req = np.where(coldf > 0, np.minimum(c, np.maximum(1.0, c * coldf)), 0.0)
@@ -138,7 +159,8 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         full += float(cold_req[from_tier >= 1].sum())
         loads += int(((from_tier >= 1) & gpu).sum())
         wakes += int((from_tier == 0).sum())
-        gb_s += used * dt
+        gb_s += used * dt + float((mem * sleep_s)[to_sleep].sum())
+        sleeps += int(to_sleep.sum())
         peak = max(peak, used)
         waste_s += float(mem[gpu & ~busy].sum()) * dt
         warm_w += c - cold_req
@@ -162,5 +184,5 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         ttft_p50_s=weighted_quantile(v_all, w_all, 0.5), ttft_p99_s=weighted_quantile(v_all, w_all, 0.99),
         ttft_p999_s=weighted_quantile(v_all, w_all, 0.999),
         warm_gb_h=gb_s / 3600.0, wasted_gb_h=waste_s / 3600.0, avg_warm_gb=gb_s / span_s, peak_warm_gb=peak,
-        loads=loads, wakes=wakes, cold_by_model=tuple(cold_m.tolist()),
+        loads=loads, wakes=wakes, sleeps=sleeps, cold_by_model=tuple(cold_m.tolist()),
         warm_gb_h_by_model=tuple((gb_s_m / 3600.0).tolist()))

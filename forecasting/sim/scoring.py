@@ -8,10 +8,11 @@ CLI does the printing and `forecasting.sim.report` the plotting.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
 from forecasting.planner import warm_cost
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
@@ -99,6 +100,12 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
             s[f"gpu_hours_vs_{ref}"] = s["gpu_hours"] / base if base else None
+    rows = []
+    for name, s in scores.items():
+        knob, value = default_knob(name)
+        r = row(name, s, knob, value, True)
+        r["gpu_hours_vs_reactive"] = s["gpu_hours_vs_reactive"]
+        rows.append(r)
     out = {
         "trace": work.source,
         "params": asdict(params) | {
@@ -110,17 +117,35 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
             "notes": list(work.notes),
         },
         "policies": scores,
+        "rows": rows,
     }
     return {"result": out, "runs": runs, "work": work}
 
 
 #: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
+#: prewarm's is its quantile until the planner has a cold-start budget (issue 17); reactive_sized's its
+#: square-root staffing margin (the planner's queue_beta: 1.5).
 SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
-    "reactive": ("target", (0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "reactive": ("target", (0.3, 0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 6.0), 1.5),
     "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
     "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
     "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
 }
+
+
+def row(policy: str, s: Mapping[str, Any], knob: str, value: float, default: bool) -> dict[str, Any]:
+    """One row of the output contract: {policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
+    cold_start_share, ttft_p99_s, starts} (gpu_hours_vs_reactive filled in once reactive's default is known)."""
+    return {"policy": policy, "knob": knob, "value": value, "default": default, "gpu_hours": s["gpu_hours"],
+            "gpu_hours_vs_reactive": None, "cold_start_share": s["cold_start_share"], "ttft_p99_s": s["ttft_p99_s"],
+            "starts": int(s["cold_starts"])}
+
+
+def default_knob(policy: str, knobs: Mapping[str, tuple[str, tuple[float, ...], float]] | None = None) -> tuple[str, float]:
+    """The policy's knob and its default value ("" and nan for a policy without one, the oracle)."""
+    knob, _, default = (SWEEP_KNOBS if knobs is None else knobs).get(policy, ("", (), float("nan")))
+    return knob, default
 
 
 def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
@@ -129,8 +154,11 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
               progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
 
-    Returns `{"trace", "reactive_gpu_hours", "points": [{policy, knob, value, default, gpu_hours,
-    gpu_hours_vs_reactive, cold_start_share, ttft_p99_s}]}`; the oracle is one point.
+    Returns `{"trace", "reactive_gpu_hours", "rows", "points", "at_equal_cold_start_share"}`: `points`
+    holds every setting ({policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
+    cold_start_share, ttft_p99_s, starts}), `rows` the defaults, and `at_equal_cold_start_share`
+    each policy's GPU-hours vs reactive on its curve at prewarm's default cold-start share.
+    The oracle is one point.
     """
     knobs = SWEEP_KNOBS if knobs is None else knobs
     work = build_workload(trace, params)
@@ -146,11 +174,11 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
             s = score(replay(work, make_policy(name, **kw), params, cb), work, params)
             if name == "reactive" and v == default:
                 base_gpu = s["gpu_hours"]
-            points.append({"policy": name, "knob": knob, "value": v, "default": bool(v == default or not knob),
-                           "gpu_hours": s["gpu_hours"], "cold_start_share": s["cold_start_share"],
-                           "ttft_p99_s": s["ttft_p99_s"]})
+            points.append(row(name, s, knob, v, bool(v == default or not knob)))
     if base_gpu is None:
         base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
     for pt in points:
         pt["gpu_hours_vs_reactive"] = pt["gpu_hours"] / base_gpu if base_gpu else None
-    return {"trace": work.source, "reactive_gpu_hours": base_gpu, "points": points}
+    return {"trace": work.source, "params": asdict(params) | {"engine": "fluid" if work.aggregated else "exact"},
+            "reactive_gpu_hours": base_gpu, "rows": [p for p in points if p["default"]],
+            "points": points, "at_equal_cold_start_share": sweep_summary(points)}

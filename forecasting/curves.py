@@ -1,0 +1,44 @@
+"""Claims at equal cost or equal cold starts: a policy's curve over its knob, read at another policy's point.
+
+A policy scored at one setting wins or loses by its default; over its knob it is a curve of
+cold-start share against cost (GPU-hours, warm GB·h). These helpers read a curve at the
+anchor's (prewarm's, the fleet planner's) default point, so "prewarm saves X% at the same
+cold starts" is read on each baseline's own curve. Shared by the single-model sweep
+(`forecasting.sim.scoring`) and the fleet backtest (`forecasting.fleet.backtest`), which do
+not import each other. Pure numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+def at_equal_share(points: Sequence[Mapping[str, Any]], share: float, x: str = "cold_start_share",
+                   y: str = "gpu_hours_vs_reactive") -> float | None:
+    """A curve's `y` interpolated (linearly, points ordered by `x`) at `x == share`; None outside its range.
+
+    A curve that is not monotone in `x` is read through its lower envelope: at each point's x the
+    least y of any setting whose x is no larger (it meets that share too)."""
+    pts = sorted((float(p[x]), float(p[y])) for p in points if p.get(y) is not None and p.get(x) is not None)
+    if not pts or not pts[0][0] <= share <= pts[-1][0]:
+        return None
+    xs = np.asarray([p[0] for p in pts])
+    ys = np.minimum.accumulate(np.asarray([p[1] for p in pts]))  # the best y at this x or below
+    return float(np.interp(share, xs, ys))
+
+
+def sweep_summary(points: Sequence[Mapping[str, Any]], anchor: str = "prewarm", x: str = "cold_start_share",
+                  y: str = "gpu_hours_vs_reactive") -> dict[str, Any]:
+    """`at_equal_cold_start_share`: each policy's `y` on its curve at the anchor's default `x` (null outside its range)."""
+    base = next((p for p in points if p["policy"] == anchor and p["default"]), None)
+    out: dict[str, Any] = {"anchor": anchor, x: None if base is None else base[x], "policies": {}}
+    if base is None:
+        return out
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for p in points:
+        by.setdefault(str(p["policy"]), []).append(p)
+    for name, pts in by.items():
+        out["policies"][name] = base[y] if name == anchor else at_equal_share(pts, float(base[x]), x, y)
+    return out
