@@ -113,6 +113,9 @@ class ReplicaCounts:
     ready: int = 0
     loading: int = 0
     warm: int = 0
+    # True where the warm pool is not told apart from the serving replicas (a Deployment's pods in a
+    # cluster): `ready`/`loading` include it, and the step takes the pool out before it plans serving
+    pooled: bool = False
 
     @property
     def live(self) -> int:
@@ -334,6 +337,15 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     return target, why
 
 
+def _split_pool(counts: ReplicaCounts, pool: int) -> ReplicaCounts:
+    """Pods of one Deployment, serving and pool alike: up to `pool` of them are the warm pool (those still
+    coming up first), the rest serve. Counted as all serving, the reactive floor would keep them all
+    serving and add the pool on top at every step: +pool per Ready pod while history is short."""
+    warm = min(pool, counts.live)
+    from_loading = min(warm, counts.loading)
+    return ReplicaCounts(counts.ready - (warm - from_loading), counts.loading - from_loading, warm)
+
+
 def _events(inp: StepInputs, target: int, pool: int, need_next: int, need_lead: int, why: str,
             lead: float) -> list[ScaleEvent]:
     m, now, live, warm = inp.model, inp.now, inp.replicas.live, inp.replicas.warm
@@ -433,10 +445,14 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     base = _base_need(inp, fired, margin) if batch_lead else 0
     need_next = max(fc_next, base + batch_next)
     need_lead = max(fc_lead, need_next, base + batch_lead)
+    pool = budget.trim(max(need_next, p.min_serving), budget.pool_target(p.warm_pool_size, p.warm_pool_percent,
+                                                                          need_next),
+                       max(need_next, p.min_serving), p.budget_share)[1]
+    if inp.replicas.pooled:
+        inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, slots))
     if batch_lead:
         why += f" (batch jobs {batch_lead})"
-    pool = budget.pool_target(p.warm_pool_size, p.warm_pool_percent, need_next)
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
     budget_target, pool, notes = budget.trim(target, pool, max(need_next, p.min_serving), p.budget_share,
                                              allowed if mode == PREDICTIVE else None)

@@ -6,20 +6,29 @@ registry and the broker the way `forecast_and_plan` and `apply_scale_event` meet
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry
 
 from forecasting.planner import BatchJob, PlannerParams, PlannerState, ReplicaCounts, StepInputs, \
     observed_from_counts, step
+from prewarm.core import keys
 from prewarm.core.domain import ModelSpec, Replica, ReplicaState
 from prewarm.core.settings import RedisSettings, Settings
 from tests.celery_helpers import publish_node, queued_tasks
+from tests.k8s_double import KubeDouble
 from workers.app import make_app
 from workers.context import WorkerContext
 from workers.names import KEEP_WARM, RETIRE, node_queue
 from workers.planning.executor import apply_event, live_counts, submit_events
+from workers.planning.forecast import forecast_and_plan
+from workers.planning.kubernetes import actuator_for, apply_target
+
+T0 = 1_700_000_000.0
 
 
 @pytest.fixture()
@@ -67,3 +76,75 @@ def test_scale_down_cancels_loading_replicas_and_never_retires_one_a_hold_keeps(
     kept = {m["args"][0] for m in tasks if m["task"] == KEEP_WARM}
     assert retired == set(loading)
     assert kept == set(ready[:3]) and not kept & retired
+
+
+# --- Kubernetes: the pods are one Deployment, the warm pool among them ------------------------------------
+NS = "inference"
+
+
+def _cluster_ctx(mp: pytest.MonkeyPatch, redis_url: str, kubeconfig: Path, **extra: str) -> WorkerContext:
+    env = {
+        "PREWARM_REDIS_URL": redis_url, "PREWARM_KUBERNETES_ENABLED": "true", "PREWARM_KUBERNETES_AUTOSCALING": "none",
+        "PREWARM_KUBERNETES_NAMESPACE": NS, "PREWARM_KUBERNETES_DEPLOYMENT": "tiny",
+        "PREWARM_KUBERNETES_KUBECONFIG": str(kubeconfig), "PREWARM_PLANNER_MODELS": '["tiny@r1"]',
+        "PREWARM_PLANNER_WARM_POOL_SIZE": "1", "PREWARM_PLANNER_BUDGET_SHARE": "1", **extra,
+    }
+    for k, v in env.items():
+        mp.setenv(k, v)
+    return WorkerContext.build(Settings.load(), registry=CollectorRegistry())
+
+
+def _kubeconfig(path: Path, url: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "double",
+        "clusters": [{"name": "double", "cluster": {"server": url}}], "users": [{"name": "nobody", "user": {}}],
+        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "nobody", "namespace": NS}}],
+    }))
+    return path
+
+
+def test_cluster_target_does_not_grow_by_the_pool_at_every_ready_pod(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """9 pods (8 serving + a pool of 1), under 300 s of history (reactive, nothing released): as each pod the
+    Deployment runs turns Ready and is registered (as the pod warmer does), the target stays 9. Counted as
+    all serving, the pool came on top at every step: 9 -> 17 in 8 steps."""
+    with KubeDouble() as double:
+        double.add_deployment(NS, "tiny", replicas=9, labels={"app": "tiny"}, controller=True)
+        ctx = _cluster_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url),
+                           PREWARM_KUBERNETES_MAX_REPLICAS="20")
+        now = T0
+        ctx.client.hset(keys.REQUESTS_FIRST, "tiny", repr(T0))  # the gateway began counting now: short history
+        for i in range(9):
+            _replica(ctx, "tiny", f"pod-node-{i}", i, now, ReplicaState.READY)
+        seen = []
+        for k in range(8):
+            now += 10.0
+            forecast_and_plan(ctx, now=now)
+            want = double.replicas(NS, "tiny")
+            seen.append(want)
+            registered = len(ctx.registry.replicas_of("tiny"))
+            if registered < want:  # the next pod of the Deployment turns Ready and is registered
+                _replica(ctx, "tiny", f"pod-node-{registered}", registered, now, ReplicaState.READY)
+        assert seen == [9] * 8
+        record = ctx.client.hgetall(keys.last_forecast("tiny"))
+        assert (record["serving_target"], record["pool_target"], record["target"]) == ("8", "1", "9")
+        ctx.client.close()
+
+
+def test_the_scale_subresource_is_capped_at_max_replicas(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Mode `none`: the planner is the Deployment's only scaler, so its target is capped as KEDA's
+    maxReplicaCount or the HPA's maxReplicas cap theirs (per model where the chart names one)."""
+    with KubeDouble() as double:
+        double.add_deployment(NS, "tiny", replicas=1)
+        ctx = _cluster_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url),
+                           PREWARM_KUBERNETES_MAX_REPLICAS="4")
+        act = actuator_for(ctx.settings.kubernetes)
+        apply_target(act, ctx.settings.kubernetes, "tiny", 30)
+        assert double.replicas(NS, "tiny") == 4
+        per_model = ctx.settings.kubernetes.model_copy(update={"max_replicas_by_model": {"tiny": 6}})
+        apply_target(act, per_model, "tiny", 30)
+        assert double.replicas(NS, "tiny") == 6
+        apply_target(act, per_model, "tiny", 2)
+        assert double.replicas(NS, "tiny") == 2
+        ctx.client.close()

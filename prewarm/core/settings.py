@@ -153,6 +153,11 @@ class KubernetesSettings(_Group):
     autoscaling: Literal["keda", "hpa", "none"] = "none"
     deployment: str | None = None  # inference Deployment to scale (autoscaling "none")
     deployments: dict[str, str] = Field(default_factory=dict)  # model -> its Deployment, when there are several
+    # The most replicas the planner sets on a Deployment with autoscaling "none" (with KEDA or the HPA,
+    # their maxReplicaCount / maxReplicas bound it): a forecast or a feedback loop gone wrong must not
+    # scale a GPU Deployment without limit. The chart passes its autoscaling.maxReplicas (8 by default).
+    max_replicas: int = Field(8, ge=0)
+    max_replicas_by_model: dict[str, int] = Field(default_factory=dict)  # model -> its own cap (chart targets)
     kubeconfig: str | None = None  # default: in-cluster config, then ~/.kube/config
     dry_run: bool = False
     node_selector: str = "gpu.feature/preload=true"

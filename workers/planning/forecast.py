@@ -138,9 +138,11 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
-    nodes = None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx) or None
+    cluster = owns_replicas(ctx.settings.kubernetes)
+    nodes = None if cluster else node_views(ctx) or None
+    # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
-                      ReplicaCounts(**counts), params, p95, coarse, nodes)
+                      ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes)
 
 
 def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:
