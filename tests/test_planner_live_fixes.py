@@ -5,12 +5,14 @@ registry and the broker the way `forecast_and_plan` and `apply_scale_event` meet
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -18,14 +20,16 @@ from forecasting.planner import BatchJob, PlannerParams, PlannerState, ReplicaCo
     observed_from_counts, step
 from prewarm.core import keys
 from prewarm.core.domain import ModelSpec, Replica, ReplicaState
+from prewarm.core.errors import SettingsError
 from prewarm.core.settings import RedisSettings, Settings
+from prewarm.registry.counters import RequestCounter
 from tests.celery_helpers import publish_node, queued_tasks
 from tests.k8s_double import KubeDouble
 from workers.app import make_app
 from workers.context import WorkerContext
 from workers.names import KEEP_WARM, RETIRE, node_queue
 from workers.planning.executor import apply_event, live_counts, submit_events
-from workers.planning.forecast import forecast_and_plan
+from workers.planning.forecast import forecast_and_plan, history
 from workers.planning.kubernetes import actuator_for, apply_target
 
 T0 = 1_700_000_000.0
@@ -148,3 +152,51 @@ def test_the_scale_subresource_is_capped_at_max_replicas(
         apply_target(act, per_model, "tiny", 2)
         assert double.replicas(NS, "tiny") == 2
         ctx.client.close()
+
+
+# --- bucket sizes: the planner reads what the gateway records, summed to its buckets ----------------------
+
+def _count(redis_url: str, model: str, t0: float, seconds: int) -> None:
+    """One request a second for `seconds`, each 2 s in flight, counted and flushed by the gateway's counter."""
+    counter = RequestCounter()
+    for i in range(seconds):
+        counter.add(model, t0 + i)
+        counter.begin(model, t0 + i)
+        counter.end(model, t0 + i + 0.5, 2.0)
+
+    async def flush() -> None:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            await counter.flush(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(flush())
+
+
+@pytest.mark.parametrize("fine,coarse", [(30, 120), (10, 60), (20, 600)])
+def test_the_planner_reads_the_gateways_counters_at_any_counted_bucket_size(
+        redis_url: str, clean_env: pytest.MonkeyPatch, fine: int, coarse: int) -> None:
+    """fine_bucket_s 30 or bucket_s 120 once made the planner read keys nobody writes (zeros): the gateway
+    counts at 10 s (and 60 s) only. Now the planner sums the recorded buckets into its own."""
+    t0 = 1_700_000_400.0  # a multiple of 600 s
+    _count(redis_url, "m", t0, 600)
+    ctx = _cluster_ctx(clean_env, redis_url, Path("/nonexistent"), PREWARM_KUBERNETES_ENABLED="false",
+                       PREWARM_PLANNER_FINE_BUCKET_S=str(fine), PREWARM_PLANNER_BUCKET_S=str(coarse))
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    (start, requests, peak, busy), profile = history(ctx, "m", PlannerState(), params, now=t0 + 600.0,
+                                                     cold_start_p95_s=None)
+    assert start == t0 and requests.size == 600 // fine
+    assert np.all(requests == fine) and np.all(busy == 2.0 * fine) and np.all(peak == 1.0)
+    assert profile is not None
+    _, bucket, rates = profile
+    assert bucket == coarse and rates.size == 600 // coarse and np.allclose(rates, 1.0)
+    ctx.client.close()
+
+
+@pytest.mark.parametrize("field,value", [("FINE_BUCKET_S", "15"), ("BUCKET_S", "45")])
+def test_a_bucket_size_the_gateway_does_not_count_is_refused_by_name(clean_env: pytest.MonkeyPatch, field: str,
+                                                                    value: str) -> None:
+    clean_env.setenv(f"PREWARM_PLANNER_{field}", value)
+    with pytest.raises(SettingsError, match=f"{field.lower()}.*whole multiple"):
+        Settings.load()

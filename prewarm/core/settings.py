@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from prewarm.core import keys
 from prewarm.core.errors import SettingsError
 
 
@@ -241,8 +242,8 @@ class PlannerSettings(_Group):
     group: ClassVar[str] = "planner"
 
     interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
-    bucket_s: int = Field(60, gt=0)  # coarse buckets: the history the seasonal profile is learned from
-    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a gateway counter resolution): what the nowcast reads
+    bucket_s: int = Field(60, gt=0)  # coarse buckets (a multiple of 10 or 60 s): the seasonal profile's history
+    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a multiple of the 10 s counters): what the nowcast reads
     quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
     headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
     lead_margin_s: float = Field(10.0, ge=0)
@@ -257,6 +258,24 @@ class PlannerSettings(_Group):
     # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
+
+    @field_validator("fine_bucket_s")
+    @classmethod
+    def _fine_bucket_is_counted(cls, v: int) -> int:
+        """The gateway counts peaks in flight and busy time at one resolution: a fine bucket sums whole ones."""
+        if v % keys.FINE_RESOLUTION_S:
+            raise ValueError(f"must be a whole multiple of the gateway's {keys.FINE_RESOLUTION_S} s in-flight "
+                             f"counters, got {v}")
+        return v
+
+    @field_validator("bucket_s")
+    @classmethod
+    def _bucket_is_counted(cls, v: int) -> int:
+        """Coarse buckets are summed from a resolution the gateway records."""
+        if not any(v % r == 0 for r in keys.REQUEST_RESOLUTIONS_S):
+            raise ValueError(f"must be a whole multiple of a request-counter resolution the gateway records "
+                             f"({sorted(keys.REQUEST_RESOLUTIONS_S)} s), got {v}")
+        return v
 
     @field_validator("models", mode="before")
     @classmethod

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 from celery import Celery
 
-from forecasting.data.history import load_redis, rate_series
+from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
@@ -97,8 +97,7 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
 
 def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket: float) -> pd.Series:
     """Requests/s per complete bucket of ``model`` in [start, end) from the gateway's counters (empty if none)."""
-    resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
-    resolution = max((r for r in resolutions if bucket % r == 0), default=resolutions[0])
+    resolution = counter_resolution(bucket)
     first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
     if first is not None:
         start = max(start, math.floor(float(first) / bucket) * bucket)
