@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 import yaml
 from prometheus_client import CollectorRegistry
 
+from forecasting.fleet.catalog import Tier
 from forecasting.planner import BatchJob, PlannerParams, PlannerState, ReplicaCounts, StepInputs, \
     observed_from_counts, step
 from prewarm.core import keys
@@ -29,6 +30,7 @@ from workers.app import make_app
 from workers.context import WorkerContext
 from workers.names import KEEP_WARM, RETIRE, node_queue
 from workers.planning.executor import apply_event, live_counts, submit_events
+from workers.planning.fleet import fleet_catalog
 from workers.planning.forecast import forecast_and_plan, history
 from workers.planning.kubernetes import actuator_for, apply_target
 
@@ -200,3 +202,20 @@ def test_a_bucket_size_the_gateway_does_not_count_is_refused_by_name(clean_env: 
     clean_env.setenv(f"PREWARM_PLANNER_{field}", value)
     with pytest.raises(SettingsError, match=f"{field.lower()}.*whole multiple"):
         Settings.load()
+
+
+# --- the fleet catalog reads per-tier times where the agents record them ------------------------------------
+
+def test_fleet_catalog_reads_the_tier_times_agents_record_under_their_own_node_class(ctx: WorkerContext) -> None:
+    """The planner process runs with agent.node_class "cpu"; agents on "h200" and "l4" nodes time their
+    wakes under their own class. The catalog holds each class's figure and plans with the slowest."""
+    assert ctx.settings.agent.node_class == "cpu"
+    for node, cls in (("g1", "h200"), ("g2", "l4")):
+        publish_node(ctx.client, node, 2)
+        ctx.client.hset(keys.node_info(node), "node_class", cls)
+    ctx.registry.record_ready_time("m", "asleep", "h200", 1.5)  # as workers/node/tiers.py does after a wake
+    ctx.registry.record_ready_time("m", "asleep", "l4", 4.0)
+    ctx.registry.record_ready_time("m", "cached", "h200", 9.0)
+    card = fleet_catalog(ctx, ["m"]).card("m")
+    assert card.time_to_ready(Tier.ASLEEP, "h200") == 1.5 and card.time_to_ready(Tier.ASLEEP, "l4") == 4.0
+    assert card.time_to_ready(Tier.ASLEEP) == 4.0 and card.time_to_ready(Tier.CACHED) == 9.0

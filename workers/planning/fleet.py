@@ -53,9 +53,15 @@ _STATE = RoundState()
 
 
 def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
-    """Cards from the settings (footprint, priority, capacity) and the registry's measured load times."""
+    """Cards from the settings (footprint, priority, capacity) and the registry's measured load times.
+
+    Agents record their per-tier times (wakes, loads) under their own `agent.node_class`, which the
+    live nodes publish: each class's figures go under that class, and the pool-wide figure the round
+    plans with ("default") is the slowest class measured (a p95 the model meets on any node)."""
     p = ctx.settings.planner
     defaults = {c.name: c for c in default_catalog(models).cards}
+    classes = sorted({ctx.client.hget(keys.node_info(ns.node), "node_class") or ctx.settings.agent.node_class
+                      for ns in live_nodes(ctx)} | {ctx.settings.agent.node_class})
     cards = []
     for name in models:
         mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
@@ -64,12 +70,17 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
         if measured is not None:
             ready[Tier.CACHED] = measured
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
+        per_class: dict[str, dict[Tier, float]] = {}
         for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
-            got = ctx.registry.ready_time_p95(name, tier.value, ctx.settings.agent.node_class)
-            if got is not None:
-                ready[tier] = got
+            got = {cls: v for cls in classes
+                   if (v := ctx.registry.ready_time_p95(name, tier.value, cls)) is not None}
+            for cls, v in got.items():
+                per_class.setdefault(cls, {})[tier] = v
+            if got:
+                ready[tier] = max(got.values())
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
-                               priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
+                               priority=float(p.model_priority.get(name, 1.0)),
+                               ready_s={**per_class, "default": ready}))
     return Catalog(tuple(cards))
 
 
