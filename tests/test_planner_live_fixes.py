@@ -23,6 +23,7 @@ from prewarm.core import keys
 from prewarm.core.domain import ModelSpec, Replica, ReplicaState
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import RedisSettings, Settings
+from prewarm.policy.validation import Outcome, check_performance
 from prewarm.registry.counters import RequestCounter
 from tests.celery_helpers import publish_node, queued_tasks
 from tests.k8s_double import KubeDouble
@@ -219,3 +220,26 @@ def test_fleet_catalog_reads_the_tier_times_agents_record_under_their_own_node_c
     card = fleet_catalog(ctx, ["m"]).card("m")
     assert card.time_to_ready(Tier.ASLEEP, "h200") == 1.5 and card.time_to_ready(Tier.ASLEEP, "l4") == 4.0
     assert card.time_to_ready(Tier.ASLEEP) == 4.0 and card.time_to_ready(Tier.CACHED) == 9.0
+
+
+# --- the speed baseline: a robust statistic over the first validated replicas -------------------------------
+
+def test_a_slow_first_replica_does_not_set_the_speed_baseline(ctx: WorkerContext) -> None:
+    """The bring-up's order (workers/node/bringup.py): read the baseline, check the speed, record a sample
+    when there is none. The first replica is 10x slow: with the baseline the first replica's alone, a later
+    replica 5x slower than normal passed for 7 days; with the median of the first 5 it fails."""
+    samples, factor = ctx.settings.warmup.baseline_samples, ctx.settings.warmup.latency_factor
+    assert samples == 5
+
+    def validate_one(latency_s: float) -> Outcome:
+        check = check_performance([latency_s] * 3, ctx.registry.baseline("m", "cpu", "r1"), factor=factor)
+        if "record_baseline" in check.measured:
+            ctx.registry.record_baseline_sample("m", "cpu", float(check.measured["record_baseline"]), "r1",
+                                                samples=samples)
+        return check.outcome
+
+    outcomes = [validate_one(s) for s in (0.50, 0.05, 0.052, 0.048, 0.051)]
+    assert outcomes == [Outcome.NO_BASELINE] * 5
+    assert ctx.registry.baseline("m", "cpu", "r1") == 0.051
+    assert validate_one(0.25) is Outcome.FAILED
+    assert validate_one(0.055) is Outcome.PASSED

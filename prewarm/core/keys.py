@@ -91,9 +91,15 @@ DEMAND_CHANNEL = f"{PREFIX}:demand"
 DEMAND_TTL_S = 3600
 
 # --- agent and planner ----------------------------------------------------------------------
-#: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
+#: Hash of the recorded warm-latency baseline of a model on a node class (the median of the first
+#: `warmup.baseline_samples` validated replicas).
 def baseline(model: str, node_class: str, revision: str = "") -> str:
     return f"{PREFIX}:baseline:{model}@{revision}:{node_class}" if revision else f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+#: List of the warm latencies of the first validated replicas, until the baseline is made of them.
+def baseline_samples(model: str, node_class: str, revision: str = "") -> str:
+    return baseline(model, node_class, revision) + ":samples"
 
 
 # A baseline is re-measured after this long: hardware, drivers and the runtime change under it.

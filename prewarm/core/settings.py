@@ -135,6 +135,10 @@ class WarmupSettings(_Group):
     keepalive_interval_s: float = Field(10.0, gt=0)  # period of synthetic requests on held replicas
     logits_mean_bound: float = Field(50.0, gt=0)  # |mean logit| above this fails numeric validation
     latency_factor: float = Field(1.2, gt=1)  # warm latency must be <= factor x baseline
+    # The baseline is the median of the first this many validated replicas of a model on a node class,
+    # not the first one alone: one slow (or lucky) first replica must not set the bar for a week.
+    # Until that many have passed, the speed check has nothing to compare with (it records a sample).
+    baseline_samples: int = Field(5, ge=1)
 
     def require_secret(self) -> str:
         if self.secret is None or not self.secret.get_secret_value():
