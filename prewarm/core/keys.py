@@ -186,6 +186,21 @@ BEAT_LOCK_TTL_S = 30
 def demand_claim(model: str) -> str:
     return f"{PREFIX}:demandclaim:{model}"
 
+
+#: Set of nodes whose memory recently refused a load or a wake of model@revision (not asked again meanwhile).
+def placement_refused(model_key: str) -> str:
+    return f"{PREFIX}:refused:{model_key}"
+
+
+#: The replica id a refused replica was placed again as (a redelivered retry re-sends the same prewarm).
+def placement_claim(replica_id: str) -> str:
+    return f"{PREFIX}:elsewhere:{replica_id}"
+
+
+#: How long a node that refused a model for memory is passed over, and a placement claim is kept: long
+#: enough for the planner's next rounds to see the node's memory published anew.
+PLACEMENT_REFUSED_TTL_S = 300
+
 #: Sorted set of planned scale-event ids waiting to be carried out, scored by their due time (epoch s).
 PLANNED_EVENTS = f"{PREFIX}:plannedq"
 

@@ -41,6 +41,10 @@ class InsufficientMemory(PermanentError):
 
     reason = "insufficient_memory"
 
+    def __init__(self, message: str, nbytes: int = 0) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes  # what the refused replica needs (another node must have this much free)
+
 
 @dataclass(frozen=True)
 class Booking:
@@ -112,7 +116,7 @@ class MemoryLedger:
             where = "GPU" if tier == GPU else "host"
             msg = (f"{what} {rid}: {model} needs {nbytes / GB:.3g} GB of {where} memory, but node {self.node} has "
                    f"{max(0, budget - used) / GB:.3g} of {budget / GB:.3g} GB free (held by {self._describe(tier)})")
-            raise InsufficientMemory(msg)
+            raise InsufficientMemory(msg, nbytes)
 
     # --- changing -----------------------------------------------------------------------
     def book_gpu(self, rid: str, model: str, nbytes: int, *, what: str = "load of") -> None:
