@@ -21,12 +21,13 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    observed need. A predicted fall is released as soon as the forecast over the next lead
    stays below what is left: no window after the fact, no floor from another scaler, so
    the plan can go below what a stabilised reactive scaler keeps;
-5. `_budget`: warm capacity beyond the next bucket's need (early scale-ups, holds, the
-   warm pool) stays within `budget_share` of the planned capacity; what it cuts is
-   reported. In predictive mode the budget holds on average over `budget_window_s` (the
-   state carries the account), so a step may pre-warm a rise the forecaster learned to
-   expect (a recurring step, priced at `phase_quantile`) with what calm steps left unspent;
-   in reactive mode it holds at every step;
+5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
+   within `budget_share` of the planned capacity; what it cuts is reported. The warm pool is
+   a standing cost, sized against the plain budget (a stable size, no flapping); early
+   scale-ups and holds before a predicted rise may, in predictive mode, spend what calm steps
+   left unspent (the budget holds on average over `budget_window_s`, the state carries the
+   account), so a step may pre-warm a rise the forecaster learned to expect (a recurring
+   step, priced at `phase_quantile`); in reactive mode the budget holds at every step;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -47,6 +48,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from croniter import croniter
 
+from forecasting import budget
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
@@ -111,6 +113,9 @@ class ReplicaCounts:
     ready: int = 0
     loading: int = 0
     warm: int = 0
+    # True where the warm pool is not told apart from the serving replicas (a Deployment's pods in a
+    # cluster): `ready`/`loading` include it, and the step takes the pool out before it plans serving
+    pooled: bool = False
 
     @property
     def live(self) -> int:
@@ -332,59 +337,13 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     return target, why
 
 
-def _allowed_share(state: PlannerState, now: float, p: PlannerParams) -> float:
-    """The warm share this step may plan: the budget holds on average over `budget_window_s`, so a step
-    may spend what the recent steps left unspent (an exponential average; unknown history: the budget)."""
-    if p.budget_window_s <= 0 or state.warm_avg is None or state.warm_at is None:
-        return p.budget_share
-    a = _avg_weight(now - state.warm_at, p)
-    if a <= 0:
-        return p.budget_share
-    return max(p.budget_share, min(1.0, state.warm_avg + (p.budget_share - state.warm_avg) / a))
-
-
-def _avg_weight(dt: float, p: PlannerParams) -> float:
-    return 1.0 - math.exp(-max(0.0, dt) / p.budget_window_s) if p.budget_window_s > 0 else 1.0
-
-
-def _account(state: PlannerState, now: float, share: float, p: PlannerParams) -> PlannerState:
-    """The budget's account after a step that planned `share` of its capacity warm beyond need."""
-    if state.warm_avg is None or state.warm_at is None:
-        return replace(state, warm_avg=share, warm_at=now)
-    a = _avg_weight(now - state.warm_at, p)
-    return replace(state, warm_avg=state.warm_avg + a * (share - state.warm_avg), warm_at=now)
-
-
-def _budget(target: int, need_next: int, pool: int, live: int, p: PlannerParams,
-            allowed: float | None = None) -> tuple[int, int, list[str]]:
-    """Trim warm capacity beyond `need_next` (holds and early scale-ups first, then the pool) to the budget.
-
-    Capacity already live and kept by the reactive fallback is not trimmed below `live`'s
-    share the forecast asked for; the budget caps what the forecast adds."""
-    notes: list[str] = []
-    cap = p.budget_share if allowed is None else allowed
-    if cap >= 1.0:
-        return target, pool, notes
-    base = max(need_next, p.min_serving)
-
-    def share(t: int, q: int) -> float:
-        return warm_cost(t + q, base)
-
-    while target > base and share(target, pool) > cap:
-        notes.append(f"budget: warm share {share(target, pool):.1%} > {cap:.0%}; one early/held replica cut")
-        target -= 1
-    while pool > 0 and share(target, pool) > cap:
-        notes.append(f"budget: warm share {share(target, pool):.1%} > {cap:.0%}; warm pool cut to {pool - 1}")
-        pool -= 1
-    return target, pool, notes
-
-
-def _pool_target(p: PlannerParams, need_next: int) -> int:
-    if p.warm_pool_size is not None:
-        return p.warm_pool_size
-    if p.warm_pool_percent > 0:
-        return max(1, math.ceil(round(p.warm_pool_percent / 100.0 * need_next, 9)))
-    return 0
+def _split_pool(counts: ReplicaCounts, pool: int) -> ReplicaCounts:
+    """Pods of one Deployment, serving and pool alike: up to `pool` of them are the warm pool (those still
+    coming up first), the rest serve. Counted as all serving, the reactive floor would keep them all
+    serving and add the pool on top at every step: +pool per Ready pod while history is short."""
+    warm = min(pool, counts.live)
+    from_loading = min(warm, counts.loading)
+    return ReplicaCounts(counts.ready - (warm - from_loading), counts.loading - from_loading, warm)
 
 
 def _events(inp: StepInputs, target: int, pool: int, need_next: int, need_lead: int, why: str,
@@ -402,7 +361,9 @@ def _events(inp: StepInputs, target: int, pool: int, need_next: int, need_lead: 
     elif target < live:
         out.append(make(ScaleEventKind.SCALE_DOWN, live - target, Pool.SERVING,
                         f"{why}: {target} of {live} live are enough over the next {lead:.1f} s"))
-    kept = min(live, target)
+    # a scale-down cancels replicas still loading before it retires ready ones (the executor's order), so the
+    # replicas a HOLD keeps warm are the ready ones left: never one the scale-down of this decision retires
+    kept = min(inp.replicas.ready, target)
     if need_lead > need_next and kept > need_next:
         out.append(make(ScaleEventKind.HOLD, kept - max(need_next, inp.params.min_serving), Pool.SERVING,
                         f"the next bucket needs {need_next} but {need_lead} within {lead:.1f} s: keep warm"))
@@ -484,12 +445,17 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     base = _base_need(inp, fired, margin) if batch_lead else 0
     need_next = max(fc_next, base + batch_next)
     need_lead = max(fc_lead, need_next, base + batch_lead)
+    pool = budget.trim(max(need_next, p.min_serving), budget.pool_target(p.warm_pool_size, p.warm_pool_percent,
+                                                                          need_next),
+                       max(need_next, p.min_serving), p.budget_share)[1]
+    if inp.replicas.pooled:
+        inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, slots))
     if batch_lead:
         why += f" (batch jobs {batch_lead})"
-    pool = _pool_target(p, need_next)
-    budget_target, pool, notes = _budget(target, need_next, pool, inp.replicas.live, p,
-                                         _allowed_share(state, inp.now, p) if mode == PREDICTIVE else None)
+    allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
+    budget_target, pool, notes = budget.trim(target, pool, max(need_next, p.min_serving), p.budget_share,
+                                             allowed if mode == PREDICTIVE else None)
     dropped: list[DroppedEvent] = []
     if budget_target < target or notes:
         cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
@@ -505,4 +471,5 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     share = warm_cost(target + pool, max(need_next, p.min_serving))
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)
-    return decision, _account(state, inp.now, share, p)
+    warm_avg, warm_at = budget.account(state.warm_avg, state.warm_at, inp.now, share, p.budget_window_s)
+    return decision, replace(state, warm_avg=warm_avg, warm_at=warm_at)

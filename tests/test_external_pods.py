@@ -225,7 +225,7 @@ def test_ready_pod_is_warmed_validated_registered_and_retired_when_deleted(
     for check, result in (("structural", "unsupported"), ("numeric", "passed"), ("performance", "no_baseline")):
         assert running.sample("prewarm_validation_results_total", model="tiny", check=check, result=result) == 1
     assert running.sample("warmup_requests_total", model="tiny", purpose="prewarm") == 3
-    assert ctx.registry.baseline("tiny", ctx.settings.agent.node_class, "r1") is not None
+    assert ctx.client.llen(keys.baseline_samples("tiny", ctx.settings.agent.node_class, "r1")) == 1  # 1 of 5
 
     # heartbeats while the pod stays Ready
     first = rec.heartbeat_at
@@ -273,7 +273,7 @@ def test_pod_whose_server_answers_nan_is_failed(running: Running) -> None:
 @pytest.mark.parametrize("running", ["good"], indirect=True)
 def test_pod_too_slow_against_its_baseline_is_failed_and_a_dead_server_is_unreachable(running: Running) -> None:
     ctx = running.ctx
-    ctx.registry.set_baseline_if_absent("tiny", ctx.settings.agent.node_class, 1e-6, "r1")  # 1 µs: nothing is that fast
+    ctx.registry.record_baseline_sample("tiny", ctx.settings.agent.node_class, 1e-6, "r1", samples=1)  # 1 µs: nothing is that fast
     running.double.put_pod(NS, "llm-slow", LABELS, ready=True, ip="127.0.0.1", node="gpu-a")
     rid = f"tiny@r1/gpu-a/{pod_slot(NS, 'llm-slow')}"
     wait_for(lambda: running.state(rid) in ("ready", "failed"), 30, f"{rid} to end")

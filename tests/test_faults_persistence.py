@@ -93,7 +93,7 @@ def test_redis_restarted_with_its_data_under_traffic_loses_nothing() -> None:
             reg.transition(rep.id, s, now=now)
         # what the planner reads besides the counters (written as the workers write them)
         reg.record_load_time("m", 3.25, revision="r1", node_class="cpu")
-        reg.set_baseline_if_absent("m", "cpu", 0.042)
+        reg.record_baseline_sample("m", "cpu", 0.042, samples=1)
         client.hset(keys.planner_state("m"), mapping={"state": json.dumps({"held_until": now + 600})})
         client.hset(keys.planned_event("ev-1"), mapping={"event": json.dumps({"id": "ev-1"}), "status": "planned"})
         client.zadd(keys.PLANNED_EVENTS, {"ev-1": now + 300})

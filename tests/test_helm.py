@@ -444,6 +444,9 @@ def test_keda_mode_points_one_scaled_object_per_model_at_the_scaler_service() ->
     assert planner_env["PREWARM_KUBERNETES_AUTOSCALING"] == "keda"
     assert json.loads(planner_env["PREWARM_KUBERNETES_DEPLOYMENTS"]) == {
         "tiny": "pw-prewarm-inference", "llama3": "vllm-llama3", "qwen": "vllm-qwen"}
+    # the planner's own cap (autoscaling "none") is each Deployment's maxReplicas, as KEDA's is
+    assert json.loads(planner_env["PREWARM_KUBERNETES_MAX_REPLICAS_BY_MODEL"]) == {"tiny": 6, "llama3": 4, "qwen": 6}
+    assert planner_env["PREWARM_KUBERNETES_MAX_REPLICAS"] == "6"
     assert "replicas" not in find(docs, "Deployment", "-inference")["spec"]  # KEDA's to set, not Helm's
     push = find(render({"autoscaling": {"mode": "keda", "keda": {"push": True}}}), "ScaledObject", "-inference")
     assert push["spec"]["triggers"][0]["type"] == "external-push"  # KEDA then also holds StreamIsActive open

@@ -115,3 +115,28 @@ def test_asleep_is_a_live_unroutable_state_woken_straight_to_ready(redis_client:
     reg.record_ready_time("m", "asleep", "cpu", 0.2)
     reg.record_ready_time("m", "asleep", "cpu", 0.4)
     assert reg.ready_time_p95("m", "asleep", "cpu") == 0.4 and reg.ready_time_p95("m", "disk", "cpu") is None
+
+
+def test_host_memory_holds_the_snapshot_store_and_a_sleep_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    """Host memory is enforced: asleep replicas AND the node's snapshots (the cached tier, in RAM under
+    /dev/shm) count against `agent.host_memory_gb`; a sleep that does not fit names what holds it."""
+    store = tmp_path / "snapshots"
+    store.mkdir()
+    kb = 1000 / GB  # budgets in GB, files of a few kB
+    ledger = MemoryLedger(gpu_budget_gb=8 * kb, host_budget_gb=5 * kb, node="n1", snapshot_dir=store)
+    ledger.book_gpu("a@r1/n1/0", "a", 2000)
+    ledger.book_gpu("b@r1/n1/1", "b", 2000)
+    ledger.move("a@r1/n1/0", ASLEEP, what="sleep of")  # 2 of 5 kB of host memory
+    (store / "c_r1.float32.snap").write_bytes(b"\0" * 2500)  # a prefetched snapshot of c: 4.5 of 5 kB
+    assert ledger.used(ASLEEP) == 4500 and ledger.free(ASLEEP) == 500
+    with pytest.raises(InsufficientMemory) as err:
+        ledger.check("b@r1/n1/1", ASLEEP, what="sleep of")
+    msg = str(err.value)
+    assert "sleep of b@r1/n1/1" in msg and "host memory" in msg
+    assert "snapshot c_r1.float32.snap" in msg and "a@r1/n1/0" in msg
+    with pytest.raises(InsufficientMemory):
+        ledger.move("b@r1/n1/1", ASLEEP, what="sleep of")
+    assert ledger.get("b@r1/n1/1").tier == GPU  # type: ignore[union-attr]  # refused: left where it was
+    (store / "c_r1.float32.snap").unlink()  # the store evicted it: the sleep fits now
+    ledger.move("b@r1/n1/1", ASLEEP, what="sleep of")
+    assert ledger.used(ASLEEP) == 4000

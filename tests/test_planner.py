@@ -234,3 +234,35 @@ def test_params_from_settings() -> None:
     assert p.quantile == s.quantile and p.stabilization_s == 300.0 and p.budget_share == 0.12
     assert p.interval_s == s.interval_s and p.fine_bucket_s == s.fine_bucket_s
     assert p.batch_jobs[0].replicas == 2
+
+
+def _pool_trail(ready: int, inflight: float, params: PlannerParams, steps: int) -> list[int]:
+    """The pool target over `steps` steady steps, each step's pool reached before the next (warm = pool)."""
+    y = np.full(400 + steps, inflight)
+    state, warm, out = PlannerState(), 0, []
+    for k in range(steps):
+        d, state = step(inputs(y[: 400 + k], ready=ready, warm=warm, params=params), state)
+        out.append(d.pool_target)
+        warm = d.pool_target
+    return out
+
+
+def test_a_warm_pool_that_does_not_fit_the_budget_is_cut_once_not_flapping() -> None:
+    """warmupPoolSize=2, a 12% budget and a steady need of 4: a pool of 1 is 20% of 5, over the budget, so
+    the pool is 0 at every step (the averaged account once let it flip 0<->1 ~1,600 times in 6 h)."""
+    params = replace(BASE, warm_pool_size=2, budget_share=0.12)
+    trail = _pool_trail(4, 20.0, params, 360)  # 20 in flight + 1.5 sqrt(20) = 26.7 slots of 8: 4 replicas
+    assert set(trail) == {0}
+    fits = _pool_trail(10, 60.0, params, 60)  # need 10 (72 slots): a pool of 1 is 1/11 = 9%, of 2 is 17%
+    assert set(fits) == {1}
+
+
+def test_scale_down_counts_loading_replicas_so_hold_keeps_only_ready_ones_left() -> None:
+    """5 ready and 4 loading, a rise within the lead: the scale-down takes the 4 still loading first (the
+    executor's order) and the hold keeps ready replicas left after it, never more than are ready."""
+    params = replace(BASE, batch_jobs=(BatchJob(cron=EVERY_10_MIN, model="m", replicas=3, duration_s=300.0),))
+    d, _ = step(inputs([8.0] * buckets_until(-10.0), ready=5, loading=4, params=params), PlannerState())
+    assert (d.need_next, d.need_lead, d.target) == (2, 5, 5)
+    assert kinds(d) == [("scale_down", "serving", 4), ("hold", "serving", 3)]
+    d, _ = step(inputs([8.0] * buckets_until(-10.0), ready=2, loading=4, params=params), PlannerState())
+    assert kinds(d) == [("scale_down", "serving", 1)]  # 5 kept, 2 of them ready: nothing ready to hold beyond need

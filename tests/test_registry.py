@@ -195,13 +195,23 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     assert reg.load_time_p95("llama", "r1") == 32.0 and reg.load_time_p95("llama", "r2") == 90.0
     assert reg.load_time_p95("llama", "r3") is None and reg.load_time_p95("llama", "r2", "a10") is None
     assert reg.load_time_p95("llama") == 90.0
-    assert reg.set_baseline_if_absent("llama", "h200", 0.05) == 0.05
-    assert reg.set_baseline_if_absent("llama", "h200", 0.09) == 0.05
+    # issue 17: the baseline is the median of the first validated replicas, so a slow first one does not set it
+    assert reg.record_baseline_sample("llama", "h200", 0.50, samples=5) is None  # slow first replica
+    assert reg.baseline("llama", "h200") is None
+    for latency in (0.05, 0.06, 0.04):
+        assert reg.record_baseline_sample("llama", "h200", latency, samples=5) is None
+    assert reg.record_baseline_sample("llama", "h200", 0.055, samples=5) == 0.055  # median of 5
+    assert reg.baseline("llama", "h200") == 0.055 and not redis_client.exists(keys.baseline_samples("llama", "h200"))
+    assert reg.record_baseline_sample("llama", "h200", 0.9, samples=5) == 0.055  # made: later samples change nothing
     assert reg.baseline("llama", "cpu") is None
+    assert reg.record_baseline_sample("llama", "l4", 0.02, samples=2) is None
+    assert reg.record_baseline_sample("llama", "l4", 0.04, samples=2) == pytest.approx(0.03)  # even: the mean of two
     # issue 13: per revision and node class, and refreshed (it expires, then is measured again)
-    assert reg.set_baseline_if_absent("llama", "h200", 0.07, "r2") == 0.07
+    assert reg.record_baseline_sample("llama", "h200", 0.07, "r2", samples=1) == 0.07
     assert reg.baseline("llama", "h200", "r2") == 0.07 and reg.baseline("llama", "h200", "r3") is None
     assert 0 < redis_client.ttl(keys.baseline("llama", "h200", "r2")) <= keys.BASELINE_TTL_S
+    reg.record_baseline_sample("llama", "h200", 0.07, "r3", samples=3)
+    assert 0 < redis_client.ttl(keys.baseline_samples("llama", "h200", "r3")) <= keys.BASELINE_TTL_S
 
 
 def test_redis_restart_is_repopulated_by_heartbeats() -> None:

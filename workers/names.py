@@ -32,6 +32,7 @@ SWEEP_FRAGMENTATION = "prewarm.sweep_fragmentation"
 DISPATCH_EVENTS = "prewarm.dispatch_due_events"
 APPLY_EVENT = "prewarm.apply_scale_event"
 FORECAST = "prewarm.forecast_and_plan"
+PLACE_ELSEWHERE = "prewarm.place_elsewhere"  # a load or wake its node's memory refused: another node (planner)
 
 #: Tasks that act on one replica and run on the replica's node.
 NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE, SLEEP, WAKE, EVICT})

@@ -58,6 +58,15 @@ class ModelRequest:
     model: str
 
 
+@dataclass(frozen=True)
+class PlaceElsewhereRequest:
+    """A load or a wake its node's memory refused: place the model on another node."""
+
+    replica: ReplicaRef  # the refused replica (its node is passed over)
+    need_bytes: int  # the memory it needs on a GPU
+    reason: str  # the refusal, naming what holds the node's memory
+
+
 def _bind(task: str, args: Sequence[Any], kwargs: Mapping[str, Any], names: Sequence[str],
           required: int) -> dict[str, Any]:
     """Bind positional and keyword arguments to `names`, refusing unknown, duplicate or missing ones."""
@@ -133,6 +142,17 @@ def parse_replica_only(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]
 def parse_model(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ModelRequest:
     b = _bind(task, args, kwargs, ("model",), 1)
     return ModelRequest(check_name(b["model"], "model"))
+
+
+def parse_place_elsewhere(args: Sequence[Any], kwargs: Mapping[str, Any]) -> PlaceElsewhereRequest:
+    b = _bind("place_elsewhere", args, kwargs, ("replica_id", "need_bytes", "reason"), 2)
+    need = _number(b["need_bytes"], "need_bytes")
+    if need < 0:
+        raise InvalidPayload(f"need_bytes must not be negative, got {need:g}")
+    reason = b.get("reason", "")
+    if not isinstance(reason, str) or len(reason) > 2000:
+        raise InvalidPayload("reason must be a string of at most 2000 characters")
+    return PlaceElsewhereRequest(replica_ref(b["replica_id"]), int(need), reason)
 
 
 def parse_nothing(task: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:

@@ -16,8 +16,8 @@ class, with the image pulls it waited for recorded apart), heartbeats and keep-a
 
 Validation over the OpenAI API: the numeric check reads the top-k log-probabilities of a
 probe's next token (`logprobs`) and the performance check compares the warm latency with
-the baseline recorded for the model on this node class (the first validated replica
-records it). The structural check cannot run, because such servers do not list their
+the baseline recorded for the model on this node class (the median of the first
+`warmup.baseline_samples` validated replicas). The structural check cannot run, because such servers do not list their
 tensors: it is recorded as "unsupported" (metric and report), which is an honest result,
 not a pass. A server without logprobs fails the numeric check unless
 `kubernetes.pod_require_logprobs` is false, in which case it is recorded as unsupported.

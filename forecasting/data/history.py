@@ -47,7 +47,7 @@ __all__ = [
     "HistoryError", "HistoryUnavailable", "RateTrace", "RequestTrace", "TraceFormat",
     "detect_format", "load_trace", "load_requests", "load_rates", "load_file", "load_redis",
     "redis_models", "load_prometheus", "DEFAULT_PROMETHEUS_QUERY", "make_frame", "rate_series", "requests_frame",
-    "rates_frame", "FRAME_COLUMNS",
+    "rates_frame", "FRAME_COLUMNS", "counter_resolution", "load_fine_counters",
 ]
 
 log = logging.getLogger(__name__)
@@ -353,19 +353,37 @@ def _prometheus_error(body: bytes) -> str:
         return repr(body[:200])
 
 
-def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
-                       resolution_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
-    """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
-    request-seconds ended) per bucket whose start lies in [start, end); missing keys are 0.
+def counter_resolution(bucket_s: float) -> int:
+    """The coarsest resolution the gateway records (`keys.REQUEST_RESOLUTIONS_S`) that divides `bucket_s`:
+    what a history of `bucket_s` buckets is summed from. None divides it: an error naming the choices."""
+    fits = [r for r in sorted(keys.REQUEST_RESOLUTIONS_S) if bucket_s >= r and float(bucket_s) % r == 0]
+    if not fits:
+        raise HistoryError(f"bucket of {bucket_s:g} s is not a whole multiple of a counter resolution the gateway "
+                           f"records ({sorted(keys.REQUEST_RESOLUTIONS_S)} s)")
+    return fits[-1]
 
+
+def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
+                       bucket_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+    """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
+    request-seconds ended) per `bucket_s` bucket whose start lies in [start, end); missing keys are 0.
+
+    The gateway records them at `keys.FINE_RESOLUTION_S`; a coarser `bucket_s` (a whole multiple)
+    sums the requests and request-seconds and takes the largest peak of the buckets it covers.
     What the planner reads every step (`forecasting.planner.observed_from_counts`); the
     simulator builds the same arrays from a trace. Unreadable values count as 0.
     """
-    first = math.floor(start / resolution_s) * resolution_s
-    starts = np.arange(first, end, resolution_s, dtype=np.int64) if end > first else np.empty(0, dtype=np.int64)
+    res = keys.FINE_RESOLUTION_S
+    if bucket_s < res or bucket_s % res:
+        raise HistoryError(f"fine bucket of {bucket_s} s is not a whole multiple of the gateway's "
+                           f"{res} s in-flight counters")
+    k = bucket_s // res
+    first = math.floor(start / bucket_s) * bucket_s
+    n = max(0, math.ceil((end - first) / bucket_s))
+    starts = first + np.arange(n * k, dtype=np.int64) * res
     out = []
     for key_of in (keys.requests, keys.inflight_peak, keys.busy):
-        names = [key_of(model, resolution_s, int(b)) for b in starts]
+        names = [key_of(model, res, int(b)) for b in starts]
         values = np.zeros(starts.size, dtype=np.float64)
         for lo in range(0, len(names), MGET_CHUNK):
             got = _redis_call(f"reading counters of {model!r}", client.mget, names[lo:lo + MGET_CHUNK])
@@ -376,5 +394,6 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
                     values[lo + j] = max(0.0, float(_text(v)))
                 except ValueError:
                     continue
-        out.append(values)
+        per = values.reshape(n, k)
+        out.append(per.max(axis=1) if key_of is keys.inflight_peak else per.sum(axis=1))
     return float(first), out[0], out[1], out[2]

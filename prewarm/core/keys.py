@@ -97,9 +97,15 @@ DEMAND_CHANNEL = f"{PREFIX}:demand"
 DEMAND_TTL_S = 3600
 
 # --- agent and planner ----------------------------------------------------------------------
-#: Hash of the recorded warm-latency baseline of a model on a node class (the first validated replica).
+#: Hash of the recorded warm-latency baseline of a model on a node class (the median of the first
+#: `warmup.baseline_samples` validated replicas).
 def baseline(model: str, node_class: str, revision: str = "") -> str:
     return f"{PREFIX}:baseline:{model}@{revision}:{node_class}" if revision else f"{PREFIX}:baseline:{model}:{node_class}"
+
+
+#: List of the warm latencies of the first validated replicas, until the baseline is made of them.
+def baseline_samples(model: str, node_class: str, revision: str = "") -> str:
+    return baseline(model, node_class, revision) + ":samples"
 
 
 # A baseline is re-measured after this long: hardware, drivers and the runtime change under it.
@@ -197,6 +203,21 @@ BEAT_LOCK_TTL_S = 30
 #: Marker that unmet demand for a model was turned into a prewarm (scale from zero), kept briefly.
 def demand_claim(model: str) -> str:
     return f"{PREFIX}:demandclaim:{model}"
+
+
+#: Set of nodes whose memory recently refused a load or a wake of model@revision (not asked again meanwhile).
+def placement_refused(model_key: str) -> str:
+    return f"{PREFIX}:refused:{model_key}"
+
+
+#: The replica id a refused replica was placed again as (a redelivered retry re-sends the same prewarm).
+def placement_claim(replica_id: str) -> str:
+    return f"{PREFIX}:elsewhere:{replica_id}"
+
+
+#: How long a node that refused a model for memory is passed over, and a placement claim is kept: long
+#: enough for the planner's next rounds to see the node's memory published anew.
+PLACEMENT_REFUSED_TTL_S = 300
 
 #: Sorted set of planned scale-event ids waiting to be carried out, scored by their due time (epoch s).
 PLANNED_EVENTS = f"{PREFIX}:plannedq"

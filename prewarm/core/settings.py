@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from prewarm.core import keys
 from prewarm.core.domain import check_key_ref
 from prewarm.core.errors import InvalidPayload, SettingsError
 
@@ -140,6 +141,10 @@ class WarmupSettings(_Group):
     keepalive_interval_s: float = Field(10.0, gt=0)  # period of synthetic requests on held replicas
     logits_mean_bound: float = Field(50.0, gt=0)  # |mean logit| above this fails numeric validation
     latency_factor: float = Field(1.2, gt=1)  # warm latency must be <= factor x baseline
+    # The baseline is the median of the first this many validated replicas of a model on a node class,
+    # not the first one alone: one slow (or lucky) first replica must not set the bar for a week.
+    # Until that many have passed, the speed check has nothing to compare with (it records a sample).
+    baseline_samples: int = Field(5, ge=1)
 
     def require_secret(self) -> str:
         if self.secret is None or not self.secret.get_secret_value():
@@ -159,6 +164,11 @@ class KubernetesSettings(_Group):
     autoscaling: Literal["keda", "hpa", "none"] = "none"
     deployment: str | None = None  # inference Deployment to scale (autoscaling "none")
     deployments: dict[str, str] = Field(default_factory=dict)  # model -> its Deployment, when there are several
+    # The most replicas the planner sets on a Deployment with autoscaling "none" (with KEDA or the HPA,
+    # their maxReplicaCount / maxReplicas bound it): a forecast or a feedback loop gone wrong must not
+    # scale a GPU Deployment without limit. The chart passes its autoscaling.maxReplicas (8 by default).
+    max_replicas: int = Field(8, ge=0)
+    max_replicas_by_model: dict[str, int] = Field(default_factory=dict)  # model -> its own cap (chart targets)
     kubeconfig: str | None = None  # default: in-cluster config, then ~/.kube/config
     dry_run: bool = False
     node_selector: str = "gpu.feature/preload=true"
@@ -253,8 +263,8 @@ class PlannerSettings(_Group):
     group: ClassVar[str] = "planner"
 
     interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
-    bucket_s: int = Field(60, gt=0)  # coarse buckets: the history the seasonal profile is learned from
-    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a gateway counter resolution): what the nowcast reads
+    bucket_s: int = Field(60, gt=0)  # coarse buckets (a multiple of 10 or 60 s): the seasonal profile's history
+    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a multiple of the 10 s counters): what the nowcast reads
     quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
     headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
     lead_margin_s: float = Field(10.0, ge=0)
@@ -269,6 +279,24 @@ class PlannerSettings(_Group):
     # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
+
+    @field_validator("fine_bucket_s")
+    @classmethod
+    def _fine_bucket_is_counted(cls, v: int) -> int:
+        """The gateway counts peaks in flight and busy time at one resolution: a fine bucket sums whole ones."""
+        if v % keys.FINE_RESOLUTION_S:
+            raise ValueError(f"must be a whole multiple of the gateway's {keys.FINE_RESOLUTION_S} s in-flight "
+                             f"counters, got {v}")
+        return v
+
+    @field_validator("bucket_s")
+    @classmethod
+    def _bucket_is_counted(cls, v: int) -> int:
+        """Coarse buckets are summed from a resolution the gateway records."""
+        if not any(v % r == 0 for r in keys.REQUEST_RESOLUTIONS_S):
+            raise ValueError(f"must be a whole multiple of a request-counter resolution the gateway records "
+                             f"({sorted(keys.REQUEST_RESOLUTIONS_S)} s), got {v}")
+        return v
 
     @field_validator("models", mode="before")
     @classmethod

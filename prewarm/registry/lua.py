@@ -216,3 +216,28 @@ for _, model in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+
+
+#: One validated replica's warm latency towards the baseline. KEYS: samples list, baseline hash.
+#: ARGV: latency (s), samples wanted, TTL. Returns the baseline (a string) once it exists, else false.
+#: With the wanted count reached, the baseline is their median and the list is dropped: one slow
+#: first replica is outvoted, and concurrent validations never record two baselines.
+BASELINE_SAMPLE = """
+local have = redis.call('HGET', KEYS[2], 'latency_s')
+if have then return have end
+local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+if n == 1 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+local want = tonumber(ARGV[2])
+if n < want then return false end
+local vals = {}
+for i, v in ipairs(redis.call('LRANGE', KEYS[1], 0, want - 1)) do vals[i] = tonumber(v) end
+table.sort(vals)
+local mid = math.floor((want + 1) / 2)
+local median = vals[mid]
+if want % 2 == 0 then median = (vals[mid] + vals[mid + 1]) / 2 end
+local text = string.format('%.17g', median)
+redis.call('HSET', KEYS[2], 'latency_s', text, 'samples', want)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('DEL', KEYS[1])
+return text
+"""

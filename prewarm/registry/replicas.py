@@ -30,7 +30,7 @@ from prewarm.core.domain import (
     parse_replica_id,
 )
 from prewarm.core.errors import IllegalTransition, InvalidPayload, RegistryUnavailable, ReplicaNotFound
-from prewarm.registry.lua import COUNTS, HEARTBEAT, PROGRESS, REAP, REGISTER, TRANSITION, view_script
+from prewarm.registry.lua import BASELINE_SAMPLE, COUNTS, HEARTBEAT, PROGRESS, REAP, REGISTER, TRANSITION, view_script
 from prewarm.core.settings import RegistrySettings
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class ReplicaRegistry:
         self._progress = client.register_script(PROGRESS)
         self._view = client.register_script(VIEW)
         self._counts = client.register_script(COUNTS)
+        self._baseline_sample = client.register_script(BASELINE_SAMPLE)
 
     # --- keys -------------------------------------------------------------------------
     def _index_keys(self, model: str, node: str, rid: str) -> list[str]:
@@ -359,17 +360,19 @@ class ReplicaRegistry:
         return float(v) if v is not None else None
 
     @_wrap_redis_errors
-    def set_baseline_if_absent(self, model: str, node_class: str, latency_s: float, revision: str = "") -> float:
-        """Record the warm-latency baseline unless one exists; returns the recorded value. A new one
-        lives `keys.BASELINE_TTL_S`, then the next validation measures it again."""
-        key = keys.baseline(model, node_class, revision)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hsetnx(key, "latency_s", repr(float(latency_s)))
-        pipe.hget(key, "latency_s")
-        created, stored = pipe.execute()
-        if created:
-            self.client.expire(key, keys.BASELINE_TTL_S)
-        return float(stored)
+    def record_baseline_sample(self, model: str, node_class: str, latency_s: float, revision: str = "", *,
+                               samples: int) -> float | None:
+        """One validated replica's warm latency towards the baseline of `model@revision` on `node_class`.
+
+        The baseline is the median of the first `samples` recorded (one Lua script: concurrent
+        validations agree on one); returns it once it exists, else None. A baseline lives
+        `keys.BASELINE_TTL_S`, then the next validations measure it again."""
+        if samples < 1:
+            raise ValueError(f"baseline samples must be at least 1, got {samples}")
+        got = self._baseline_sample(keys=[keys.baseline_samples(model, node_class, revision),
+                                          keys.baseline(model, node_class, revision)],
+                                    args=[repr(float(latency_s)), samples, keys.BASELINE_TTL_S])
+        return None if got is None else float(got)
 
 
 class AsyncRegistryReader:

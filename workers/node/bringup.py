@@ -15,8 +15,8 @@ delivered again finds the work done, or takes over a load whose owner is dead (t
 lock expired) and continues where it stopped, reusing the runtime process it finds on the
 slot. The runtime does the heavy work in its own process; this module only drives it and
 records what happened: progress into the registry, phase durations and the cold start into
-metrics and a `[COLDSTART]` log line, the warm-latency baseline of the first validated
-replica, and the cold start into the registry (`load_time_p95`: the planner's lead).
+metrics and a `[COLDSTART]` log line, a sample towards the warm-latency baseline (the
+median of the first validated replicas), and the cold start into the registry (`load_time_p95`: the planner's lead).
 """
 
 from __future__ import annotations
@@ -211,11 +211,12 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     problems = required_problems(report, spec)
     if problems:
         raise ValidationFailed(rid, report, problems)
-    if report.record_baseline is not None:
-        recorded = ctx.registry.set_baseline_if_absent(spec.model, spec.node_class, report.record_baseline,
-                                                       spec.revision)
-        log.info("replica %s recorded the warm-latency baseline of %s on %s: %.4fs", rid, spec.model,
-                 spec.node_class, recorded)
+    if report.record_baseline is not None:  # no baseline yet: this replica's latency is one of its samples
+        recorded = ctx.registry.record_baseline_sample(spec.model, spec.node_class, report.record_baseline,
+                                                       spec.revision, samples=wcfg.baseline_samples)
+        log.info("replica %s recorded a warm-latency sample of %s on %s (%.4fs); baseline %s", rid, spec.model,
+                 spec.node_class, report.record_baseline,
+                 "not yet made" if recorded is None else f"{recorded:.4f}s (median of {wcfg.baseline_samples})")
     return report
 
 

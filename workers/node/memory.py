@@ -6,9 +6,12 @@ catalog's `planner.model_memory_gb` when larger, or what the runtime measured on
 once loaded) against the node's budget (`agent.gpu_memory_gb`; 0 leaves GPU memory
 unaccounted, slots only). A replica put to sleep moves its booking to host memory
 (`agent.host_memory_gb`, the pinned copy of its weights), a woken one moves it back, a
-stopped one releases it. A load or a wake that would not fit is refused with
-`InsufficientMemory`, naming what holds the memory, instead of an out-of-memory crash in
-the runtime. The ledger lives in the agent process (one per node), under one lock, so
+stopped one releases it. Host memory also holds the node's snapshot store (weights kept
+for the `cached` tier: `runtime.snapshot_dir`, /dev/shm by default, so RAM): its files count
+against `agent.host_memory_gb` beside the asleep replicas, read from the store at each check.
+A load, a sleep or a wake that would not fit is refused with `InsufficientMemory`, naming
+what holds the memory (replicas and snapshots), instead of an out-of-memory crash in the
+runtime or the kernel's OOM killer on the host. The ledger lives in the agent process (one per node), under one lock, so
 concurrent tasks of the threads pool cannot both take the last gigabytes.
 
 Tiers, warmest first (`forecasting.fleet.catalog.Tier`): `gpu` (hosted and awake),
@@ -38,6 +41,10 @@ class InsufficientMemory(PermanentError):
 
     reason = "insufficient_memory"
 
+    def __init__(self, message: str, nbytes: int = 0) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes  # what the refused replica needs (another node must have this much free)
+
 
 @dataclass(frozen=True)
 class Booking:
@@ -54,17 +61,19 @@ def _budget(gb: float) -> int | None:
 class MemoryLedger:
     """What each hosted replica holds of the node's GPU and host memory (thread-safe)."""
 
-    def __init__(self, gpu_budget_gb: float, host_budget_gb: float, node: str = "") -> None:
+    def __init__(self, gpu_budget_gb: float, host_budget_gb: float, node: str = "",
+                 snapshot_dir: str | Path | None = None) -> None:
         self.gpu_budget = _budget(gpu_budget_gb)
         self.host_budget = _budget(host_budget_gb)
         self.node = node
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir else None
         self._lock = threading.Lock()
         self._book: dict[str, Booking] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "MemoryLedger":
         a = settings.agent
-        return cls(a.gpu_memory_gb, a.host_memory_gb, a.node)
+        return cls(a.gpu_memory_gb, a.host_memory_gb, a.node, settings.runtime.snapshot_dir)
 
     # --- reading ------------------------------------------------------------------------
     def bookings(self) -> list[Booking]:
@@ -75,8 +84,13 @@ class MemoryLedger:
         with self._lock:
             return self._book.get(rid)
 
+    def snapshots(self) -> dict[str, int]:
+        """The snapshot store's files (name -> bytes): weights the node keeps in host memory."""
+        return snapshot_files(self.snapshot_dir) if self.snapshot_dir is not None else {}
+
     def _used(self, tier: str, without: str = "") -> int:
-        return sum(b.nbytes for b in self._book.values() if b.tier == tier and b.rid != without)
+        booked = sum(b.nbytes for b in self._book.values() if b.tier == tier and b.rid != without)
+        return booked + (sum(self.snapshots().values()) if tier == ASLEEP else 0)
 
     def used(self, tier: str) -> int:
         with self._lock:
@@ -88,8 +102,10 @@ class MemoryLedger:
         return None if budget is None else budget - self.used(tier)
 
     def _describe(self, tier: str) -> str:
-        held = sorted((b for b in self._book.values() if b.tier == tier), key=lambda b: -b.nbytes)
-        return ", ".join(f"{b.rid} {b.nbytes / GB:.3g} GB" for b in held) or "nothing"
+        held = [(b.rid, b.nbytes) for b in self._book.values() if b.tier == tier]
+        if tier == ASLEEP:
+            held += [(f"snapshot {name}", n) for name, n in self.snapshots().items()]
+        return ", ".join(f"{what} {n / GB:.3g} GB" for what, n in sorted(held, key=lambda h: -h[1])) or "nothing"
 
     def _fits(self, rid: str, model: str, nbytes: int, tier: str, what: str) -> None:
         budget = self.gpu_budget if tier == GPU else self.host_budget
@@ -100,7 +116,7 @@ class MemoryLedger:
             where = "GPU" if tier == GPU else "host"
             msg = (f"{what} {rid}: {model} needs {nbytes / GB:.3g} GB of {where} memory, but node {self.node} has "
                    f"{max(0, budget - used) / GB:.3g} of {budget / GB:.3g} GB free (held by {self._describe(tier)})")
-            raise InsufficientMemory(msg)
+            raise InsufficientMemory(msg, nbytes)
 
     # --- changing -----------------------------------------------------------------------
     def book_gpu(self, rid: str, model: str, nbytes: int, *, what: str = "load of") -> None:
@@ -175,6 +191,20 @@ def models_on_disk(models_dir: str | Path) -> set[str]:
     return out
 
 
+def snapshot_files(snapshot_dir: str | Path) -> dict[str, int]:
+    """Every weight snapshot in the store (file name -> bytes); a file removed meanwhile is skipped."""
+    d = Path(snapshot_dir)
+    out: dict[str, int] = {}
+    if not d.is_dir():
+        return out
+    for f in d.glob("*.snap"):
+        try:
+            out[f.name] = f.stat().st_size
+        except OSError:
+            continue
+    return out
+
+
 def in_snapshot(snapshot_dir: str | Path, key: str) -> bool:
     """Whether the node's snapshot store holds weights of `model@revision` (any dtype)."""
     d = Path(snapshot_dir)
@@ -196,4 +226,4 @@ def warmest(tiers: Iterable[str]) -> str:
 
 
 __all__ = ["ASLEEP", "CACHED", "DISK", "GB", "GPU", "Booking", "InsufficientMemory", "MemoryLedger",
-           "footprint_bytes", "in_snapshot", "models_on_disk", "residency", "warmest"]
+           "footprint_bytes", "in_snapshot", "models_on_disk", "residency", "snapshot_files", "warmest"]

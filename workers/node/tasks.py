@@ -38,6 +38,7 @@ from workers.context import WorkerContext
 from workers.payload import ReplicaRef
 from prewarm.core.errors import failure_reason
 from workers.node.bringup import LockLost, PrewarmJob, owner_token
+from workers.node.memory import InsufficientMemory
 
 log = logging.getLogger("prewarm.agent.tasks")
 
@@ -159,12 +160,23 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
     return result
 
 
+def _place_elsewhere(app: Celery, rid: str, need_bytes: int, reason: str) -> None:
+    """Hand a load or a wake this node's memory refused to the planner (`workers.planning.elsewhere`)."""
+    app.send_task(names.PLACE_ELSEWHERE, args=[rid, int(need_bytes), reason[:2000]],
+                  task_id=f"{rid}/{names.PLACE_ELSEWHERE}")
+    log.warning("%s does not fit on this node (%s): handed to the planner to place elsewhere", rid, reason)
+
+
 # --- node tasks ----------------------------------------------------------------------------
 def prewarm_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
     """Bring a replica to `ready`: register, spawn or reuse its runtime, load, warm up, validate."""
 
     def work(ctx: WorkerContext, req: payload.PrewarmRequest, deadline: float) -> dict[str, Any]:
-        result = PrewarmJob(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline).run()
+        try:
+            result = PrewarmJob(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline).run()
+        except InsufficientMemory as exc:  # nothing started here: the planner places it on another node
+            _place_elsewhere(self.app, req.replica.replica_id, exc.nbytes, str(exc))
+            raise
         return {"replica_id": result.replica_id, "outcome": result.outcome.value, "cold_start_s": result.cold_start_s}
 
     return _replica_task(self, payload.parse_prewarm, lambda r: r.replica, work, args, kwargs)
@@ -232,6 +244,10 @@ def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
     def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
         rid = req.replica.replica_id
         outcome, seconds = tiers.wake(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.NO_MEMORY:  # left asleep here: the planner places it on another node
+            booking = ctx.runtimes.ledger.get(rid)
+            _place_elsewhere(self.app, rid, booking.nbytes if booking else 0,
+                             f"wake refused on {req.replica.node}: GPU memory full")
         return {"replica_id": rid, "outcome": outcome.value, "wake_s": seconds}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),

@@ -11,8 +11,8 @@ The planner (`forecasting.planner.plan`) decides; this module only interprets it
    a removal: the event's score moves to the lease's end (the broker's visibility timeout),
    so an event whose apply task never ran is dispatched again instead of lost;
 3. `apply_event`: SCALE_UP prewarms new replicas on the chosen nodes (the event's
-   placement, else the node with most free slots), SCALE_DOWN retires ready replicas
-   (newest first), HOLD keeps ready replicas warm until the event's hold ends. The replica
+   placement, else the node with most free slots), SCALE_DOWN cancels replicas still
+   coming up, then retires ready ones (newest first each), HOLD keeps ready replicas warm until the event's hold ends. The replica
    ids chosen are written to the event record before any task is sent, so a redelivered
    apply re-sends the same (idempotent) prewarms instead of choosing new slots. Only an
    applied event leaves the queue.
@@ -139,12 +139,22 @@ def node_views(ctx: WorkerContext) -> tuple[NodeView, ...]:
     return tuple(views)
 
 
-def _ready_of(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
-    """The ready replicas an event may pick, in its order: SCALE_DOWN retires the newest, HOLD keeps the
-    oldest warm — opposite ends, so a hold and a scale-down of one decision never pick the same replica."""
-    recs = [r for r in ctx.registry.replicas_of(ev.model)
-            if r.state is ReplicaState.READY and r.pool is ev.pool and r.revision == ev.revision]
-    return sorted(recs, key=lambda r: r.created_at, reverse=ev.kind is ScaleEventKind.SCALE_DOWN)
+#: The states of a replica still coming up (a scale-down cancels these first).
+_COMING_UP = (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING)
+
+
+def _candidates(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
+    """The replicas an event may pick, in its order. SCALE_DOWN cancels replicas still coming up first
+    (newest first: they serve nothing yet), then retires the newest ready; HOLD keeps the oldest ready
+    warm. The planner counts a scale-down the same way (`forecasting.planner`), so a hold and a
+    scale-down of one decision never pick the same replica."""
+    recs = [r for r in ctx.registry.replicas_of(ev.model) if r.pool is ev.pool and r.revision == ev.revision]
+    ready = [r for r in recs if r.state is ReplicaState.READY]
+    if ev.kind is not ScaleEventKind.SCALE_DOWN:
+        return sorted(ready, key=lambda r: r.created_at)
+    coming = [r for r in recs if r.state in _COMING_UP]
+    return (sorted(coming, key=lambda r: r.created_at, reverse=True)
+            + sorted(ready, key=lambda r: r.created_at, reverse=True))
 
 
 def hold_until(ctx: WorkerContext, ev: ScaleEvent) -> float:
@@ -204,7 +214,7 @@ def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
     if ev.kind is ScaleEventKind.SCALE_UP:
         slots = pick_slots(live_nodes(ctx), ev.replicas, wanted=ev.nodes, model_key=f"{ev.model}@{ev.revision}")
         return [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
-    return [r.id for r in _ready_of(ctx, ev)[: ev.replicas]]
+    return [r.id for r in _candidates(ctx, ev)[: ev.replicas]]
 
 
 def live_counts(replicas: Iterable[Replica]) -> dict[str, int]:
@@ -217,11 +227,10 @@ def live_counts(replicas: Iterable[Replica]) -> dict[str, int]:
         if r.state not in LIVE_STATES:
             continue
         if r.pool.value == "warm":
-            out["warm"] += r.state in (ReplicaState.READY, ReplicaState.PENDING, ReplicaState.LOADING,
-                                       ReplicaState.WARMING)
+            out["warm"] += r.state is ReplicaState.READY or r.state in _COMING_UP
         elif r.state is ReplicaState.READY:
             out["ready"] += 1
-        elif r.state in (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING):
+        elif r.state in _COMING_UP:
             out["loading"] += 1
     return out
 

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from celery import Celery
 
-from forecasting.data.history import load_redis, rate_series
+from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
@@ -57,9 +57,15 @@ _STATE = RoundState()
 
 
 def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
-    """Cards from the settings (footprint, priority, capacity) and the registry's measured load times."""
+    """Cards from the settings (footprint, priority, capacity) and the registry's measured load times.
+
+    Agents record their per-tier times (wakes, loads) under their own `agent.node_class`, which the
+    live nodes publish: each class's figures go under that class, and the pool-wide figure the round
+    plans with ("default") is the slowest class measured (a p95 the model meets on any node)."""
     p = ctx.settings.planner
     defaults = {c.name: c for c in default_catalog(models).cards}
+    classes = sorted({ctx.client.hget(keys.node_info(ns.node), "node_class") or ctx.settings.agent.node_class
+                      for ns in live_nodes(ctx)} | {ctx.settings.agent.node_class})
     cards = []
     for name in models:
         mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
@@ -68,12 +74,17 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
         if measured is not None:
             ready[Tier.CACHED] = measured
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
+        per_class: dict[str, dict[Tier, float]] = {}
         for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
-            got = ctx.registry.ready_time_p95(name, tier.value, ctx.settings.agent.node_class)
-            if got is not None:
-                ready[tier] = got
+            got = {cls: v for cls in classes
+                   if (v := ctx.registry.ready_time_p95(name, tier.value, cls)) is not None}
+            for cls, v in got.items():
+                per_class.setdefault(cls, {})[tier] = v
+            if got:
+                ready[tier] = max(got.values())
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
-                               priority=float(p.model_priority.get(name, 1.0)), ready_s={"default": ready}))
+                               priority=float(p.model_priority.get(name, 1.0)),
+                               ready_s={**per_class, "default": ready}))
     return Catalog(tuple(cards))
 
 
@@ -101,8 +112,7 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
 
 def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket: float) -> pd.Series:
     """Requests/s per complete bucket of ``model`` in [start, end) from the gateway's counters (empty if none)."""
-    resolutions = sorted(keys.REQUEST_RESOLUTIONS_S)
-    resolution = max((r for r in resolutions if bucket % r == 0), default=resolutions[0])
+    resolution = counter_resolution(bucket)
     first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
     if first is not None:
         start = max(start, math.floor(float(first) / bucket) * bucket)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from forecasting.data.history import load_fine_counters, load_redis, rate_series
+from forecasting.data.history import counter_resolution, load_fine_counters, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.planner import (
     MODES,
@@ -110,7 +110,7 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
     start = end - math.ceil(span / fb) * fb
     if first is not None:
         start = max(start, math.floor(float(first) / fb) * fb)
-    fine = load_fine_counters(ctx.client, model, start=start, end=end, resolution_s=fb) if start < end else \
+    fine = load_fine_counters(ctx.client, model, start=start, end=end, bucket_s=fb) if start < end else \
         (float(end), np.zeros(0), np.zeros(0), np.zeros(0))
     coarse = None
     if refit_due(state, now, params):
@@ -122,8 +122,8 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
         coarse = (float(cend), float(cb), np.zeros(0))
         if cstart < cend:
             try:
-                y = rate_series(load_redis(ctx.client, model, resolution_s=cb, start=cstart, end=cend), model,
-                                bucket_s=cb)
+                frame = load_redis(ctx.client, model, resolution_s=counter_resolution(cb), start=cstart, end=cend)
+                y = rate_series(frame, model, bucket_s=cb)  # summed from the recorded resolution
                 coarse = (float(y.index[0]) if len(y) else float(cstart), float(cb), y.to_numpy(dtype=np.float64))
             except HistoryError as exc:
                 log.info("no coarse history for %s yet: %s", model, exc)
@@ -140,9 +140,11 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
-    nodes = None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx) or None
+    cluster = owns_replicas(ctx.settings.kubernetes)
+    nodes = None if cluster else node_views(ctx) or None
+    # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
-                      ReplicaCounts(**counts), params, p95, coarse, nodes)
+                      ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes)
 
 
 def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:

@@ -16,6 +16,8 @@ pod once. HOLD events still go out: they keep ready replicas (pods included) war
 demand for a model with nothing running (scale from zero) re-plans it at once, and fresh
 unmet demand keeps its target at one or more (`with_demand_floor`), instead of a prewarm
 on a node agent.
+With `none` the target set is capped at `kubernetes.max_replicas` (per model:
+`kubernetes.max_replicas_by_model`), as KEDA's and the HPA's own maximum caps theirs.
 `kubernetes.dry_run` prints the patches and changes nothing.
 """
 
@@ -86,7 +88,17 @@ def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, model: str, ta
     if not deployment:
         raise ValueError(f"kubernetes.autoscaling=none needs the Deployment of {model}: set "
                          "PREWARM_KUBERNETES_DEPLOYMENT (or PREWARM_KUBERNETES_DEPLOYMENTS)")
-    return actuator.scale(deployment, max(0, target), dry_run=cfg.dry_run)
+    cap = max_replicas_for(cfg, model)
+    if target > cap:
+        log.warning("planner target %d for %s is above kubernetes.max_replicas %d: %s is set to %d",
+                    target, model, cap, deployment, cap)
+    return actuator.scale(deployment, max(0, min(target, cap)), dry_run=cfg.dry_run)
+
+
+def max_replicas_for(cfg: KubernetesSettings, model: str) -> int:
+    """The most replicas the planner sets on `model`'s Deployment (autoscaling "none"): its own cap in
+    `kubernetes.max_replicas_by_model`, else `kubernetes.max_replicas`."""
+    return int(cfg.max_replicas_by_model.get(model, cfg.max_replicas))
 
 
 def actuator_for(cfg: KubernetesSettings) -> KubeActuator:

@@ -11,6 +11,8 @@
 - `dispatch_due_events` / `apply_scale_event(event_id)`: carry out the planner's scale
   events when they are due (see `workers.planning.executor`).
 - `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`).
+- `place_elsewhere(replica_id, need_bytes, reason)`: a load or a wake its node's memory refused is
+  placed on another node (see `workers.planning.elsewhere`).
 
 Placement reads the node views agents publish (`workers.planning.nodes`).
 """
@@ -27,6 +29,7 @@ from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
 from workers import names
 from workers import context, payload
 from workers.context import WorkerContext
+from workers.planning.elsewhere import place_elsewhere as run_place_elsewhere
 from workers.planning.executor import apply_event, dispatch_due
 from workers.planning.nodes import choose_placement, live_nodes
 from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
@@ -178,6 +181,11 @@ def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
                        for m in plans]}
 
 
+def place_elsewhere(self: Task, *args: Any, **kwargs: Any) -> Any:
+    req = payload.parse_place_elsewhere(args, kwargs)
+    return run_place_elsewhere(_ctx(self), self.app, req)
+
+
 def register(app: Celery) -> None:
     """Register the cluster-wide tasks on `app`."""
     common = names.TASK_OPTIONS
@@ -188,3 +196,4 @@ def register(app: Celery) -> None:
     app.task(name=names.DISPATCH_EVENTS, **common)(dispatch_due_events)
     app.task(name=names.APPLY_EVENT, **common)(apply_scale_event)
     app.task(name=names.FORECAST, **common)(forecast_and_plan)
+    app.task(name=names.PLACE_ELSEWHERE, **common)(place_elsewhere)

@@ -101,11 +101,15 @@ prometheus.io/path: /metrics
   value: {{ .Values.autoscaling.mode | quote }}
 - name: PREWARM_KUBERNETES_POD_SLEEP_MODE  # the pods can be parked asleep: a fleet round counts them in the target
   value: {{ .Values.podWarmer.sleepMode | quote }}
+- name: PREWARM_KUBERNETES_MAX_REPLICAS
+  value: {{ .Values.autoscaling.maxReplicas | quote }}
 {{- if .Values.autoscaling.targets }}
-{{- $map := dict }}
-{{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- end }}
+{{- $map := dict }}{{- $caps := dict }}
+{{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- $_ := set $caps .model (int .maxReplicas) }}{{- end }}
 - name: PREWARM_KUBERNETES_DEPLOYMENTS
   value: {{ toJson $map | quote }}
+- name: PREWARM_KUBERNETES_MAX_REPLICAS_BY_MODEL
+  value: {{ toJson $caps | quote }}
 {{- end }}
 {{- end -}}
 
