@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from prewarm.registry.connection import broker_url
+from prewarm.registry.connection import broker_transport_options, broker_url
 from prewarm.core.settings import Settings
 from workers import schedule
 from workers.names import PLANNER_QUEUE, route_task
@@ -57,6 +57,7 @@ def make_app(settings: Settings) -> Celery:
             # WATCH transaction, so a short expiry cannot deliver one twice.
             "unacked_mutex_expire": max(10, int(5 * agent.restore_interval_s)),
             "socket_timeout": max(settings.redis.socket_timeout_s, 5.0),
+            **broker_transport_options(settings.redis),  # sentinel://: master_name, the Sentinels' auth
         },
         broker_connection_retry_on_startup=True,
         task_default_queue=PLANNER_QUEUE,

@@ -95,6 +95,17 @@ class Metrics:
             ["model", "outcome"],
             registry=registry,
         )
+        self.registry_view_age = Gauge(
+            "gateway_registry_view_age_seconds",
+            "Age of the registry view the gateway routes from: 0 while Redis is reachable, else since the last read",
+            registry=registry,
+        )
+        self.registry_stale_reads = Counter(
+            "gateway_registry_stale_reads_total",
+            "Reads answered from the last good registry view while Redis was away (view | models)",
+            ["what"],
+            registry=registry,
+        )
         self.inflight = Gauge(
             "gateway_inflight_requests",
             "Requests in flight per replica, as tracked by the gateway",
