@@ -25,7 +25,7 @@ from celery import Celery
 
 from prewarm.registry.connection import broker_transport_options, broker_url
 from prewarm.core.settings import Settings
-from workers import schedule
+from workers import broker, schedule
 from workers.names import PLANNER_QUEUE, route_task
 from workers.node import tasks as node_tasks
 from workers.planning import tasks as planning_tasks
@@ -60,6 +60,8 @@ def make_app(settings: Settings) -> Celery:
             **broker_transport_options(settings.redis),  # sentinel://: master_name, the Sentinels' auth
         },
         broker_connection_retry_on_startup=True,
+        **({"broker_transport": broker.TRANSPORT} if settings.redis.address and settings.redis.address.is_sentinel
+           else {}),
         task_default_queue=PLANNER_QUEUE,
         task_routes=(route_task,),
         task_create_missing_queues=True,
