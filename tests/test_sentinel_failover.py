@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
 from prewarm.core import keys
 from prewarm.core.domain import Replica, ReplicaState
@@ -33,19 +34,21 @@ from prewarm.core.errors import RegistryUnavailable
 from prewarm.registry.connection import sync_client
 from prewarm.registry.embedded import free_port
 from prewarm.registry.replicas import ReplicaRegistry
-from tests.celery_helpers import WorkerProcess, runtime_pids, settings_from_env, wait_for, worker_env
+from tests.celery_helpers import (WorkerProcess, queued_tasks, runtime_pids, settings_from_env, wait_for,
+                                  worker_env)
 from tests.sentinel_helpers import MASTER, SentinelGroup
 from workers.app import make_app
-from workers.names import PREWARM, RETIRE
+from workers.names import PREWARM, RETIRE, node_queue
 
 pytestmark = pytest.mark.slow
 
 NODES = ("n1", "n2")
 SERVED = {node: f"tiny@r1/{node}/0" for node in NODES}
+REQUESTS_AFTER_KILL = 150
 
 
 def _complete(url: str) -> int:
-    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -57,6 +60,15 @@ def _complete(url: str) -> int:
         return int(exc.code)
     except OSError:
         return 0
+
+
+def _whereabouts(client: "redis.Redis[str]", sent: dict[str, str]) -> dict[str, str]:
+    """Where each unsettled task is: still queued, unacked (a worker took it), or nowhere."""
+    missing = [t for t in sent if not client.get(keys.task_done(t))]
+    queued = {m["id"] for m in queued_tasks(client, node_queue("n1"))}
+    unacked = " ".join(client.hvals("unacked"))
+    return {t: ("queued" if t in queued else "unacked" if t in unacked else "nowhere") +
+            f", deliveries {client.get(keys.task_deliveries(t, 0))}" for t in missing}
 
 
 def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Path) -> None:
@@ -125,7 +137,7 @@ def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Pat
                 i += 1
                 time.sleep(0.05)
 
-        threads = [threading.Thread(target=traffic) for _ in range(2)] + [threading.Thread(target=writer)]
+        threads = [threading.Thread(target=traffic) for _ in range(4)] + [threading.Thread(target=writer)]
         try:
             for name, p in procs.items():
                 p.start(ready_marker=None)
@@ -146,7 +158,10 @@ def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Pat
             killed = time.monotonic()
             new = group.wait_promoted(old)
             promoted_after = time.monotonic() - killed
-            time.sleep(8.0)  # traffic, registrations and tasks go on against the new primary
+            time.sleep(5.0)  # registrations and tasks go on against the new primary
+            # answers counted, not time: enough requests since the kill for a 1% bound to mean something
+            wait_for(lambda: len(statuses) - before >= REQUESTS_AFTER_KILL, 300,
+                     lambda: f"{REQUESTS_AFTER_KILL} requests answered after the kill\n{logs()}", poll=0.5)
             stop.set()
             for t in threads:
                 t.join(timeout=60)
@@ -163,8 +178,7 @@ def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Pat
 
             # every accepted task ran, once; every acknowledged registration is there
             wait_for(lambda: all(client.get(keys.task_done(t)) for t in sent), 90,
-                     lambda: f"every sent task to be settled; missing "
-                             f"{[t for t in sent if not client.get(keys.task_done(t))][:5]}\n{logs()}")
+                     lambda: f"every sent task to be settled; missing {_whereabouts(client, sent)}\n{logs()}")
             lost = [rid for rid in registered if registry.get(rid) is None]
             deliveries = {t: int(client.get(keys.task_deliveries(t, 0)) or 0) for t in sent}
             not_retired = [rid for rid in sent.values() if (registry.get(rid) or silent).state is not ReplicaState.RETIRED]
@@ -185,7 +199,6 @@ def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Pat
     bad = [s for s in during if not 200 <= s < 300]
     print(f"failover: primary {old} -> {new} promoted {promoted_after:.1f}s after the kill; {len(during)} requests "
           f"during, {len(bad)} non-2xx; {len(registered)} registrations, {len(sent)} tasks")
-    assert len(during) > 50
     assert len(bad) <= 0.01 * len(during), (bad[:20], len(during))
     assert not lost, f"registrations lost in the failover: {lost[:10]}"
     assert len(sent) > 20 and not not_retired, not_retired[:10]
