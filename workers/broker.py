@@ -22,7 +22,7 @@ from kombu.transport.redis import SentinelTransport as _KombuSentinelTransport
 TRANSPORT = "workers.broker:SentinelTransport"
 
 
-class SentinelTransport(_KombuSentinelTransport):  # type: ignore[misc]
+class SentinelTransport(_KombuSentinelTransport):
     """kombu's Sentinel transport, keeping its `client` (the kombu Connection) once set."""
 
     _kept_client: Any = None

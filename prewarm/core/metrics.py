@@ -24,6 +24,8 @@ EXPORTED = (
     "gateway_cold_start_wait_seconds",
     "gateway_routing_decisions_total",
     "gateway_inflight_requests",
+    "gateway_registry_view_age_seconds",
+    "gateway_registry_stale_reads_total",
     "warmup_requests_total",
     "warmup_cost_ratio",
     "gpu_fragmentation_rate",
