@@ -91,7 +91,8 @@ def test_primary_killed_under_traffic_loses_and_duplicates_nothing(tmp_path: Pat
                   "PREWARM_REGISTRY_HEARTBEAT_TTL_S": "3", "PREWARM_REGISTRY_REAPER_INTERVAL_S": "1",
                   "PREWARM_PLANNER_MODELS": "tiny@r1",  # the writer's replicas are not the planner's to serve
                   # not a test of validation: a loaded shared machine must not fail the performance check
-                  "PREWARM_WARMUP_LATENCY_FACTOR": "1000000"}
+                  "PREWARM_WARMUP_LATENCY_FACTOR": "1000000",
+                  "PREWARM_PLANNER_MIN_SERVING": "2"}  # the planner keeps both served replicas (no scale-down)
         envs = {n: worker_env(group.url, tmp_path, PREWARM_AGENT_NODE=n, PREWARM_METRICS_PORT=str(free_port()),
                               **common) for n in NODES}
         procs = {f"agent-{n}": WorkerProcess(["agent", "--node", n], envs[n], tmp_path / f"agent-{n}.log")
