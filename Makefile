@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Debian packages the tests use: redis-server, Prometheus (promtool), wrk/hey, docker-compose (config only).
+# Debian packages the tests use: redis-server, redis-sentinel (the failover test), Prometheus (promtool), wrk/hey, docker-compose (config only).
 system-deps:
 	@missing=""; \
-	for b in redis-server:redis-server prometheus:prometheus promtool:prometheus wrk:wrk hey:hey docker-compose:docker-compose; do \
+	for b in redis-server:redis-server redis-sentinel:redis-sentinel prometheus:prometheus promtool:prometheus wrk:wrk hey:hey docker-compose:docker-compose; do \
 		cmd=$${b%%:*}; pkg=$${b##*:}; command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \

@@ -165,12 +165,9 @@ def test_redis_restart_without_persistence(stack: Stack) -> None:
     assert stack.client.get("test:marker") is None, "the restarted Redis should have lost everything"
 
     statuses = [s for s, _, _ in outage]
-    assert 503 in statuses, f"the gateway never noticed the outage: {statuses}"
-    assert set(statuses) <= {200, 503}, statuses  # never a 500, never a 502
-    for status, headers, body in outage:
-        if status == 503:
-            assert int(headers["Retry-After"]) >= 1, headers
-            assert body["error"]["code"] == "unavailable", body
+    # issue 20: the gateway routes from its last view of ready replicas while Redis is away
+    # (prewarm/policy/stale_view.py): every replica is alive, so every request is answered
+    assert statuses and set(statuses) == {200}, statuses
 
     # the agents' heartbeats re-create both replicas (record, indexes, model list) from what they host
     wait_for(lambda: stack.ready_ids() == set(REPLICAS.values()), 10, lambda: f"the replicas to come back\n{stack.logs()}",

@@ -329,6 +329,13 @@ def test_redis_is_optional_with_an_external_url_or_secret() -> None:
     assert env_of(find(by_url, "DaemonSet", "-agent"))["PREWARM_REDIS_URL"] == "rediss://cache:6380/0"
     with pytest.raises(helm_python.HelmRenderError, match="redis.url"):
         render({"redis": {"enabled": False}})
+    # issue 20: a highly available Redis behind Sentinels
+    ha = render({"redis": {"enabled": False, "url": "sentinel://s1:26379,s2:26379,s3:26379/0",
+                           "sentinelMaster": "prewarm"}})
+    for kind, suffix in (("Deployment", "-gateway"), ("DaemonSet", "-agent")):
+        env = env_of(find(ha, kind, suffix))
+        assert env["PREWARM_REDIS_URL"].startswith("sentinel://") and env["PREWARM_REDIS_SENTINEL_MASTER"] == "prewarm"
+    assert "PREWARM_REDIS_SENTINEL_MASTER" not in env_of(find(bundled, "Deployment", "-gateway"))
 
 
 def test_bundled_redis_persists_its_data() -> None:

@@ -171,3 +171,60 @@ def test_worker_metrics_bind_loopback_unless_told(clean_env: pytest.MonkeyPatch)
         finally:
             server.shutdown()
             server.server_close()
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("not json", "must be model@revision"),
+    ("bad name!@r1", "model must be"),
+    ('["a@r1", "b"]', "must be model@revision"),
+    ("a@bad rev", "revision must be"),
+])
+def test_planner_models_are_validated_names(clean_env: pytest.MonkeyPatch, value: str, says: str) -> None:
+    """Issue 20 (minor): 'not json' was accepted as a model named 'not json', and a gateway served
+    a model named 'bad name!'."""
+    clean_env.setenv("PREWARM_PLANNER_MODELS", value)
+    with pytest.raises(SettingsError, match=f"PREWARM_PLANNER_MODELS.*{says}"):
+        Settings.load()
+
+
+def test_plan_dry_run_with_bad_planner_models_is_one_line(clean_env: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20 (minor): `prewarm plan --dry-run` died with a traceback."""
+    from prewarm.cli import main
+
+    clean_env.setenv("PREWARM_PLANNER_MODELS", "not json")
+    clean_env.setenv("PREWARM_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["plan", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "PREWARM_PLANNER_MODELS" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"PREWARM_REDIS_URL": "redis://127.0.0.1:6379/zero"}, "database index must be a non-negative integer"),
+    ({"PREWARM_REDIS_URL": "redis://127.0.0.1:6379/99999999999"}, "out of range"),
+    ({"PREWARM_REDIS_URL": "redis://127.0.0.1:99999/0"}, "PREWARM_REDIS_URL"),
+    ({"PREWARM_REDIS_URL": "sentinel://h1:26379/0"}, "PREWARM_REDIS_SENTINEL_MASTER.*required"),
+    ({"PREWARM_REDIS_URL": "sentinel://h1,h2:26379/0", "PREWARM_REDIS_SENTINEL_MASTER": "m"}, "host:port"),
+])
+def test_redis_urls_are_checked_when_read(clean_env: pytest.MonkeyPatch, env: dict[str, str], says: str) -> None:
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(SettingsError, match=says):
+        Settings.load()
+
+
+def test_a_sentinel_url_gives_kombus_sentinel_broker_and_master_name(clean_env: pytest.MonkeyPatch) -> None:
+    from kombu.utils.url import url_to_parts
+
+    from prewarm.registry.connection import broker_transport_options
+
+    clean_env.setenv("PREWARM_REDIS_URL", "sentinel://:p%2Fw@s1:26379,s2:26380/2")
+    clean_env.setenv("PREWARM_REDIS_SENTINEL_MASTER", "prewarm")
+    clean_env.setenv("PREWARM_REDIS_SENTINEL_PASSWORD", "sentinel-pw")
+    cfg = Settings.load().redis
+    url = broker_url(cfg)
+    first, second = url.split(";")
+    assert url_to_parts(first).scheme == "sentinel" and url_to_parts(first).password == "p/w"
+    assert (url_to_parts(second).hostname, url_to_parts(second).port) == ("s2", 26380) and first.endswith("/2")
+    opts = broker_transport_options(cfg)
+    assert opts["master_name"] == "prewarm" and opts["sentinel_kwargs"]["password"] == "sentinel-pw"

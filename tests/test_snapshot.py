@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,37 @@ def test_a_mapped_snapshot_notices_an_in_place_rewrite_but_not_another_replica_o
     assert "modified in place" in (held.changed() or "")
     held.release()
     other.release()
+
+
+def test_a_rewrite_in_place_that_restores_the_mtime_is_still_caught(tmp_path: Path) -> None:
+    """Issue 20 (minor): same size, mtime put back with utime: the old (size, mtime) identity saw nothing,
+    and the replica answered 200 with NaN logprobs. The ctime moves on every write and every utime."""
+    store = SnapshotStore(tmp_path, 1 << 30)
+    path = _write(store, _key("a"))
+    held = store.open(_key("a"), CFG)
+    assert held is not None and held.changed() is None
+    before = os.stat(path)
+    time.sleep(0.01)  # a later clock reading than the ctime the snapshot has (coarse ctime granularity)
+    with open(path, "r+b") as f:
+        f.seek(ALIGN)
+        f.write(b"\xff" * 64)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)  # the forgery holds
+    assert "modified in place" in (held.changed() or "")
+    held.release()
+
+
+def test_the_last_use_lives_in_a_sidecar_and_leaves_the_snapshot_untouched(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, 1 << 30)
+    path = _write(store, _key("a"))
+    before = os.stat(path)
+    held = store.open(_key("a"), CFG)
+    assert held is not None
+    after = os.stat(path)
+    assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)
+    used = path.with_name(path.name + ".used")
+    assert used.exists() and store.entries()[0].last_used >= used.stat().st_mtime
+    held.release()
+    store.invalidate(_key("a"), "test")
+    assert not path.exists() and not used.exists()

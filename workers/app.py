@@ -23,9 +23,9 @@ from typing import Any
 
 from celery import Celery
 
-from prewarm.registry.connection import broker_url
+from prewarm.registry.connection import broker_transport_options, broker_url
 from prewarm.core.settings import Settings
-from workers import schedule
+from workers import broker, schedule
 from workers.names import PLANNER_QUEUE, route_task
 from workers.node import tasks as node_tasks
 from workers.planning import tasks as planning_tasks
@@ -57,8 +57,11 @@ def make_app(settings: Settings) -> Celery:
             # WATCH transaction, so a short expiry cannot deliver one twice.
             "unacked_mutex_expire": max(10, int(5 * agent.restore_interval_s)),
             "socket_timeout": max(settings.redis.socket_timeout_s, 5.0),
+            **broker_transport_options(settings.redis),  # sentinel://: master_name, the Sentinels' auth
         },
         broker_connection_retry_on_startup=True,
+        **({"broker_transport": broker.TRANSPORT} if settings.redis.address and settings.redis.address.is_sentinel
+           else {}),
         task_default_queue=PLANNER_QUEUE,
         task_routes=(route_task,),
         task_create_missing_queues=True,

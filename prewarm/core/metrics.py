@@ -25,6 +25,8 @@ EXPORTED = (
     "gateway_cold_start_wait_seconds",
     "gateway_routing_decisions_total",
     "gateway_inflight_requests",
+    "gateway_registry_view_age_seconds",
+    "gateway_registry_stale_reads_total",
     "warmup_requests_total",
     "warmup_cost_ratio",
     "gpu_fragmentation_rate",
@@ -101,6 +103,17 @@ class Metrics:
             "gateway_routing_decisions_total",
             "Routing decisions by outcome (serving, warm_pool, hold, unavailable, unknown_model)",
             ["model", "outcome"],
+            registry=registry,
+        )
+        self.registry_view_age = Gauge(
+            "gateway_registry_view_age_seconds",
+            "Age of the registry view the gateway routes from: 0 while Redis is reachable, else since the last read",
+            registry=registry,
+        )
+        self.registry_stale_reads = Counter(
+            "gateway_registry_stale_reads_total",
+            "Reads answered from the last good registry view while Redis was away (view | models)",
+            ["what"],
             registry=registry,
         )
         self.inflight = Gauge(

@@ -23,8 +23,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
-from prewarm.core import keys
-from prewarm.core.domain import check_key_ref
+from prewarm.core import keys, redis_url
+from prewarm.core.domain import check_key_ref, check_name
 from prewarm.core.errors import InvalidPayload, SettingsError
 
 
@@ -53,22 +53,39 @@ class RedisSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_REDIS_", extra="forbid")
     group: ClassVar[str] = "redis"
 
-    url: str | None = None  # redis://[:password@]host:port/db, rediss:// for TLS, unix:///path
+    # redis://[:password@]host:port/db, rediss:// for TLS, unix:///path, or a Sentinel group
+    # sentinel://[:password@]host:port[,host:port...]/db with sentinel_master (prewarm/core/redis_url.py)
+    url: str | None = None
     password: SecretStr | None = None  # used when the URL carries none
     socket_timeout_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     broker_db: int | None = Field(None, ge=0)  # a separate db for Celery; default: the same as the registry
     tls_ca_file: str | None = None
     tls_verify: bool = True
+    sentinel_master: str | None = Field(None, validate_default=True)  # the primary's name the Sentinels watch (required with sentinel://)
+    sentinel_password: SecretStr | None = None  # the Sentinels' own password, when they require one
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, v: str | None) -> str | None:
         if v in (None, ""):
             return None
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// (TLS) or unix://")
+        redis_url.parse(v)  # ValueError naming what is wrong: scheme, database index, Sentinel list
         return v
+
+    @field_validator("sentinel_master")
+    @classmethod
+    def _master_with_sentinel(cls, v: str | None, info: Any) -> str | None:
+        url = info.data.get("url")
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        if url and url.startswith("sentinel://") and v is None:
+            raise ValueError("is required with a sentinel:// PREWARM_REDIS_URL (the name the Sentinels monitor)")
+        return v
+
+    @property
+    def address(self) -> redis_url.RedisAddress | None:
+        return redis_url.parse(self.url) if self.url else None
 
 
 class GatewaySettings(_Group):
@@ -84,6 +101,10 @@ class GatewaySettings(_Group):
     upstream_timeout_s: float = Field(120.0, gt=0)  # idle timeout: longest wait for the next bytes of an answer
     connect_timeout_s: float = Field(2.0, gt=0)  # a replica that does not accept a connection this fast is gone
     refresh_interval_s: float = Field(0.5, gt=0)  # how long a routing view may be reused
+    # Redis away (restart, Sentinel failover): route from the last good view for at most this long
+    # (prewarm/policy/stale_view.py). Longer than a failover (~5-15 s) or a restart with AOF
+    # (~10-30 s); short enough that a replica drained or dead meanwhile is not routed for long. 0: off.
+    stale_view_max_s: float = Field(60.0, ge=0)
     warmup_forged: Literal["plain", "refuse"] = "plain"  # a forged X-Warmup: routed as user traffic, or 403
     failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures before a replica is marked failed
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
@@ -309,6 +330,22 @@ class PlannerSettings(_Group):
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"not a JSON list: {exc}") from None
             return [m.strip() for m in text.split(",") if m.strip()]
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _models_named(cls, v: list[str]) -> list[str]:
+        """Each entry is model@revision with valid names: 'not json' is not a model, and a name a
+        gateway would serve becomes part of Redis keys and metric labels."""
+        for entry in v:
+            name, sep, rev = entry.partition("@")
+            if not sep:
+                raise ValueError(f"each entry must be model@revision (a JSON list or comma-separated), got {entry!r}")
+            try:
+                check_name(name, "model")
+                check_name(rev, "revision")
+            except InvalidPayload as exc:
+                raise ValueError(f"{entry!r}: {exc}") from None
         return v
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import redis
@@ -40,6 +40,8 @@ from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, Rout
 from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.gateway.nonces import SharedNonces
 from prewarm.gateway.upstream_auth import UpstreamKeys
+from prewarm.gateway.registry_view import RegistryViews
+from prewarm.policy.stale_view import StalenessRule, may_serve_stale
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -49,7 +51,6 @@ PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"content-type", "accept", signing.HEADER.lower(), signing.HEADER_TS.lower(), signing.HEADER_SIG.lower(),
                 signing.HEADER_NONCE.lower()}
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-T = TypeVar("T")
 
 
 def _error(status: int, message: str, code: str, *, headers: dict[str, str] | None = None) -> web.Response:
@@ -65,22 +66,12 @@ def _is_demand(status: int) -> bool:
 
 
 @dataclass
-class _ModelCache:
-    at: float = 0.0
-    view: RoutingView | None = None
-
-
-@dataclass
 class GatewayState:
     """What the gateway tracks in memory: requests in flight and failures per replica."""
 
     inflight: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     excluded: dict[str, float] = field(default_factory=dict)  # replica id -> until (monotonic)
-    views: dict[str, _ModelCache] = field(default_factory=dict)
-    models_at: float = 0.0
-    models: set[str] = field(default_factory=set)
-    reads: dict[str, "asyncio.Future[Any]"] = field(default_factory=dict)  # registry reads in flight, by key
 
     def exclusions(self, now: float) -> frozenset[str]:
         for rid in [r for r, until in self.excluded.items() if until <= now]:
@@ -119,6 +110,8 @@ class Gateway:
         self.redis = async_client(settings.redis)
         self.nonces = SharedNonces(self.redis, self.secret)  # a replayed warmup request is user traffic (all gateways)
         self.reader = AsyncRegistryReader(self.redis)
+        self.views = RegistryViews(self.reader, StalenessRule(self.cfg.stale_view_max_s, settings.registry.heartbeat_ttl_s,
+                                                              self.cfg.refresh_interval_s), self.metrics, self.configured_models)
         self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
         self.session: aiohttp.ClientSession | None = None
@@ -176,49 +169,12 @@ class Gateway:
         app.router.add_get("/metrics", self.handle_metrics)
         return app
 
-    # --- registry reads, cached for refresh_interval_s ------------------------------------------
-    async def _single_flight(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
-        """One registry read per key at a time: callers that find the cache stale while a read
-        is in flight wait for that read. Without this, every request in flight when the cache
-        expires reads Redis at once, and 200 connections exhaust the client's connection pool
-        ("Too many connections" -> 503). Shielded: a client that goes away cancels only its wait."""
-        task = self.state.reads.get(key)
-        if task is None:
-            task = asyncio.ensure_future(fetch())
-            self.state.reads[key] = task
-
-            def _done(t: "asyncio.Future[Any]") -> None:
-                self.state.reads.pop(key, None)
-                if not t.cancelled():
-                    t.exception()  # retrieved here too, in case every waiter went away
-
-            task.add_done_callback(_done)
-        return await asyncio.shield(task)
-
+    # --- registry reads: cached, and the last good view while Redis is away (registry_view.py) ---
     async def _view(self, model: str, *, fresh: bool = False) -> RoutingView:
-        cache = self.state.views.setdefault(model, _ModelCache())
-        if fresh or cache.view is None or time.monotonic() - cache.at > self.cfg.refresh_interval_s:
-
-            async def fetch() -> RoutingView:
-                mono = time.monotonic()
-                view = await self.reader.view(model, now=time.time())
-                cache.view, cache.at = view, mono
-                return view
-
-            return await self._single_flight(f"view:{model}", fetch)
-        return cache.view
+        return await self.views.view(model, fresh=fresh)
 
     async def _known_models(self) -> set[str]:
-        if time.monotonic() - self.state.models_at > self.cfg.refresh_interval_s:
-
-            async def fetch() -> set[str]:
-                mono = time.monotonic()
-                self.state.models = await self.reader.models() | self.configured_models
-                self.state.models_at = mono
-                return self.state.models
-
-            return await self._single_flight("models", fetch)
-        return self.state.models
+        return await self.views.known_models()
 
     def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
@@ -244,9 +200,11 @@ class Gateway:
         return web.json_response({"status": "ok" if ok else "degraded", "registry": "ok" if ok else "unavailable"})
 
     async def handle_ready(self, _request: web.Request) -> web.Response:
-        """Readiness: 503 while the registry is unreachable (nothing can be routed)."""
+        """Readiness: 503 while the registry is unreachable and the last view is too old to route from."""
         ok = await self._registry_ok()
-        return web.json_response({"ready": ok, "registry": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+        stale = not ok and may_serve_stale(self.views.health.last_ok_at, time.time(), self.views.rule)
+        state = "ok" if ok else "stale" if stale else "unavailable"
+        return web.json_response({"ready": ok or stale, "registry": state}, status=200 if ok or stale else 503)
 
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self.metrics_registry)
@@ -309,7 +267,7 @@ class Gateway:
         except RegistryUnavailable as exc:
             # a model name a client chose is a label only once it is known to be served: while Redis
             # is down, arbitrary names would each make new Prometheus series
-            if model not in self.state.models | self.configured_models:
+            if model not in self.views.models | self.configured_models:
                 model = "unknown"
             self.metrics.routing_decisions.labels(model, "registry_unavailable").inc()
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)

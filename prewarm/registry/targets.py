@@ -15,6 +15,15 @@ This module is the one place that knows the record's target fields: a change of 
 is one edit here. A record older than `max_age_s` (the planner stopped) is refused with
 `TargetStale` rather than served, so KEDA applies its `fallback` and the HPA keeps its
 last count instead of following a plan nobody renews.
+
+A record is checked before a number of it is served (issue 20): its time must be finite and
+not ahead of the reader's clock by more than `max_age_s` (the planner's and the scaler's
+clocks may disagree a little; a record from further in the future is a broken clock or a
+broken record, and would otherwise never turn stale), and every count must be a whole number
+from 0 to `MAX_REPLICAS`. A record that fails is refused as unreadable (`TargetUnknown`,
+UNAVAILABLE to KEDA, so its `fallback` applies), never half-served: NaN, 1.5 or 1e300 used to
+escape as an unhandled error (gRPC UNKNOWN), and 1e300 made `IsActive` say true while
+`GetMetrics` failed.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ SCHEDULE_FIELD = "target_schedule"  # JSON [[due epoch s, replicas], ...], ascen
 PLANNED_AT_FIELD = "target_at"  # when the planner wrote the schedule (epoch s); its own field, because a
 # failed planning round rewrites the record's "at" and status but leaves the last schedule
 AWAKE_FIELD = "target_awake"  # of the pods wanted now, how many awake (the rest parked asleep by the pod warmer)
+
+#: The largest count served: a Deployment's replicas are an int32 in Kubernetes.
+MAX_REPLICAS = 2**31 - 1
 
 #: Every Redis error that means "cannot reach Redis now".
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -76,6 +88,34 @@ def schedule_fields(schedule: Sequence[tuple[float, int]], *, planned_at: float,
             AWAKE_FIELD: str(now_awake)}
 
 
+def _count(value: Any) -> int:
+    """A replica count from the record: a whole number in 0..MAX_REPLICAS, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"count {value!r} is not a number")
+    number = value
+    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        raise ValueError(f"count {value!r} is not a whole number")
+    if not 0 <= number <= MAX_REPLICAS:
+        raise ValueError(f"count {value!r} is outside 0..{MAX_REPLICAS}")
+    return int(number)
+
+
+def parse_steps(schedule: str | None, target: str | None, planned_at: float) -> list[tuple[float, int]]:
+    """The schedule's steps, each checked (finite due time, whole count in range); ValueError naming the fault."""
+    raw: Any = json.loads(schedule) if schedule else [[planned_at, float(str(target))]]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("empty or malformed schedule")
+    steps = []
+    for step in raw:
+        if not isinstance(step, list) or len(step) != 2:
+            raise ValueError(f"schedule step {step!r} is not [due, count]")
+        due = float(step[0])
+        if not math.isfinite(due):
+            raise ValueError(f"schedule step {step!r} has no finite due time")
+        steps.append((due, _count(step[1])))
+    return steps
+
+
 def step_at(steps: Sequence[Sequence[float]], now: float) -> tuple[int, float | None, int | None]:
     """The count of the last step due at or before `now` (the first step when none is), and the next change."""
     current = int(steps[0][1])
@@ -100,21 +140,24 @@ def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s
                             f"planning it? PREWARM_PLANNER_MODELS)", retry_after=5.0)
     try:
         planned_at = float(at)
-        steps: list[Any] = json.loads(schedule) if schedule else [[planned_at, int(str(target))]]
-        if not steps or not all(len(s) == 2 and math.isfinite(float(s[0])) for s in steps):
-            raise ValueError("empty or malformed schedule")
+        if not math.isfinite(planned_at):
+            raise ValueError(f"{PLANNED_AT_FIELD} {at!r} is not a finite time")
+        steps = parse_steps(schedule, target, planned_at)
     except (ValueError, TypeError) as exc:
         raise TargetUnknown(f"the planner record of {model!r} holds no readable target: {exc}") from exc
     age = now - planned_at
+    if age < -max_age_s:
+        raise TargetUnknown(f"the planner record of {model!r} was written {-age:.0f}s in the future (more than "
+                            f"{max_age_s:.0f}s ahead of this clock): a broken clock or record", retry_after=5.0)
     if age > max_age_s:
         raise TargetStale(f"the planner's target for {model!r} is {age:.0f}s old (more than {max_age_s:.0f}s): "
                           f"the planner is not renewing it", retry_after=5.0)
     replicas, next_at, next_replicas = step_at(steps, now)
-    replicas = max(0, replicas)
     # the recorded split is the planning step's; a later step of the schedule (a batch rise) is wanted awake
     first_step = len(steps) == 1 or float(steps[1][0]) > now
     now_awake = min(replicas, int(awake)) if first_step and awake is not None and awake.isdigit() else replicas
-    return ReplicaTarget(model, replicas, planned_at, age, next_at, next_replicas, now_awake)
+    # a record a little ahead (clocks within max_age_s of each other) is fresh: age 0, never negative
+    return ReplicaTarget(model, replicas, planned_at, max(0.0, age), next_at, next_replicas, now_awake)
 
 
 def recorded_models(client: "redis.Redis[str]") -> list[str]:

@@ -13,9 +13,13 @@ header lists each tensor's shape, dtype, offset, length and crc32c, and the file
 Safety: a snapshot is written under a hidden temporary name and renamed into place only
 when complete, so a partial one is never visible, and a file is never rewritten in place
 (invalidating unlinks it; a rebuild is a new file). A replica keeps the descriptor of the
-file it maps and `MappedSnapshot.changed()` compares its identity (inode, size, mtime)
-with the one checked: a snapshot modified in place behind its back takes the
-replica out of service instead of serving garbage. Opening checks the magic, the header,
+file it maps and `MappedSnapshot.changed()` compares its identity (inode, size, mtime and
+ctime) with the one checked: a snapshot modified in place behind its back takes the
+replica out of service instead of serving garbage. The ctime is what a rewrite cannot forge
+cheaply (issue 20): a writer can put the mtime back with `utime`, but the kernel sets the
+ctime to the present on every write and every `utime` alike, and nothing but a clock change
+sets it back. So prewarm itself never touches a committed snapshot's inode: its last use
+(for LRU) goes to a sidecar file `<snapshot>.used`. Opening checks the magic, the header,
 the file size (truncation) and that the tensor list matches the manifest; each tensor's
 crc32c is checked before it is used (`verify`, which the loader runs on a thread pool
 ahead of use). crc32c, not zlib's crc32: with the CPU's crc32 instruction it runs at
@@ -24,7 +28,7 @@ while every byte is still checked. Anything wrong raises `CorruptSnapshot`; the 
 then invalidates the file, finishes from the original checkpoint and rebuilds it.
 
 The directory is bounded by `max_bytes` with least-recently-used eviction (a snapshot's
-access time is its last use; its modification time is left as written). A replica holds a shared `flock` on the snapshot it maps for as
+last use is its sidecar's modification time; the snapshot's own times are left as written). A replica holds a shared `flock` on the snapshot it maps for as
 long as it serves from it; eviction takes an exclusive non-blocking lock first and skips
 a snapshot in use, in this process or any other on the node.
 """
@@ -56,11 +60,16 @@ log = logging.getLogger(__name__)
 MAGIC = b"PWSNAP2\n"  # version 2: crc32c checksums (version 1 files fail the magic check and are rebuilt)
 ALIGN = 4096
 SUFFIX = ".snap"
+USED_SUFFIX = ".used"  # sidecar whose mtime is the snapshot's last use (the snapshot's inode is never touched)
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
 
 class CorruptSnapshot(PermanentError):
     """A snapshot file failed a check; it must be rebuilt, never served."""
+
+
+def _used(path: Path) -> Path:
+    return path.with_name(path.name + USED_SUFFIX)
 
 
 def _align(n: int) -> int:
@@ -160,9 +169,10 @@ class MappedSnapshot:
             raise
 
     @staticmethod
-    def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-        """(device, inode, size, mtime): a write changes the mtime; the LRU touch changes only the atime."""
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+        """(device, inode, size, mtime, ctime): a write changes both times; restoring the mtime
+        with utime changes the ctime again. Nothing of prewarm's touches a committed snapshot."""
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def changed(self) -> str | None:
         """Why the mapped file is no longer what was checked, or None. Snapshots are only ever
@@ -176,7 +186,7 @@ class MappedSnapshot:
         except OSError as exc:
             return f"{self.path.name}: cannot stat the mapped file: {exc}"
         if now != self.identity:
-            return f"{self.path.name}: the mapped snapshot was modified in place (size/mtime changed)"
+            return f"{self.path.name}: the mapped snapshot was modified in place (size/mtime/ctime changed)"
         return None
 
     def _check_and_map(self, key: SnapshotKey, config: ModelConfig) -> None:
@@ -318,10 +328,10 @@ class SnapshotStore:
             snap = MappedSnapshot(path, key, config)
         except FileNotFoundError:
             return None
-        try:  # last use, for LRU, in the access time: the modification time is the mapped file's identity
-            os.utime(path, ns=(time.time_ns(), snap.identity[3]))
-        except FileNotFoundError:
-            pass
+        try:  # last use, for LRU, in the sidecar: the snapshot's own times are the mapped file's identity
+            _used(path).touch()
+        except OSError as exc:
+            log.warning("could not record the use of %s: %s", path.name, exc)
         return snap
 
     def writer(self, key: SnapshotKey, config: ModelConfig) -> SnapshotWriter | None:
@@ -335,6 +345,7 @@ class SnapshotStore:
     def invalidate(self, key: SnapshotKey, reason: str) -> None:
         log.warning("snapshot %s invalidated: %s", self.path(key).name, reason)
         self.path(key).unlink(missing_ok=True)
+        _used(self.path(key)).unlink(missing_ok=True)
 
     def entries(self) -> list[SnapshotInfo]:
         out = []
@@ -343,7 +354,11 @@ class SnapshotStore:
                 st = p.stat()
             except FileNotFoundError:
                 continue
-            out.append(SnapshotInfo(p, st.st_size, max(st.st_atime, st.st_mtime)))
+            try:
+                used = _used(p).stat().st_mtime
+            except FileNotFoundError:
+                used = 0.0
+            out.append(SnapshotInfo(p, st.st_size, max(st.st_atime, st.st_mtime, used)))
         return sorted(out, key=lambda e: e.last_used)
 
     def total_bytes(self) -> int:
@@ -376,6 +391,7 @@ class SnapshotStore:
             except BlockingIOError:
                 return False  # a replica maps it
             path.unlink(missing_ok=True)
+            _used(path).unlink(missing_ok=True)
             self.evicted.append(path)
             log.info("snapshot evicted (least recently used): %s", path.name)
             return True
@@ -385,6 +401,9 @@ class SnapshotStore:
     def _clean_stale_temps(self) -> None:
         """Remove temporary files left by writers that died mid-write."""
         for p in self.directory.iterdir():
+            if p.name.endswith(SUFFIX + USED_SUFFIX) and not p.with_name(p.name[: -len(USED_SUFFIX)]).exists():
+                p.unlink(missing_ok=True)  # the sidecar of a snapshot removed by hand
+                continue
             m = _TMP.match(p.name)
             if not m:
                 continue

@@ -8,7 +8,8 @@ calls the pipeline or an operation, and applies one failure policy:
 - a permanent error (bad weights, failed validation, a refused transition) marks the
   replica `failed`, counts `model_loading_failures_total{model,node,reason}`, logs
   `[COLDSTART] ... reason=` and stops the runtime; no retry;
-- a temporary error is retried with exponential backoff, up to `agent.max_attempts`;
+- a temporary error is retried with exponential backoff, up to `agent.max_attempts` (a retry the
+  broker cannot take, during a restart or a failover, requeues the message instead of dropping it);
 - a message delivered more than `agent.max_attempts` times (its worker died every time:
   acks_late + reject_on_worker_lost redeliver it) is given up and the replica failed;
 - once a message is settled (done, failed for good, refused) its outcome is kept
@@ -27,7 +28,7 @@ from typing import Any, Callable, TypeVar
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 
 from prewarm.core import keys
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError
@@ -151,7 +152,16 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
         countdown = _backoff(ctx, task, exc)
         log.warning("%s[%s] of %s: temporary failure (%s); retry %d/%d in %.1fs", task.name, task.request.id,
                     ref.replica_id, exc, int(task.request.retries or 0) + 1, max_attempts - 1, countdown)
-        raise task.retry(exc=exc, countdown=countdown, max_retries=max_attempts - 1)
+        try:
+            raise task.retry(exc=exc, countdown=countdown, max_retries=max_attempts - 1)
+        except Reject as rejected:
+            # Celery rejects the message WITHOUT requeue when the retry cannot be published (the
+            # broker away: a restart, a Sentinel failover), and the task was lost (issue 20). Requeued
+            # instead: kombu puts the message back, or, with the broker still away, it stays unacked
+            # and comes back after the visibility timeout; the attempt cap still counts it.
+            log.warning("%s[%s] of %s: the retry could not be sent (%s); the message is requeued", task.name,
+                        task.request.id, ref.replica_id, rejected.reason)
+            raise Reject(rejected.reason, requeue=True) from exc
     except Exception as exc:
         _fail(ctx, ref, exc, reason="internal")
         _finished(ctx, task, "failed: internal")

@@ -52,6 +52,10 @@ prometheus.io/path: /metrics
 {{- else }}
   value: {{ required "redis.url (or redis.existingSecret) is required when redis.enabled=false" .Values.redis.url | quote }}
 {{- end }}
+{{- if and (not .Values.redis.enabled) .Values.redis.sentinelMaster }}
+- name: PREWARM_REDIS_SENTINEL_MASTER
+  value: {{ .Values.redis.sentinelMaster | quote }}
+{{- end }}
 - name: PREWARM_WARMUP_SECRET
   valueFrom:
     secretKeyRef:
