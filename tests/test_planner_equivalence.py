@@ -121,7 +121,7 @@ def _events(payloads: list[dict[str, Any]]) -> list[tuple[str, str, str, int, fl
 
 
 def test_live_path_and_simulator_emit_the_same_scale_events(live: dict[str, Any]) -> None:
-    params = SimParams(cold_start_s=8.7)
+    params = SimParams(cold_start_s=8.7, cold_start_cv=0.0, actuation_delay_s=0.0, load_share=0.0)
     work = build_workload(_trace(), params)
     planner = PlannerParams.from_settings(PlannerSettings())
     policy = Prewarm(planner=planner, record=True)

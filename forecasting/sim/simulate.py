@@ -94,6 +94,10 @@ class _Replicas:
 
 
 def _cold_sampler(params: SimParams, rng: np.random.Generator) -> Callable[[], float]:
+    """One cold start per call: a measured one (seeded, with replacement), else the lognormal (or the constant)."""
+    if params.cold_starts_s:
+        measured = np.asarray(params.cold_starts_s, dtype=np.float64)
+        return lambda: float(measured[rng.integers(measured.size)])
     if params.cold_start_cv <= 0:
         return lambda: params.cold_start_s
     sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))

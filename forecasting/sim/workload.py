@@ -30,8 +30,27 @@ class SimParams:
     prefill_base_s: float = 0.05
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 40.0
-    cold_start_s: float = 8.7
-    cold_start_cv: float = 0.0  # > 0: cold starts are lognormal with this coefficient of variation
+    cold_start_s: float = 8.7  # the median-ish scale of a cold start: the mean of its lognormal draw
+    # cold starts are lognormal with this coefficient of variation (0: every start takes cold_start_s).
+    # 0.3 by default: measured pod starts spread (image cache, disk, node load); a constant flatters a planner
+    # that is handed its exact p95
+    cold_start_cv: float = 0.3
+    # measured cold starts (s), e.g. a `prewarm up` run's: when given, each start draws one of them (seeded, with
+    # replacement) instead of the lognormal
+    cold_starts_s: tuple[float, ...] = ()
+    # what the planner is told of cold starts: "running" (the p95 of the starts it has seen so far, its default
+    # before the first, as the live registry's load_time_p95), or "exact" (the distribution's own p95, the old
+    # optimistic yardstick)
+    planner_cold_start: str = "running"
+    # seconds from a policy's decision until the replicas act on it: the live path's event dispatch beat
+    # (workers.schedule.EVENT_DISPATCH_S = 2 s), the Celery queue and the agent's task start. Default: the beat
+    # period plus 0.5 s; a `prewarm up` run measures it (see docs/simulator.md)
+    actuation_delay_s: float = 2.5
+    # churn: replicas sit on nodes of this many GPUs (packed, lowest node first), and concurrent loads on one node
+    # share its load bandwidth: the `load_share` of a cold start that is weight transfer runs at 1/k speed with k
+    # loads transferring on the node (the rest, process start, warmup and validation, is not shared)
+    gpus_per_node: int = 8
+    load_share: float = 0.5
     mean_context_tokens: float = AZURE_CODE_MEAN_CONTEXT
     mean_generated_tokens: float = AZURE_CODE_MEAN_GENERATED
     wait_threshold_s: float = 0.5  # a request that waited longer for capacity is a cold-start hit
@@ -45,6 +64,18 @@ class SimParams:
         for name in ("slots", "prefill_tokens_per_s", "decode_tokens_per_s", "cold_start_s", "time_scale", "rate_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SimParams.{name} must be > 0, got {getattr(self, name)}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"SimParams.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not 0 <= self.load_share <= 1:
+            raise ValueError(f"SimParams.load_share must be within [0, 1], got {self.load_share}")
+        if self.cold_start_cv < 0:
+            raise ValueError(f"SimParams.cold_start_cv must be >= 0, got {self.cold_start_cv}")
+        if self.actuation_delay_s < 0:
+            raise ValueError(f"SimParams.actuation_delay_s must be >= 0, got {self.actuation_delay_s}")
+        if any(not c > 0 for c in self.cold_starts_s):
+            raise ValueError(f"SimParams.cold_starts_s must all be > 0, got {self.cold_starts_s}")
+        if self.planner_cold_start not in ("running", "exact"):
+            raise ValueError(f"SimParams.planner_cold_start must be 'running' or 'exact', got {self.planner_cold_start!r}")
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"SimParams.target_utilization must be within (0, 1], got {self.target_utilization}")
 
