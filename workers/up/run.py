@@ -63,6 +63,8 @@ class UpRun:
         self.live_dt: list[float] = []  # replica-seconds per sample
         self.need_dt: list[float] = []  # the planner's need (replica-seconds) per sample
         self._sent_before = 0
+        self.replay_t0 = 0.0
+        self.replay_epoch = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
     def _model(self) -> str:
@@ -245,6 +247,8 @@ class UpRun:
             await asyncio.sleep(min(1.0, delay))
             delay = start_epoch - time.time()
         task = asyncio.create_task(drive(self.gateway_url, MODEL, wl.arrivals, self.stats, max_tokens=8))
+        # the replay's offset 0 on the timeline and on the wall clock: the report's window, the simulator's epoch
+        self.replay_t0, self.replay_epoch = time.monotonic() - self.started, time.time()
         day_s = wl.day_s
         t0 = time.monotonic()
         while not task.done():
