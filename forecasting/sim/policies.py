@@ -258,16 +258,26 @@ class Prewarm(Policy):
         self.pool = 0
         self.decisions = []
         self.modes = {}
+        self._replayed_bucket = -1
         return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
 
     def _observe(self, obs: Observation) -> None:
-        """The bucket that just ended, as the gateway counts it: requests in flight include those waiting
-        for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
-        mean of busy + queued requests over the bucket, when decisions fall on the fine buckets."""
-        fb = self.params.fine_bucket_s
-        k = int(round(obs.now / fb)) - 1
-        if abs(obs.period_s - fb) < 1e-9 and abs(obs.now - (k + 1) * fb) < 1e-9 and 0 <= k < self.fine_busy.size:
-            self.fine_busy[k] = obs.load_mean * fb
+        """The time since the last decision, as the gateway counts it: requests in flight include those
+        waiting for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
+        mean of busy + queued requests, credited to the fine bucket that span lies in, when the decision
+        period divides the fine bucket (the live demo plans every 5 s on 10 s buckets); otherwise the
+        estimate from the arrivals stays."""
+        fb, per = self.params.fine_bucket_s, obs.period_s
+        start = obs.now - per
+        if per <= 0 or start < -1e-9 or abs(round(fb / per) * per - fb) > 1e-9:
+            return
+        k = int(math.floor(start / fb + 1e-9))
+        if not 0 <= k < self.fine_busy.size or int(math.floor((obs.now - 1e-9) / fb)) != k:
+            return  # the span straddles two buckets: decisions are not on the period's grid
+        if k != self._replayed_bucket:
+            self.fine_busy[k] = 0.0  # the first span of this bucket: the replay's figures replace the estimate
+            self._replayed_bucket = k
+        self.fine_busy[k] += obs.load_mean * per
 
     def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
         """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
