@@ -228,12 +228,15 @@ class Prewarm(Policy):
     name = "prewarm"
 
     def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, record: bool = False,
-                 **overrides: Any) -> None:
+                 plan_from_s: float = 0.0, **overrides: Any) -> None:
         if planner is None:
             planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
         self.params = replace(planner, **overrides) if overrides else planner
         self.period_s = self.params.interval_s
         self.record = record
+        # the planner's first step (trace seconds): before it the replay keeps its starting replicas, as when
+        # a live planner started after the traffic it plans from (`prewarm up --history`)
+        self.plan_from_s = plan_from_s
         self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
         self.modes: dict[str, int] = {}
 
@@ -300,6 +303,8 @@ class Prewarm(Policy):
 
     def decide(self, obs: Observation) -> int:
         self._observe(obs)
+        if obs.now < self.plan_from_s:
+            return obs.ready + obs.loading
         inputs = self.inputs(obs.now, obs.ready, obs.loading)
         decision, self.state = step(inputs, self.state)
         self.pool = decision.pool_target

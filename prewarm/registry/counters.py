@@ -121,8 +121,8 @@ class RequestCounter:
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
-                key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
-                peaks[key] = max(peaks.get(key, 0), n)
+                current = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
+                peaks[current] = max(peaks.get(current, 0), n)
         pipe = client.pipeline(transaction=False)
         ttl = self.resolutions.get(keys.FINE_RESOLUTION_S, 2 * 86400)
         fine = keys.FINE_RESOLUTION_S

@@ -156,3 +156,23 @@ def summary(values: Sequence[float]) -> dict[str, float | int]:
     a = np.asarray(values, dtype=np.float64)
     return {"n": int(a.size), "mean_s": float(a.mean()), "p50_s": float(np.percentile(a, 50)),
             "p95_s": float(np.percentile(a, 95))}
+
+
+def planner_view(client: "redis.Redis[str]", model: str) -> dict[str, Any]:
+    """What the live planner learned: its daily profile, when it fitted it (its first step in a short
+    run: the refit period is an hour) and where the gateway's history begins."""
+    raw = client.get(keys.planner_state(model))
+    state = json.loads(raw) if raw else {}
+    first = client.hget(keys.REQUESTS_FIRST, model)
+    return {"profile": state.get("profile"), "first_step_epoch": state.get("profile_at"),
+            "history_start_epoch": float(first) if first is not None else None}
+
+
+def counted_since(client: "redis.Redis[str]", model: str, start: float, end: float, seeded: np.ndarray) -> int:
+    """User requests the gateway counted in the fine buckets from the one holding `start` to the one holding
+    `end`, less the `seeded` (history) requests at epoch times within those buckets."""
+    fb = keys.FINE_RESOLUTION_S
+    first, last = math.floor(start / fb) * fb, math.floor(end / fb) * fb
+    names = [keys.requests(model, fb, b) for b in range(first, last + fb, fb)]
+    total = sum(int(v) for v in client.mget(names) if v is not None) if names else 0
+    return total - int(((seeded >= first) & (seeded < last + fb)).sum())

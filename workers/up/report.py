@@ -12,6 +12,7 @@ against this measured run (`workers.up.fidelity`): `sim_vs_measured` in `report.
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,11 +28,12 @@ from forecasting.sim.simulate import SimParams
 from forecasting.data.traces import RequestTrace, TraceFormat
 from prewarm.core.settings import PlannerSettings, Settings
 from prewarm.registry.replicas import ReplicaRegistry
-from workers.up.fidelity import Measured, gateway_waits_over, judge, measure, replica_seconds, service_s, summary
+from workers.up.fidelity import (Measured, counted_since, gateway_waits_over, judge, measure, planner_view,
+                                 replica_seconds, service_s, summary)
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
-from workers.up.workload import Timeline, Workload
+from workers.up.workload import Timeline, UpOptions, Workload
 
 
 class UpRun(Protocol):
@@ -48,6 +50,9 @@ class UpRun(Protocol):
     total_s: float
     replay_t0: float  # the replay's start on the timeline
     replay_epoch: float  # and on the wall clock
+    history_epoch: float  # the epoch the workload's history offsets are from (the replay's planned start)
+    stack_epoch: float  # when the planner (and the rest of the stack) started
+    opts: UpOptions
 
     client: "redis.Redis[str]"
     gateway_url: str
@@ -109,19 +114,18 @@ def _planner_settings(base: PlannerSettings, env: dict[str, str]) -> PlannerSett
 
 
 def _simulate(run: UpRun, wl: Workload, got: Measured,
-              default_cold_s: float) -> tuple[dict[str, Any], dict[str, Any], SimParams]:
-    """Replay the same arrivals in the simulator: replicas of the declared capacity, this run's measured
-    cold starts (each start draws one of them) and its mean actuation delay (decision to registration)."""
-    capacity = run.settings.planner.capacity_rps
-    env_capacity = run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS")
-    if env_capacity:
-        capacity = float(env_capacity)
-    # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency);
-    # each of those slots then serves capacity / slots requests a second
+              default_cold_s: float) -> tuple[dict[str, Any], dict[str, Any], SimParams, float]:
+    """Replay the same arrivals in the simulator: this run's measured cold starts (each start draws one of
+    them), its mean actuation delay (decision to registration) and its measured service time; with a
+    history, the history too (its requests held for the time they were counted with) and the planner
+    stepping from when the live one started. Returns the result, the replay, its params and the replay's
+    start in the simulator's time (what is scored comes after it)."""
+    # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency)
     slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
     # a request holds its slot for the run's measured service time (the latency of the requests that did not
     # wait), so the simulated gateway counts the requests in flight the real one counted; the declared capacity
     # (slots / capacity s a request) is the fallback when nothing was answered
+    capacity = float(run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS") or run.settings.planner.capacity_rps)
     service = service_s(run.stats.latencies, SimParams.wait_threshold_s) or slots / capacity
     measured_delay = float(np.mean(got.actuation_delays_s)) if got.actuation_delays_s else None
     params = SimParams(
@@ -130,24 +134,38 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
         # the measured starts already ran beside each other on this machine: no further load-bandwidth charge
         load_share=0.0,
         actuation_delay_s=measured_delay if measured_delay is not None else SimParams.actuation_delay_s,
-        prefill_base_s=service, prefill_tokens_per_s=1e12, decode_tokens_per_s=1e12,
+        # a request's service is its "generated tokens" at 1000 tokens/s: each keeps the time it was counted with
+        prefill_base_s=0.0, prefill_tokens_per_s=1e12, decode_tokens_per_s=1000.0,
         mean_context_tokens=0.0, mean_generated_tokens=0.0,
     )
-    # the replay's own epoch: the planner's calendar (batch jobs' cron, the daily profile) sees the times the run saw
-    trace = RequestTrace(t=np.asarray(wl.arrivals, dtype=np.float64), context_tokens=None, generated_tokens=None,
-                         source=wl.description, start_epoch=run.replay_epoch, format=TraceFormat.REQUEST_CSV)
+    # the simulator's clock starts at the first counted bucket (where the live history begins), on the wall
+    # clock's epoch: the planner's calendar (batch jobs' cron, the daily profile) sees the times the run saw
+    hist = run.history_epoch + wl.history
+    win = run.replay_epoch + np.asarray(wl.arrivals, dtype=np.float64)
+    epoch0 = math.floor(float(hist.min()) / 60.0) * 60.0 if hist.size else run.replay_epoch
+    t = np.concatenate([hist, win]) - epoch0
+    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s), np.full(win.size, service)])
+    trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=svc * 1000.0,
+                         source=wl.description, start_epoch=epoch0, format=TraceFormat.REQUEST_CSV)
     # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
     planner = _planner_settings(run.settings.planner, run.sup.env)
-    out = run_backtest(trace, params, policies=("reactive", "prewarm"),
-                       policy_kwargs={"prewarm": {"planner_settings": planner}})
-    return out["result"], out, params
+    after = run.replay_epoch - epoch0
+    # the live planner's first step: when it fitted its profile (refit hourly), else when the stack started
+    first_step = planner_view(run.client, "demo")["first_step_epoch"] or run.stack_epoch
+    plan_from = max(0.0, float(first_step) - epoch0) if hist.size else 0.0
+    out = run_backtest(trace, params, policies=("reactive", "prewarm"), score_after_s=after,
+                       policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from}})
+    return out["result"], out, params, after
 
 
-def _waited(run: Any, params: SimParams) -> int:
-    """Requests of a simulated run that waited longer than the threshold for capacity (a start)."""
+def _waited(run: Any, work: Any, params: SimParams, after_s: float) -> int:
+    """Requests of a simulated run arriving after `after_s` that waited longer than the threshold for a start."""
+    late = run.wait > params.wait_threshold_s
     if run.weight is not None:
-        return int(round(float(run.weight[run.wait > params.wait_threshold_s].sum())))
-    return int((run.wait > params.wait_threshold_s).sum())
+        parts = run.wait.size // work.counts.size
+        keep = np.tile(np.arange(work.counts.size) >= int(after_s), parts)
+        return int(round(float(run.weight[late & keep].sum())))
+    return int((late & (work.arrivals >= after_s)).sum())
 
 
 def report(run: UpRun, wl: Workload) -> dict[str, Any]:
@@ -172,20 +190,25 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     got = measure(run.client, "demo", run.registry.events(count=100_000))
     measured["cold_starts"] = summary(got.cold_starts_s)
     measured["actuation_delay"] = summary(got.actuation_delays_s)
-    sim, full, params = _simulate(run, wl, got, cold)
-    work = full["work"]
+    sim, full, params, after = _simulate(run, wl, got, cold)
+    work, pw_run = full["work"], full["runs"]["prewarm"]
     tl = run.timeline
     live = [a + b + c for a, b, c in zip(tl.serving, tl.loading, tl.warm)]
     # the span the simulator replays: from the replay's offset 0 for the workload's duration
-    measured_rs = replica_seconds(tl.t, live, run.replay_t0, run.replay_t0 + work.duration_s)
+    measured_rs = replica_seconds(tl.t, live, run.replay_t0, run.replay_t0 + work.duration_s - after)
     with urllib.request.urlopen(run.gateway_url + "/metrics", timeout=10) as resp:
         waited = gateway_waits_over(resp.read().decode(), "demo", params.wait_threshold_s)
     measured["waited_for_start"] = waited
-    fidelity = judge(measured_rs, full["runs"]["prewarm"].gpu_s, waited, _waited(full["runs"]["prewarm"], params))
+    fidelity = judge(measured_rs, sim["policies"]["prewarm"]["gpu_hours"] * 3600, waited,
+                     _waited(pw_run, work, params, after))
     timeline_png = _plot_timeline(run, plots / "timeline.png")
     sim_png = plot_policies(full["work"], full["runs"], plots / "simulated_policies.png",
                             title="same arrivals, simulated: reactive vs prewarm")
     result = {"workload": wl.description, "measured": measured, "simulated": sim, "sim_vs_measured": fidelity,
+              "planner": planner_view(run.client, "demo"), "history_epoch": run.history_epoch,
+              "counted_by_gateway": counted_since(run.client, "demo", run.replay_epoch,
+                                                  run.replay_epoch + work.duration_s - after,
+                                                  run.history_epoch + wl.history),
               "plots": [str(timeline_png), str(sim_png)]}
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import shutil
@@ -34,6 +35,7 @@ from prewarm.registry.embedded import free_port
 from prewarm.runtime.model import load_manifest, make_model
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
+from workers.up.seed import seed_history
 from workers.up.traffic import TrafficStats, drive
 from prewarm.core.settings import Settings
 from workers.up.report import report
@@ -65,6 +67,8 @@ class UpRun:
         self._sent_before = 0
         self.replay_t0 = 0.0
         self.replay_epoch = 0.0
+        self.stack_epoch = 0.0
+        self.history_epoch = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
     def _model(self) -> str:
@@ -265,11 +269,24 @@ class UpRun:
     async def run(self) -> dict[str, Any]:
         revision = self._model()
         start_epoch = time.time() + 60.0
+        if self.opts.history_s and not self.opts.trace:
+            raise RuntimeError("--history needs --trace (a request-level trace whose first part is the history)")
         if self.opts.trace:
-            wl = from_trace(self.opts)
+            try:
+                wl = from_trace(self.opts)
+            except ValueError as exc:
+                raise RuntimeError(str(exc)) from exc
         else:
             wl, start_epoch = synthetic(self.opts, start_epoch)
         self.console.print(f"workload: {wl.description}")
+        self.history_epoch = start_epoch
+        if wl.history.size:
+            # the replay starts on a coarse bucket's edge, so that the planner's buckets and the simulator's align
+            start_epoch = self.history_epoch = math.ceil(start_epoch / 60.0) * 60.0
+            n = await seed_history(self.settings.redis.url or "", MODEL, start_epoch + wl.history,
+                                   self.opts.history_service_s)
+            self.console.print(f"history: {n} requests counted into the gateway's counters before the replay")
+        self.stack_epoch = time.time()  # the planner's first step is after this: the simulator plans from here
         self._start_stack(self._env(revision, wl))
         self.started = time.monotonic()
         with Live(console=self.console, refresh_per_second=2, transient=False) as live:
