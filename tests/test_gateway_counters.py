@@ -99,6 +99,7 @@ def test_peak_in_flight_is_summed_over_two_gateways(two_gateways: tuple[Harness,
 
         start = wait_for(summed, 15, lambda: f"peak 10 in the current bucket; keys: "
                          f"{[(k, client.get(k)) for k in client.scan_iter(keys.inflight_peak('m', FINE, 0)[:-1] + '*')]}")
+        assert start is not None
         # the sum is of each gateway's own five
         assert sorted(client.hgetall(keys.inflight_peaks("m", FINE, start)).values()) == ["5", "5"]
         assert a.gateway.counter.instance != b.gateway.counter.instance
