@@ -98,7 +98,7 @@ def test_live_closed_loop_and_simulator_agree(tmp_path: Path) -> None:
     assert expected is not None
     got = np.asarray(live["profile"]["values"])
     assert got.shape == (len(expected.values),)
-    assert np.max(np.abs(got - np.asarray(expected.values))) <= 0.05, (got[:6], expected.values[:6])
+    assert np.max(np.abs(got - np.asarray(expected.values))) <= 0.01, (got[:6], expected.values[:6])
 
     # the outcome: the simulator on the same arrivals matches the closed loop
     f = report["sim_vs_measured"]

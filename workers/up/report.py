@@ -114,12 +114,12 @@ def _planner_settings(base: PlannerSettings, env: dict[str, str]) -> PlannerSett
 
 
 def _simulate(run: UpRun, wl: Workload, got: Measured,
-              default_cold_s: float) -> tuple[dict[str, Any], dict[str, Any], SimParams, float]:
+              default_cold_s: float) -> tuple[dict[str, Any], dict[str, Any], SimParams, float, float]:
     """Replay the same arrivals in the simulator: this run's measured cold starts (each start draws one of
     them), its mean actuation delay (decision to registration) and its measured service time; with a
     history, the history too (its requests held for the time they were counted with) and the planner
-    stepping from when the live one started. Returns the result, the replay, its params and the replay's
-    start in the simulator's time (what is scored comes after it)."""
+    stepping from when the live one started. Returns the result, the replay, its params, the epoch the
+    simulator's clock starts at (its first request) and the replay's start on that clock (scored after it)."""
     # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency)
     slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
     # a request holds its slot for the run's measured service time (the latency of the requests that did not
@@ -142,20 +142,21 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     # clock's epoch: the planner's calendar (batch jobs' cron, the daily profile) sees the times the run saw
     hist = run.history_epoch + wl.history
     win = run.replay_epoch + np.asarray(wl.arrivals, dtype=np.float64)
-    epoch0 = math.floor(float(hist.min()) / 60.0) * 60.0 if hist.size else run.replay_epoch
-    t = np.concatenate([hist, win]) - epoch0
+    t = np.concatenate([hist, win])
+    epoch0 = float(t.min())  # the simulator counts time from the first request
+    t = t - epoch0
     svc = np.concatenate([np.full(hist.size, run.opts.history_service_s), np.full(win.size, service)])
     trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=svc * 1000.0,
                          source=wl.description, start_epoch=epoch0, format=TraceFormat.REQUEST_CSV)
     # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
     planner = _planner_settings(run.settings.planner, run.sup.env)
-    after = run.replay_epoch - epoch0
+    after = max(0.0, run.replay_epoch - epoch0)
     # the live planner's first step: when it fitted its profile (refit hourly), else when the stack started
     first_step = planner_view(run.client, "demo")["first_step_epoch"] or run.stack_epoch
     plan_from = max(0.0, float(first_step) - epoch0) if hist.size else 0.0
     out = run_backtest(trace, params, policies=("reactive", "prewarm"), score_after_s=after,
                        policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from}})
-    return out["result"], out, params, after
+    return out["result"], out, params, epoch0, after
 
 
 def _waited(run: Any, work: Any, params: SimParams, after_s: float) -> int:
@@ -190,12 +191,14 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     got = measure(run.client, "demo", run.registry.events(count=100_000))
     measured["cold_starts"] = summary(got.cold_starts_s)
     measured["actuation_delay"] = summary(got.actuation_delays_s)
-    sim, full, params, after = _simulate(run, wl, got, cold)
+    sim, full, params, epoch0, after = _simulate(run, wl, got, cold)
     work, pw_run = full["work"], full["runs"]["prewarm"]
     tl = run.timeline
     live = [a + b + c for a, b, c in zip(tl.serving, tl.loading, tl.warm)]
-    # the span the simulator replays: from the replay's offset 0 for the workload's duration
-    measured_rs = replica_seconds(tl.t, live, run.replay_t0, run.replay_t0 + work.duration_s - after)
+    # the simulator's scored span [after, duration) on its clock, on the wall clock and on the run's timeline
+    start, end = epoch0 + after, epoch0 + work.duration_s
+    on_timeline = run.replay_t0 - run.replay_epoch
+    measured_rs = replica_seconds(tl.t, live, start + on_timeline, end + on_timeline)
     with urllib.request.urlopen(run.gateway_url + "/metrics", timeout=10) as resp:
         waited = gateway_waits_over(resp.read().decode(), "demo", params.wait_threshold_s)
     measured["waited_for_start"] = waited
@@ -206,9 +209,7 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
                             title="same arrivals, simulated: reactive vs prewarm")
     result = {"workload": wl.description, "measured": measured, "simulated": sim, "sim_vs_measured": fidelity,
               "planner": planner_view(run.client, "demo"), "history_epoch": run.history_epoch,
-              "counted_by_gateway": counted_since(run.client, "demo", run.replay_epoch,
-                                                  run.replay_epoch + work.duration_s - after,
-                                                  run.history_epoch + wl.history),
+              "counted_by_gateway": counted_since(run.client, "demo", start, end, run.history_epoch + wl.history),
               "plots": [str(timeline_png), str(sim_png)]}
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 

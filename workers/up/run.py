@@ -281,8 +281,10 @@ class UpRun:
         self.console.print(f"workload: {wl.description}")
         self.history_epoch = start_epoch
         if wl.history.size:
-            # the replay starts on a coarse bucket's edge, so that the planner's buckets and the simulator's align
-            start_epoch = self.history_epoch = math.ceil(start_epoch / 60.0) * 60.0
+            # the first counted request falls on a coarse bucket's edge: the simulator's clock starts at the first
+            # request, so its buckets and the gateway's then align
+            first = math.ceil((start_epoch + float(wl.history.min())) / 60.0) * 60.0
+            start_epoch = self.history_epoch = first - float(wl.history.min())
             n = await seed_history(self.settings.redis.url or "", MODEL, start_epoch + wl.history,
                                    self.opts.history_service_s)
             self.console.print(f"history: {n} requests counted into the gateway's counters before the replay")
