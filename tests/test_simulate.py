@@ -180,7 +180,8 @@ def test_cli_json_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     out = capsys.readouterr().out
     assert rc == 0
     last = json.loads(out.strip().splitlines()[-1])
-    assert set(last) == {"trace", "params", "policies"}
+    assert set(last) == {"trace", "params", "policies", "rows"}
+    assert {r["policy"] for r in last["rows"]} == set(POLICIES)
     assert set(last["policies"]) == set(POLICIES)
     for s in last["policies"].values():
         for key in ("ttft_p50_s", "ttft_p99_s", "ttft_p999_s", "cold_start_share", "gpu_hours",

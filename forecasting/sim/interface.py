@@ -25,6 +25,7 @@ class Observation:
     load_mean: float  # mean busy slots + queued requests since the policy's last decision
     arrivals: float  # requests that arrived since the last decision
     period_s: float
+    cold_start_p95_s: float | None = None  # p95 of the cold starts completed so far (None: none yet), as measured live
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,6 +8,8 @@ which is handed the future on purpose: it is the reference, not a contender.
 - `reactive`: the Kubernetes HPA algorithm on slot utilization (busy + queued requests per
   slot), target 70%, 15 s sync, 10% tolerance, scale-up at once (paying the cold start),
   scale-down to the highest recommendation of the last 300 s (the stabilization window).
+- `reactive_sized`: the forecast-free ablation of `prewarm`: the planner's own square-root
+  sizing and 10 s cadence over the last observation, a 60 s scale-down window (see the class).
 - `fixed_pool`: reactive plus a warm pool of 10% of its recommendation (at least one).
 - `keepalive`: the hybrid histogram policy of "Serverless in the Wild" (Shahrad et al.,
   USENIX ATC'20), adapted from function instances to replica counts: replica level k
@@ -46,13 +48,15 @@ from forecasting.planner import (
     observed_from_counts,
     recent_span_s,
     refit_due,
+    replicas_needed,
     step,
 )
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.loads import cold_start_p95
 from forecasting.sim.workload import SimParams
 from prewarm.core.domain import ModelSpec
 
-POLICIES = ("reactive", "fixed_pool", "keepalive", "prewarm", "oracle")
+POLICIES = ("reactive", "reactive_sized", "fixed_pool", "keepalive", "prewarm", "oracle")
 
 
 class Reactive(Policy):
@@ -190,6 +194,53 @@ class KeepAlive(Policy):
         return want
 
 
+class ReactiveSized(Policy):
+    """The forecast-free ablation: the planner's own sizing and cadence with the forecast replaced by the last observation.
+
+    Every `interval_s` (the planner's beat) it takes the mean requests in flight since its last
+    decision (busy + queued, what the gateway's busy time per fine bucket says) as the load `a`,
+    and keeps the planner's square-root staffing of it, `a + queue_beta x sqrt(a)` slots (with
+    the planner's headroom and `min_serving`). No profile, no phase logic, no quantiles, nothing
+    learned. A scale-down waits until the need has stayed lower for `window_s` (it would flap
+    on every bucket otherwise); a scale-up acts at once. It answers "what does the forecast
+    add": what prewarm gains over it is the forecast's, what it gains over `reactive` is sizing.
+    """
+
+    name = "reactive_sized"
+
+    def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, window_s: float = 60.0,
+                 **overrides: Any) -> None:
+        if planner is None:
+            planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
+        self.params = replace(planner, **overrides) if overrides else planner
+        if window_s < 0:
+            raise ValueError(f"reactive_sized window_s must be >= 0, got {window_s}")
+        self.window_s = window_s
+        self.period_s = self.params.interval_s
+        self._needs: deque[tuple[float, int]] = deque()
+        self._slots = 8
+
+    def _need(self, load: float) -> int:
+        p = self.params
+        sized = load + p.queue_beta * math.sqrt(max(load, 0.0))
+        return max(p.min_serving, replicas_needed(sized, self._slots, p.headroom))
+
+    def start(self, env: PolicyEnv) -> int:
+        self._slots = env.params.slots
+        self._needs.clear()
+        return self._need(env.initial_load())
+
+    def decide(self, obs: Observation) -> int:
+        need = self._need(obs.load_mean)
+        self._needs.append((obs.now, need))
+        while self._needs and self._needs[0][0] < obs.now - self.window_s:
+            self._needs.popleft()
+        live = obs.ready + obs.loading
+        if need >= live:
+            return need
+        return min(live, max(n for _, n in self._needs))
+
+
 class Oracle(Policy):
     """Knows the future need; keeps the most needed within one cold start (+2 s) ahead."""
 
@@ -198,8 +249,9 @@ class Oracle(Policy):
 
     def start(self, env: PolicyEnv) -> int:
         self._need = env.work.need
-        cold = env.params.cold_start_s * (1 + 3 * env.params.cold_start_cv)
-        self._ahead = int(math.ceil(cold)) + 2
+        p = env.params
+        cold = max(p.cold_starts_s) if p.cold_starts_s else p.cold_start_s * (1 + 3 * p.cold_start_cv)
+        self._ahead = int(math.ceil(cold + p.actuation_delay_s)) + 2
         if not self._need.size:
             self._want: list[int] = []
             return 0
@@ -256,7 +308,10 @@ class Prewarm(Policy):
         self.epoch = w.start_epoch
         self.slots = env.params.slots
         self.model = ModelSpec(name="trace", revision="replay", slots=self.slots)
-        self.cold_p95 = cold_start_p95(env.params)
+        # what the planner knows of cold starts: the running p95 of those it has seen (the live registry's
+        # load_time_p95; the default before the first), or, with planner_cold_start="exact", the model's own p95
+        self.running_cold = env.params.planner_cold_start == "running"
+        self.cold_p95: float | None = None if self.running_cold else cold_start_p95(env.params)
         self.state = PlannerState()
         self.pool = 0
         self.decisions = []
@@ -303,6 +358,8 @@ class Prewarm(Policy):
 
     def decide(self, obs: Observation) -> int:
         self._observe(obs)
+        if self.running_cold:
+            self.cold_p95 = obs.cold_start_p95_s
         if obs.now < self.plan_from_s:
             return obs.ready + obs.loading
         inputs = self.inputs(obs.now, obs.ready, obs.loading)
@@ -314,19 +371,10 @@ class Prewarm(Policy):
         return decision.target + decision.pool_target
 
 
-def cold_start_p95(params: SimParams) -> float:
-    """The cold-start p95 of the replay's replica model (what the live registry measures)."""
-    if params.cold_start_cv <= 0:
-        return params.cold_start_s
-    sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))
-    mu = math.log(params.cold_start_s) - sigma**2 / 2
-    return float(math.exp(mu + 1.6448536269514722 * sigma))
-
-
 def make_policy(name: str, **kw: Any) -> Policy:
     """A fresh policy by name (one of `POLICIES`)."""
     classes: dict[str, Callable[..., Policy]] = {
-        "reactive": Reactive, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm, "oracle": Oracle,
+        "reactive": Reactive, "reactive_sized": ReactiveSized, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm, "oracle": Oracle,
     }
     if name not in classes:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")

@@ -8,7 +8,7 @@ CLI does the printing and `forecasting.sim.report` the plotting.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -99,6 +99,12 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
             s[f"gpu_hours_vs_{ref}"] = s["gpu_hours"] / base if base else None
+    rows = []
+    for name, s in scores.items():
+        knob, value = default_knob(name)
+        r = row(name, s, knob, value, True)
+        r["gpu_hours_vs_reactive"] = s["gpu_hours_vs_reactive"]
+        rows.append(r)
     out = {
         "trace": work.source,
         "params": asdict(params) | {
@@ -110,17 +116,64 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
             "notes": list(work.notes),
         },
         "policies": scores,
+        "rows": rows,
     }
     return {"result": out, "runs": runs, "work": work}
 
 
 #: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
+#: prewarm's is its quantile until the planner has a cold-start budget (issue 17); reactive_sized's its
+#: square-root staffing margin (the planner's queue_beta: 1.5).
 SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
     "reactive": ("target", (0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0), 1.5),
     "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
     "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
     "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
 }
+
+
+def row(policy: str, s: Mapping[str, Any], knob: str, value: float, default: bool) -> dict[str, Any]:
+    """One row of the output contract: {policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
+    cold_start_share, ttft_p99_s, starts} (gpu_hours_vs_reactive filled in once reactive's default is known)."""
+    return {"policy": policy, "knob": knob, "value": value, "default": default, "gpu_hours": s["gpu_hours"],
+            "gpu_hours_vs_reactive": None, "cold_start_share": s["cold_start_share"], "ttft_p99_s": s["ttft_p99_s"],
+            "starts": int(s["cold_starts"])}
+
+
+def default_knob(policy: str, knobs: Mapping[str, tuple[str, tuple[float, ...], float]] | None = None) -> tuple[str, float]:
+    """The policy's knob and its default value ("" and nan for a policy without one, the oracle)."""
+    knob, _, default = (SWEEP_KNOBS if knobs is None else knobs).get(policy, ("", (), float("nan")))
+    return knob, default
+
+
+def at_equal_share(points: Sequence[Mapping[str, Any]], share: float, x: str = "cold_start_share",
+                   y: str = "gpu_hours_vs_reactive") -> float | None:
+    """A curve's `y` interpolated (linearly, points ordered by `x`) at `x == share`; None outside its range.
+
+    A curve that is not monotone in `x` is read through its lower envelope: at each point's x the
+    least y of any setting whose x is no larger (it meets that share too)."""
+    pts = sorted((float(p[x]), float(p[y])) for p in points if p.get(y) is not None and p.get(x) is not None)
+    if not pts or not pts[0][0] <= share <= pts[-1][0]:
+        return None
+    xs = np.asarray([p[0] for p in pts])
+    ys = np.minimum.accumulate(np.asarray([p[1] for p in pts]))  # the best y at this x or below
+    return float(np.interp(share, xs, ys))
+
+
+def sweep_summary(points: Sequence[Mapping[str, Any]], anchor: str = "prewarm", x: str = "cold_start_share",
+                  y: str = "gpu_hours_vs_reactive") -> dict[str, Any]:
+    """`at_equal_cold_start_share`: each policy's `y` on its curve at the anchor's default `x` (null outside its range)."""
+    base = next((p for p in points if p["policy"] == anchor and p["default"]), None)
+    out: dict[str, Any] = {"anchor": anchor, x: None if base is None else base[x], "policies": {}}
+    if base is None:
+        return out
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for p in points:
+        by.setdefault(str(p["policy"]), []).append(p)
+    for name, pts in by.items():
+        out["policies"][name] = base[y] if name == anchor else at_equal_share(pts, float(base[x]), x, y)
+    return out
 
 
 def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
@@ -129,8 +182,11 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
               progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
 
-    Returns `{"trace", "reactive_gpu_hours", "points": [{policy, knob, value, default, gpu_hours,
-    gpu_hours_vs_reactive, cold_start_share, ttft_p99_s}]}`; the oracle is one point.
+    Returns `{"trace", "reactive_gpu_hours", "rows", "points", "at_equal_cold_start_share"}`: `points`
+    holds every setting ({policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
+    cold_start_share, ttft_p99_s, starts}), `rows` the defaults, and `at_equal_cold_start_share`
+    each policy's GPU-hours vs reactive on its curve at prewarm's default cold-start share.
+    The oracle is one point.
     """
     knobs = SWEEP_KNOBS if knobs is None else knobs
     work = build_workload(trace, params)
@@ -146,11 +202,11 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
             s = score(replay(work, make_policy(name, **kw), params, cb), work, params)
             if name == "reactive" and v == default:
                 base_gpu = s["gpu_hours"]
-            points.append({"policy": name, "knob": knob, "value": v, "default": bool(v == default or not knob),
-                           "gpu_hours": s["gpu_hours"], "cold_start_share": s["cold_start_share"],
-                           "ttft_p99_s": s["ttft_p99_s"]})
+            points.append(row(name, s, knob, v, bool(v == default or not knob)))
     if base_gpu is None:
         base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
     for pt in points:
         pt["gpu_hours_vs_reactive"] = pt["gpu_hours"] / base_gpu if base_gpu else None
-    return {"trace": work.source, "reactive_gpu_hours": base_gpu, "points": points}
+    return {"trace": work.source, "params": asdict(params) | {"engine": "fluid" if work.aggregated else "exact"},
+            "reactive_gpu_hours": base_gpu, "rows": [p for p in points if p["default"]],
+            "points": points, "at_equal_cold_start_share": sweep_summary(points)}

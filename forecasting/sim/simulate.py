@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
+from forecasting.sim.loads import LoadBank, cold_sampler
 from forecasting.sim.workload import (  # noqa: F401  (re-exported: the replay's inputs)
     AZURE_CODE_MEAN_CONTEXT,
     AZURE_CODE_MEAN_GENERATED,
@@ -57,9 +58,9 @@ class PolicyRun:
 
 @dataclass
 class _Replicas:
-    """Replica bookkeeping shared by both engines."""
+    """Replica bookkeeping of the exact engine: states, requests in flight, GPU time (loads: `LoadBank`)."""
 
-    cold: Callable[[], float]
+    bank: LoadBank
     start: list[float] = field(default_factory=list)
     state: list[int] = field(default_factory=list)  # 0 loading, 1 ready, 2 draining, 3 retired
     active: list[int] = field(default_factory=list)
@@ -67,42 +68,31 @@ class _Replicas:
     serving: list[int] = field(default_factory=list)
     draining: int = 0
     gpu_s: float = 0.0
-    starts: int = 0
 
-    def new(self, now: float, ready_now: bool) -> tuple[int, float]:
+    def new(self, now: float, ready_now: bool) -> int:
         rid = len(self.start)
         self.start.append(now)
         self.active.append(0)
         if ready_now:
+            self.bank.place(rid)
             self.state.append(1)
             self.serving.append(rid)
-            return rid, now
+            return rid
         self.state.append(0)
         self.loading.append(rid)
-        self.starts += 1
-        return rid, now + self.cold()
+        self.bank.begin(rid, now)
+        return rid
 
     def retire(self, rid: int, now: float) -> None:
         if self.state[rid] == 2:
             self.draining -= 1
         self.state[rid] = 3
         self.gpu_s += now - self.start[rid]
+        self.bank.release(rid, now)
 
     @property
     def live(self) -> int:
         return len(self.serving) + len(self.loading)
-
-
-def _cold_sampler(params: SimParams, rng: np.random.Generator) -> Callable[[], float]:
-    """One cold start per call: a measured one (seeded, with replacement), else the lognormal (or the constant)."""
-    if params.cold_starts_s:
-        measured = np.asarray(params.cold_starts_s, dtype=np.float64)
-        return lambda: float(measured[rng.integers(measured.size)])
-    if params.cold_start_cv <= 0:
-        return lambda: params.cold_start_s
-    sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))
-    mu = math.log(params.cold_start_s) - sigma**2 / 2
-    return lambda: float(rng.lognormal(mu, sigma))
 
 
 def replay(work: Workload, policy: Policy, params: SimParams,
@@ -117,7 +107,8 @@ def replay(work: Workload, policy: Policy, params: SimParams,
 def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimParams,
                   progress: Callable[[float], None] | None) -> PolicyRun:
     rng = np.random.default_rng(params.seed + 1)
-    reps = _Replicas(cold=_cold_sampler(params, rng))
+    bank = LoadBank(params, rng)
+    reps = _Replicas(bank=bank)
     assert work.arrivals is not None and work.prefill is not None and work.service is not None
     arr = work.arrivals.tolist()
     svc = work.service.tolist()
@@ -125,7 +116,7 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     C = params.slots
     start_t = np.full(n, np.nan)
     comp: list[tuple[float, int]] = []  # (end, replica)
-    readyq: list[tuple[float, int]] = []  # (ready time, replica)
+    acts: deque[tuple[float, int]] = deque()  # (due, live replicas wanted): decisions on their way (actuation delay)
     queue: deque[int] = deque()
     end = work.duration_s
     seconds = int(end)
@@ -137,6 +128,7 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
         reps.new(0.0, True)
     live_log_n.append(reps.live)
     period = policy.period_s
+    delay = params.actuation_delay_s
     next_tick = 0.0
     busy = 0
     area = 0.0
@@ -155,25 +147,48 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
         start_t[req] = t
         heapq.heappush(comp, (t + svc[req], rid))
 
+    def act(want: int, t: float) -> None:
+        live = reps.live
+        if want > live:
+            for _ in range(want - live):
+                reps.new(t, False)
+        elif want < live:
+            remove = live - want
+            while remove and reps.loading:
+                rid = reps.loading.pop()
+                reps.retire(rid, t)  # a cancelled load has held its GPU (and its share of the node) until now
+                remove -= 1
+            if remove:
+                serving.sort(key=active.__getitem__)
+                for rid in serving[:remove]:
+                    if active[rid] == 0:
+                        reps.retire(rid, t)
+                    else:
+                        state[rid] = 2
+                        reps.draining += 1
+                del serving[:remove]
+        if want != live:
+            live_log_t.append(t)
+            live_log_n.append(reps.live + reps.draining)
+
     while True:
         ta = arr[i] if i < n else inf
         tc = comp[0][0] if comp else inf
-        tr = readyq[0][0] if readyq else inf
+        tr = bank.next_time()
+        tx = acts[0][0] if acts else inf
         tt = next_tick if next_tick < end else inf
-        t = min(ta, tc, tr, tt)
+        t = min(ta, tc, tr, tx, tt)
         if t == inf:
             break
         area += (busy + len(queue)) * (t - last_t)
         last_t = t
         if tr == t:
-            _, rid = heapq.heappop(readyq)
-            if state[rid] != 0:
-                continue  # cancelled while loading
-            state[rid] = 1
-            reps.loading.remove(rid)
-            serving.append(rid)
-            while queue and active[rid] < C:
-                assign(queue.popleft(), rid, t)
+            for rid, _ in bank.pop_ready(t):
+                state[rid] = 1
+                reps.loading.remove(rid)
+                serving.append(rid)
+                while queue and active[rid] < C:
+                    assign(queue.popleft(), rid, t)
         elif tc == t:
             _, rid = heapq.heappop(comp)
             active[rid] -= 1
@@ -199,35 +214,18 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
             else:
                 queue.append(i)
             i += 1
+        elif tx == t:
+            act(acts.popleft()[1], t)
         else:
             span = t - last_tick
             obs = Observation(t, len(serving), len(reps.loading), area / span if span > 0 else float(busy + len(queue)),
-                              float(arrivals_since), period)
+                              float(arrivals_since), period, bank.observed_p95())
             area, arrivals_since, last_tick = 0.0, 0, t
             want = max(0, int(policy.decide(obs)))
-            live = reps.live
-            if want > live:
-                for _ in range(want - live):
-                    rid, ready_at = reps.new(t, False)
-                    heapq.heappush(readyq, (ready_at, rid))
-            elif want < live:
-                remove = live - want
-                while remove and reps.loading:
-                    rid = reps.loading.pop()
-                    reps.retire(rid, t)
-                    remove -= 1
-                if remove:
-                    serving.sort(key=active.__getitem__)
-                    for rid in serving[:remove]:
-                        if active[rid] == 0:
-                            reps.retire(rid, t)
-                        else:
-                            state[rid] = 2
-                            reps.draining += 1
-                    del serving[:remove]
-            if want != live:
-                live_log_t.append(t)
-                live_log_n.append(reps.live + reps.draining)
+            if delay > 0:
+                acts.append((t + delay, want))
+            else:
+                act(want, t)
             next_tick = t + period
             if progress is not None and t >= next_report:
                 progress(t / end)
@@ -245,13 +243,13 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     live_arr = np.asarray(live_log_n, dtype=np.int64)[idx]
     if progress is not None:
         progress(1.0)
-    return PolicyRun(policy.name, ttft, wait, None, reps.gpu_s, live_arr, reps.starts)
+    return PolicyRun(policy.name, ttft, wait, None, reps.gpu_s, live_arr, bank.starts)
 
 
 def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimParams,
                   progress: Callable[[float], None] | None) -> PolicyRun:
     rng = np.random.default_rng(params.seed + 1)
-    cold = _cold_sampler(params, rng)
+    bank = LoadBank(params, rng)
     S = work.mean_service_s
     C = params.slots
     per_replica = C / S  # requests/s one ready replica serves
@@ -259,76 +257,86 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     T = len(counts)
     dep = [0.0] * T
     live_arr = np.zeros(T, dtype=np.int64)
-    ready_starts: list[float] = []  # load start of each ready replica (stack)
-    loading: list[tuple[float, float]] = []  # (load start, ready time), in start order
-    arriving: dict[int, list[tuple[float, float]]] = {}  # second -> replicas becoming ready in it
+    ready: list[tuple[float, int]] = []  # (load start, replica) of each ready replica (a stack)
+    loading: dict[int, float] = {}  # replica -> load start, in start order
+    draining: deque[tuple[float, int]] = deque()  # (drained at, replica)
+    acts: deque[tuple[float, int]] = deque()  # (due, live replicas wanted): decisions on their way
     gpu = 0.0
-    draining_until: list[float] = []
-    starts = 0
+    next_rid = 0
     for _ in range(policy.start(env)):
-        ready_starts.append(0.0)
+        bank.place(next_rid)
+        ready.append((0.0, next_rid))
+        next_rid += 1
     period = policy.period_s
+    delay = params.actuation_delay_s
     next_tick = 0.0
     backlog = 0.0
     load_acc = 0.0
     arr_acc = 0.0
     last_tick = 0.0
     report_every = max(1, T // 100)
+
+    def act(want: int, t: float) -> None:
+        nonlocal gpu, next_rid
+        live = len(ready) + len(loading)
+        if want > live:
+            for _ in range(want - live):
+                loading[next_rid] = float(t)
+                bank.begin(next_rid, float(t))
+                next_rid += 1
+        elif want < live:
+            remove = live - want
+            while remove and loading:
+                rid, s0 = loading.popitem()
+                bank.release(rid, float(t))  # a cancelled load has held its GPU (and its share of the node)
+                gpu += t - s0
+                remove -= 1
+            for _ in range(remove):
+                s0, rid = ready.pop()
+                gpu += t + S - s0  # drains: its in-flight requests finish first
+                draining.append((t + S, rid))
+
     for t in range(T):
-        partial = 0.0
-        got = arriving.pop(t, None)
-        if got:
-            for item in got:
-                if item in loading:
-                    loading.remove(item)
-                    ready_starts.append(item[0])
-                    partial += (t + 1) - item[1] - 1.0  # negative: the part of this second still loading
+        while draining and draining[0][0] <= t:
+            bank.release(draining.popleft()[1], float(t))
+        while acts and acts[0][0] <= t:
+            act(acts.popleft()[1], t)
         if t >= next_tick:
             span = t - last_tick
-            obs = Observation(float(t), len(ready_starts), len(loading), load_acc / span if span > 0 else backlog,
-                              arr_acc, period)
+            obs = Observation(float(t), len(ready), len(loading), load_acc / span if span > 0 else backlog,
+                              arr_acc, period, bank.observed_p95())
             load_acc, arr_acc, last_tick = 0.0, 0.0, float(t)
             want = max(0, int(policy.decide(obs)))
-            live = len(ready_starts) + len(loading)
-            if want > live:
-                for _ in range(want - live):
-                    ready_at = t + cold()
-                    item = (float(t), ready_at)
-                    loading.append(item)
-                    arriving.setdefault(int(ready_at), []).append(item)
-                    starts += 1
-            elif want < live:
-                remove = live - want
-                while remove and loading:
-                    s0, _ = loading.pop()
-                    gpu += t - s0
-                    remove -= 1
-                for _ in range(remove):
-                    s0 = ready_starts.pop()
-                    gpu += t + S - s0  # drains: its in-flight requests finish first
-                    draining_until.append(t + S)
+            if delay > 0:
+                acts.append((t + delay, want))
+            else:
+                act(want, t)
             next_tick = t + period
-        cap = (len(ready_starts) + partial) * per_replica
+        partial = 0.0
+        while bank.next_time() < t + 1:
+            for rid, at in bank.pop_ready(bank.next_time()):
+                s0 = loading.pop(rid)
+                ready.append((s0, rid))
+                partial -= at - t  # the part of this second it was still loading
+        cap = (len(ready) + partial) * per_replica
         q = backlog + counts[t]
         served = q if q < cap else cap
         backlog = q - served
         dep[t] = served
         load_acc += served * S + backlog
         arr_acc += counts[t]
-        while draining_until and draining_until[0] <= t:
-            draining_until.pop(0)
-        live_arr[t] = len(ready_starts) + len(loading) + len(draining_until)
+        live_arr[t] = len(ready) + len(loading) + len(draining)
         if progress is not None and t % report_every == 0:
             progress(t / T)
-    gpu += sum(T - s0 for s0 in ready_starts) + sum(T - s0 for s0, _ in loading)
-    cap = len(ready_starts) * per_replica
+    gpu += sum(T - s0 for s0, _ in ready) + sum(T - s0 for s0 in loading.values())
+    cap = len(ready) * per_replica
     if backlog > 1e-9 and cap > 0:  # the queue left at the end drains at the last capacity
         extra = int(math.ceil(backlog / cap))
         dep.extend([cap] * (extra - 1) + [backlog - cap * (extra - 1)])
     wait, weight = _fluid_waits(work.counts, np.asarray(dep), T)
     if progress is not None:
         progress(1.0)
-    return PolicyRun(policy.name, wait + work.mean_prefill_s, wait, weight, gpu, live_arr, starts)
+    return PolicyRun(policy.name, wait + work.mean_prefill_s, wait, weight, gpu, live_arr, bank.starts)
 
 
 def _fluid_waits(counts: np.ndarray, dep: np.ndarray, T: int, parts: int = 4) -> tuple[np.ndarray, np.ndarray]:

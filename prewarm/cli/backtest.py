@@ -24,7 +24,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="compress time by X (rates x X)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate by Y")
     p.add_argument("--cold-start", type=float, default=None, help="cold start seconds (default: planner default_cold_start_s)")
-    p.add_argument("--cold-start-cv", type=float, default=0.0, help="> 0: lognormal cold starts with this CV")
+    p.add_argument("--cold-start-cv", type=float, default=None,
+                   help="lognormal cold starts with this CV (default 0.3; 0: every start takes --cold-start)")
+    _charge_args(p)
     p.add_argument("--slots", type=int, default=8, help="concurrent requests per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-s", type=float, default=None, metavar="S",
@@ -36,6 +38,51 @@ def add_parser(sub: Any) -> None:
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     _fleet_args(p)
     p.set_defaults(handler=run)
+
+
+def _charge_args(p: argparse.ArgumentParser) -> None:
+    """What the simulator charges (docs/simulator.md): each a default these flags change."""
+    from forecasting.sim.workload import SimParams
+
+    d = SimParams()
+    g = p.add_argument_group("what the replay charges (defaults: docs/simulator.md)")
+    g.add_argument("--cold-starts", type=_floats, default=None, metavar="S,S,...",
+                   help="measured cold starts (s): each start draws one of them instead of the lognormal")
+    g.add_argument("--actuation-delay", type=float, default=None, metavar="S",
+                   help=f"seconds from a decision to its action: dispatch beat, queue, agent (default {d.actuation_delay_s:g})")
+    g.add_argument("--planner-cold-start", choices=["running", "exact"], default=None,
+                   help="what the planner knows of cold starts: the running p95 of those seen (default) or the exact p95")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help=f"GPUs per node; concurrent loads on a node share its bandwidth (default {d.gpus_per_node})")
+    g.add_argument("--load-share", type=float, default=None,
+                   help=f"the share of a cold start that is weight transfer, shared on a node (default {d.load_share:g})")
+    g.add_argument("--ideal", action="store_true",
+                   help="charge nothing: constant cold starts, no actuation delay, no shared bandwidth, exact p95 "
+                        "(the old yardstick, to compare)")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of seconds: {text!r}") from None
+
+
+def sim_params(args: argparse.Namespace, settings: Settings) -> Any:
+    """The replay's `SimParams` from the flags: every charge a default unless a flag (or --ideal) changes it."""
+    from forecasting.sim.workload import SimParams
+
+    kw: dict[str, Any] = {}
+    if args.ideal:
+        kw |= {"cold_start_cv": 0.0, "actuation_delay_s": 0.0, "load_share": 0.0, "planner_cold_start": "exact"}
+    for flag, name in (("cold_start_cv", "cold_start_cv"), ("cold_starts", "cold_starts_s"),
+                       ("actuation_delay", "actuation_delay_s"), ("planner_cold_start", "planner_cold_start"),
+                       ("gpus_per_node", "gpus_per_node"), ("load_share", "load_share")):
+        if getattr(args, flag) is not None:
+            kw[name] = getattr(args, flag)
+    return SimParams(
+        slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
+        cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s, **kw)
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
@@ -97,27 +144,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return _cmd_fleet_backtest(args)
 
     from forecasting.sim.report import print_table, progress_bar
+    from forecasting.sim.policies import POLICIES
     from forecasting.sim.scoring import run_backtest
-    from forecasting.sim.simulate import SimParams
     from forecasting.data.traces import HistoryError, load_trace
 
     try:
         trace: object = load_trace(args.trace[0])
         if args.limit_s is not None:
             trace = _head(trace, args.limit_s)
-        params = SimParams(
-            slots=args.slots, seed=args.seed, time_scale=args.time_scale, rate_scale=args.rate_scale,
-            cold_start_s=args.cold_start if args.cold_start is not None else settings.planner.default_cold_start_s,
-            cold_start_cv=args.cold_start_cv,
-        )
-        policies = [p.strip() for p in (args.policies or "reactive,fixed_pool,keepalive,prewarm,oracle").split(",")
-                    if p.strip()]
+        params = sim_params(args, settings)
+        policies = [p.strip() for p in (args.policies or ",".join(POLICIES)).split(",") if p.strip()]
         if args.sweep:
             return _sweep(args, settings, trace, params, policies)
         with progress_bar() as progress:
             out = run_backtest(trace, params, policies, progress=progress,
-                               policy_kwargs={"prewarm": {"planner_settings": settings.planner}},
-                               score_after_s=args.score_after)
+                               policy_kwargs=_planner_kwargs(settings), score_after_s=args.score_after)
     except (HistoryError, ValueError) as exc:
         print(f"prewarm backtest: {exc}", file=sys.stderr)
         return 2
@@ -130,6 +171,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(out["result"], default=float))
     return 0
+
+
+def _planner_kwargs(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The planner settings both planner-based policies run with (prewarm and its ablation)."""
+    return {"prewarm": {"planner_settings": settings.planner}, "reactive_sized": {"planner_settings": settings.planner}}
 
 
 def _head(trace: object, seconds: float) -> object:
@@ -159,12 +205,17 @@ def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: 
 
     with progress_bar() as progress:
         sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
-                          policy_kwargs={"prewarm": {"planner_settings": settings.planner}}, progress=progress)
+                          policy_kwargs=_planner_kwargs(settings), progress=progress)
     print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
     for pt in sweep["points"]:
         knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
-        print(f"  {pt['policy']:<10} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
-              f"p99 {pt['ttft_p99_s']:.3f} s{'  (default)' if pt['default'] else ''}")
+        print(f"  {pt['policy']:<14} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  {pt['cold_start_share']:.4%}  "
+              f"p99 {pt['ttft_p99_s']:.3f} s  starts {pt['starts']}{'  (default)' if pt['default'] else ''}")
+    eq = sweep["at_equal_cold_start_share"]
+    if eq["cold_start_share"] is not None:
+        print(f"at prewarm's default cold-start share ({eq['cold_start_share']:.4%}), GPU-hours vs reactive:")
+        for name, v in eq["policies"].items():
+            print(f"  {name:<14} {'outside its curve' if v is None else f'{v:.3f}x'}")
     path = plot_sweep(sweep, args.sweep)
     print(f"sweep plot written to {path}")
     if args.json:
