@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ import pytest
 
 from forecasting.forecast.nowcast import DAY_S, fit_profile
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two days of history counted and simulated, a replay
 
 PREWARM = str(Path(sys.executable).with_name("prewarm"))
 HISTORY_S = 2 * DAY_S + 43 * 600.0 - 30.0  # two days, then a morning: the replay has a rate step 30 s in
@@ -73,16 +74,25 @@ def test_live_closed_loop_and_simulator_agree(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_RUNTIME_MODELS_DIR"] = str(tmp_path / "models")
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [PREWARM, "up", "--trace", str(tmp_path / "trace.jsonl"), "--history", str(HISTORY_S),
          "--duration", str(REPLAY_S), "--max-rps", "100", "--no-flower", "--out", str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=840)
+    finally:
+        if proc.poll() is None:  # out of time: Ctrl-C stops the run and everything it started
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-3000:]
     report = json.loads(next(out.glob("run-*/report.json")).read_text())
     rel = t - t[0]  # `prewarm up` counts the trace from its first request
     replayed = int(((rel >= HISTORY_S) & (rel < HISTORY_S + REPLAY_S)).sum())
-    assert f"history: {int((rel < HISTORY_S).sum())} requests counted" in proc.stdout
+    assert f"history: {int((rel < HISTORY_S).sum())} requests counted" in stdout
 
     # the inputs: every replayed request went through the gateway and was counted by it
     assert report["measured"]["requests"] == replayed
