@@ -280,7 +280,7 @@ class Prewarm(Policy):
     name = "prewarm"
 
     def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, record: bool = False,
-                 plan_from_s: float = 0.0, **overrides: Any) -> None:
+                 plan_from_s: float = 0.0, model_name: str = "trace", **overrides: Any) -> None:
         if planner is None:
             planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
         self.params = replace(planner, **overrides) if overrides else planner
@@ -289,6 +289,7 @@ class Prewarm(Policy):
         # the planner's first step (trace seconds): before it the replay keeps its starting replicas, as when
         # a live planner started after the traffic it plans from (`prewarm up --history`)
         self.plan_from_s = plan_from_s
+        self.model_name = model_name  # the planned model's name: batch jobs apply to the model they name
         self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
         self.modes: dict[str, int] = {}
 
@@ -307,7 +308,7 @@ class Prewarm(Policy):
         self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
         self.epoch = w.start_epoch
         self.slots = env.params.slots
-        self.model = ModelSpec(name="trace", revision="replay", slots=self.slots)
+        self.model = ModelSpec(name=self.model_name, revision="replay", slots=self.slots)
         # what the planner knows of cold starts: the running p95 of those it has seen (the live registry's
         # load_time_p95; the default before the first), or, with planner_cold_start="exact", the model's own p95
         self.running_cold = env.params.planner_cold_start == "running"

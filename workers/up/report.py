@@ -155,7 +155,8 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     first_step = planner_view(run.client, "demo")["first_step_epoch"] or run.stack_epoch
     plan_from = max(0.0, float(first_step) - epoch0) if hist.size else 0.0
     out = run_backtest(trace, params, policies=("reactive", "prewarm"), score_after_s=after,
-                       policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from}})
+                       policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from,
+                                                  "model_name": "demo"}})  # the run's batch job names its model
     return out["result"], out, params, epoch0, after
 
 
@@ -233,7 +234,8 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     run.console.print(
         f"simulated on the same arrivals with this run's planner settings: cold start {cold:.1f} s (this run's "
         f"measured p95), {sim['params']['slots']} requests at a time per replica for "
-        f"{sim['params']['prefill_base_s']:.3f} s each (this run's mean latency of the requests that did not wait)"
+        f"{full['work'].service[-1] if full['work'].service is not None else float('nan'):.3f} s each (this run's mean "
+        f"latency of the requests that did not wait)"
     )
     _print_fidelity(run.console, fidelity, measured)
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
