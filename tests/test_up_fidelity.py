@@ -93,3 +93,23 @@ def test_history_workload_splits_the_trace_uncompressed(tmp_path: Path) -> None:
     assert wl.arrivals.tolist() == [0.0, 50.0]
     with pytest.raises(ValueError, match="nothing after --history"):
         from_trace(UpOptions(out_dir=tmp_path, trace=str(path), history_s=500.0))
+
+
+def test_simulated_planner_runs_the_batch_job_of_the_model_it_plans() -> None:
+    """The report's replay plans the run's model by name: a batch job naming it starts replicas there too
+    (it used to plan a model called 'trace', to which the run's batch job never applied)."""
+    from forecasting.data.traces import RequestTrace, TraceFormat
+    from forecasting.sim.scoring import run_backtest
+    from forecasting.sim.simulate import SimParams
+    from prewarm.core.settings import PlannerSettings
+
+    t = np.arange(0.0, 600.0, 1.0)
+    trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=np.full(t.size, 100.0), source="flat",
+                         start_epoch=1_800_000_000.0, format=TraceFormat.REQUEST_CSV)
+    planner = PlannerSettings(interval_s=5, batch_jobs=[{"cron": "*/5 * * * *", "model": "demo", "replicas": 2,
+                                                         "duration_s": 60, "name": "batch"}])
+    params = SimParams(cold_start_s=5.0, cold_start_cv=0.0, prefill_base_s=0.0, decode_tokens_per_s=1000.0)
+    starts = {name: run_backtest(trace, params, policies=("prewarm",), policy_kwargs={
+        "prewarm": {"planner_settings": planner, "model_name": name}})["result"]["policies"]["prewarm"]["cold_starts"]
+        for name in ("demo", "other")}
+    assert starts["demo"] > starts["other"], starts
