@@ -2,7 +2,9 @@
 
 One run on a 20-second replay of a small request-level trace (the Mooncake JSON-lines
 format) with its own embedded Redis, two agents, the planner, the beat and the gateway;
-a second run interrupted with SIGINT. After each, no process of the run may remain.
+a second run interrupted with SIGINT. After each, no process of the run may remain. The first
+also checks the report's fidelity gap: the simulator, given what the run measured, must match
+the run's replica-seconds and its waits for a start (`sim_vs_measured`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ def test_up_runs_a_replay_reports_and_leaves_nothing(tmp_path: Path) -> None:
     assert measured["answered_2xx"] == measured["requests"]  # the gateway held requests, none was lost
     assert measured["replicas_started"] >= 1
     assert set(report["simulated"]["policies"]) == {"reactive", "prewarm"}
+    # the fidelity check: the simulated prewarm row, given this run's measured cold starts, actuation delays
+    # and service time, against what the run measured (issue 16's bar: replica-seconds within 10%, requests
+    # that waited for a start within max(3, 20%))
+    f = report["sim_vs_measured"]
+    assert measured["cold_starts"]["n"] >= 1 and measured["actuation_delay"]["n"] >= 1, measured
+    assert f["replica_seconds_measured"] > 0, f
+    assert abs(f["replica_seconds_ratio"] - 1.0) <= 0.10, f
+    assert abs(f["waited_simulated"] - f["waited_measured"]) <= max(3, 0.2 * f["waited_measured"]), f
+    assert f["replica_seconds_within"] and f["waited_within"], f
+    assert "fidelity: simulated prewarm vs this run" in proc.stdout
     for png in report["plots"]:
         assert Path(png).stat().st_size > 10_000
     assert _wait_gone(str(tmp_path)) == []

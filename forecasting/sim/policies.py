@@ -280,12 +280,16 @@ class Prewarm(Policy):
     name = "prewarm"
 
     def __init__(self, planner: PlannerParams | None = None, planner_settings: Any = None, record: bool = False,
-                 **overrides: Any) -> None:
+                 plan_from_s: float = 0.0, model_name: str = "trace", **overrides: Any) -> None:
         if planner is None:
             planner = PlannerParams.from_settings(planner_settings) if planner_settings is not None else PlannerParams()
         self.params = replace(planner, **overrides) if overrides else planner
         self.period_s = self.params.interval_s
         self.record = record
+        # the planner's first step (trace seconds): before it the replay keeps its starting replicas, as when
+        # a live planner started after the traffic it plans from (`prewarm up --history`)
+        self.plan_from_s = plan_from_s
+        self.model_name = model_name  # the planned model's name: batch jobs apply to the model they name
         self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
         self.modes: dict[str, int] = {}
 
@@ -304,7 +308,7 @@ class Prewarm(Policy):
         self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
         self.epoch = w.start_epoch
         self.slots = env.params.slots
-        self.model = ModelSpec(name="trace", revision="replay", slots=self.slots)
+        self.model = ModelSpec(name=self.model_name, revision="replay", slots=self.slots)
         # what the planner knows of cold starts: the running p95 of those it has seen (the live registry's
         # load_time_p95; the default before the first), or, with planner_cold_start="exact", the model's own p95
         self.running_cold = env.params.planner_cold_start == "running"
@@ -313,16 +317,26 @@ class Prewarm(Policy):
         self.pool = 0
         self.decisions = []
         self.modes = {}
+        self._replayed_bucket = -1
         return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
 
     def _observe(self, obs: Observation) -> None:
-        """The bucket that just ended, as the gateway counts it: requests in flight include those waiting
-        for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
-        mean of busy + queued requests over the bucket, when decisions fall on the fine buckets."""
-        fb = self.params.fine_bucket_s
-        k = int(round(obs.now / fb)) - 1
-        if abs(obs.period_s - fb) < 1e-9 and abs(obs.now - (k + 1) * fb) < 1e-9 and 0 <= k < self.fine_busy.size:
-            self.fine_busy[k] = obs.load_mean * fb
+        """The time since the last decision, as the gateway counts it: requests in flight include those
+        waiting for a slot, so a shortfall shows as load (and its backlog gets capacity) — the replay's own
+        mean of busy + queued requests, credited to the fine bucket that span lies in, when the decision
+        period divides the fine bucket (the live demo plans every 5 s on 10 s buckets); otherwise the
+        estimate from the arrivals stays."""
+        fb, per = self.params.fine_bucket_s, obs.period_s
+        start = obs.now - per
+        if per <= 0 or start < -1e-9 or abs(round(fb / per) * per - fb) > 1e-9:
+            return
+        k = int(math.floor(start / fb + 1e-9))
+        if not 0 <= k < self.fine_busy.size or int(math.floor((obs.now - 1e-9) / fb)) != k:
+            return  # the span straddles two buckets: decisions are not on the period's grid
+        if k != self._replayed_bucket:
+            self.fine_busy[k] = 0.0  # the first span of this bucket: the replay's figures replace the estimate
+            self._replayed_bucket = k
+        self.fine_busy[k] += obs.load_mean * per
 
     def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
         """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
@@ -347,6 +361,8 @@ class Prewarm(Policy):
         self._observe(obs)
         if self.running_cold:
             self.cold_p95 = obs.cold_start_p95_s
+        if obs.now < self.plan_from_s:
+            return obs.ready + obs.loading
         inputs = self.inputs(obs.now, obs.ready, obs.loading)
         decision, self.state = step(inputs, self.state)
         self.pool = decision.pool_target

@@ -103,7 +103,7 @@ class Workload:
     notes: tuple[str, ...] = ()
     start_epoch: float = 0.0  # epoch second of t == 0 (calendar features of the forecaster)
     peak: np.ndarray | None = None  # peak requests in flight per second if served at once (what a gateway counts)
-    busy: np.ndarray | None = None  # request-seconds of the requests ending in each second (a gateway's busy time)
+    busy: np.ndarray | None = None  # request-seconds in flight in each second, split over the seconds (a gateway's busy time)
 
     @property
     def n_requests(self) -> float:
@@ -127,6 +127,24 @@ def _instant_peak_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int)
     np.maximum.accumulate(idx, out=idx)
     carried = np.nan_to_num(carried[idx])
     return np.maximum(peak, carried)
+
+
+def _busy_exact(arrivals: np.ndarray, service: np.ndarray, seconds: int) -> np.ndarray:
+    """Per second, the request-seconds in flight in it if every request started on arrival: each
+    request's time split over the seconds it spans, as the gateway credits its busy counter (the
+    integral of requests in flight), not credited at its end. Time past the end falls in the last second."""
+    grid = np.arange(seconds + 1, dtype=np.float64)
+
+    def integral(starts: np.ndarray) -> np.ndarray:  # sum over starts < x of (x - start), at each grid x
+        s = np.sort(starts)
+        n = np.searchsorted(s, grid, side="left")
+        below = np.concatenate([[0.0], np.cumsum(s)])[n]
+        return n * grid - below
+
+    F = integral(arrivals) - integral(arrivals + service)  # request-seconds in flight before each x
+    busy = np.diff(F)
+    busy[-1] += float(service.sum()) - F[-1]  # what runs past the end
+    return busy
 
 
 def _instant_peak_fluid(counts: np.ndarray, service_s: float) -> np.ndarray:
@@ -213,8 +231,7 @@ def _exact(source: str, duration: float, t: np.ndarray, prefill: np.ndarray, ser
     counts = np.bincount(np.minimum(t.astype(np.int64), seconds - 1), minlength=seconds).astype(np.float64)
     peak = _instant_peak_exact(t, service, seconds)
     need = np.ceil(peak / params.slots).astype(np.int64)
-    ends = np.minimum((t + service).astype(np.int64), seconds - 1)
-    busy = np.bincount(ends, weights=service, minlength=seconds).astype(np.float64)
+    busy = _busy_exact(t, service, seconds)
     return Workload(source, duration, counts, need, float(prefill.mean()), float(service.mean()), False,
                     t, prefill, service, tuple(notes), peak=peak, busy=busy)
 
@@ -223,7 +240,6 @@ def _fluid(source: str, duration: float, counts: np.ndarray, prefill_m: float, s
            params: SimParams, notes: list[str]) -> Workload:
     peak = _instant_peak_fluid(counts, service_m)
     need = np.ceil(peak / params.slots).astype(np.int64)
-    lag = int(math.floor(service_m))
-    busy = np.concatenate([np.zeros(lag), counts[: counts.size - lag]]) * service_m
+    busy = peak  # each second's arrivals spread over the service time: the request-seconds in each second
     return Workload(source, duration, counts, need, prefill_m, service_m, True, notes=tuple(notes), peak=peak,
                     busy=busy)

@@ -41,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--history", type=float, default=0.0, dest="history_s",
+                   help="with --trace: count the trace's first SECONDS into the gateway's counters as history (the "
+                        "planner starts with its daily profile), then replay the next --duration seconds uncompressed")
     p.add_argument("--models", type=int, default=1,
                    help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
                         "that cannot hold them all, planned as a fleet")
@@ -176,6 +179,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     opts = up.UpOptions(
         out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
+        history_s=args.history_s,
     )
     with _redis_for(settings):
         if args.models and args.models > 1:

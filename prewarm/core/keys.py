@@ -57,12 +57,19 @@ def requests(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:requests:{model}:{resolution_s}:{bucket_start}"
 
 
-#: Peak user requests in flight for a model in one fine bucket (the planner's burst signal).
+#: Peak user requests in flight for a model in one fine bucket (the planner's burst signal): the sum
+#: over the gateways of each one's peak in the bucket (kept equal to the sum of `inflight_peaks`).
 def inflight_peak(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:inflight:{model}:{resolution_s}:{bucket_start}"
 
 
-#: Request-seconds of the user requests of a model that ended in one fine bucket (its mean load x bucket).
+#: Hash gateway instance -> that gateway's peak in flight in one fine bucket (the parts of `inflight_peak`).
+def inflight_peaks(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:inflight-gateways:{model}:{resolution_s}:{bucket_start}"
+
+
+#: Request-seconds of the user requests of a model in flight during one fine bucket, each request's time
+#: split over the buckets it spans (the bucket's mean requests in flight x its length).
 def busy(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:busy:{model}:{resolution_s}:{bucket_start}"
 

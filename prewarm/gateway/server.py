@@ -256,13 +256,14 @@ class Gateway:
             else:
                 # requests in flight (waiting for a slot included) and their busy time: the planner's
                 # fine signals; a refused request (not demand) leaves no busy time
-                self.counter.begin(model, time.time())
+                began = time.time()
+                self.counter.begin(model, began)
                 proxied: web.StreamResponse | None = None
                 try:
                     proxied = await self._route_and_proxy(request, model, body, payload, warmup, started)
                 finally:
                     demand = proxied is not None and _is_demand(proxied.status)
-                    self.counter.end(model, time.time(), time.monotonic() - started if demand else 0.0)
+                    self.counter.end(model, time.time(), began, demand=demand)
                 response = proxied
         except RegistryUnavailable as exc:
             # a model name a client chose is a label only once it is known to be served: while Redis

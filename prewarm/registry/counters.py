@@ -2,17 +2,28 @@
 
 The gateway counts in memory and flushes once a second with one pipeline (INCRBY and a
 retention EXPIRE per bucket), so counting adds no Redis round trip to a request. At the
-fine resolution (`keys.FINE_RESOLUTION_S`) it also records the peak of user requests in
-flight per bucket (a max across gateways, by a small Lua script) and the request-seconds
-of the requests that ended in it: the planner's burst and mean-load signals. Counts
-that cannot be flushed (Redis down) are kept and retried: none is lost while the
+fine resolution (`keys.FINE_RESOLUTION_S`) it also records, per bucket, the planner's
+burst and mean-load signals, with the semantics the simulator replays:
+
+- peak user requests in flight: each gateway's own peak in the bucket, SUMMED over the
+  gateways (a small Lua script keeps every gateway's part in a hash and the total beside
+  it), so two gateways at 5 each record 10, not 5;
+- busy request-seconds: the time integral of the requests in flight, each request's time
+  split over the buckets it spans and credited as it passes (every flush), not at its end,
+  so a bucket holds its own load when the planner reads it just after it ends. A request
+  the replica refused as invalid (not demand) is refunded: it leaves no busy time.
+
+Counts that cannot be flushed (Redis down) are kept and retried: none is lost while the
 gateway lives.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
 from collections import Counter
 
 import redis
@@ -27,57 +38,101 @@ def bucket_start(now: float, resolution_s: int) -> int:
     return int(now // resolution_s) * resolution_s
 
 
-#: SET the key to ARGV[1] when it is higher than what is there (the peak across gateways), with a TTL.
-_MAX = """
-local v = tonumber(redis.call('GET', KEYS[1]) or '-1')
-if tonumber(ARGV[1]) > v then redis.call('SET', KEYS[1], ARGV[1]) end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+#: This gateway's peak in one bucket (ARGV[2]) replaces its part in the hash KEYS[2] when higher, and the
+#: total KEYS[1] (the sum over gateways) grows by the difference; both keep the TTL ARGV[3].
+_PEAK_SUM = """
+local old = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local new = tonumber(ARGV[2])
+if new > old then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  redis.call('INCRBY', KEYS[1], new - old)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 """
 
 
+def split_over_buckets(start: float, end: float, resolution_s: int) -> list[tuple[int, float]]:
+    """The parts of the interval [start, end) in each bucket it spans: (bucket start, seconds)."""
+    out: list[tuple[int, float]] = []
+    b = bucket_start(start, resolution_s)
+    while b < end:
+        lo, hi = max(start, float(b)), min(end, float(b + resolution_s))
+        if hi > lo:
+            out.append((b, hi - lo))
+        b += resolution_s
+    return out
+
+
 class RequestCounter:
-    def __init__(self, resolutions: dict[int, int] | None = None) -> None:
+    """One gateway's counters; `instance` names this gateway among those that share the Redis."""
+
+    def __init__(self, resolutions: dict[int, int] | None = None, instance: str | None = None) -> None:
         self.resolutions = resolutions or keys.REQUEST_RESOLUTIONS_S
+        self.instance = instance or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._pending: Counter[tuple[str, int, int]] = Counter()
         self.inflight: Counter[str] = Counter()  # user requests in flight per model, now
-        self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> peak in flight
-        self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds ended
+        self._since: dict[str, float] = {}  # model -> when its busy time was last credited
+        self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> this gateway's peak in flight
+        self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds not yet flushed
 
     def add(self, model: str, now: float, n: int = 1) -> None:
         for res in self.resolutions:
             self._pending[(model, res, bucket_start(now, res))] += n
 
+    def _credit(self, model: str, start: float, end: float, weight: float) -> None:
+        for b, secs in split_over_buckets(start, end, keys.FINE_RESOLUTION_S):
+            self._busy[(model, b)] = self._busy.get((model, b), 0.0) + weight * secs
+
+    def _accrue(self, model: str, now: float) -> None:
+        """Credit the busy time of the requests in flight since the last credit, split over buckets."""
+        since = self._since.get(model, now)
+        if self.inflight[model] and now > since:
+            self._credit(model, since, now, float(self.inflight[model]))
+        self._since[model] = max(since, now)
+
     def begin(self, model: str, now: float) -> None:
         """A user request starts: one more in flight (and the bucket's peak follows)."""
+        self._accrue(model, now)
         self.inflight[model] += 1
         key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
-    def end(self, model: str, now: float, duration_s: float) -> None:
-        """A user request ends after `duration_s` in flight."""
+    def end(self, model: str, now: float, began: float, *, demand: bool = True) -> None:
+        """A user request that began at `began` (the time given to `begin`) ends; one that is not
+        demand (the replica refused it as invalid) has the busy time it was credited taken back."""
+        self._accrue(model, now)
         self.inflight[model] = max(0, self.inflight[model] - 1)
-        b = bucket_start(now, keys.FINE_RESOLUTION_S)
-        self._busy[(model, b)] = self._busy.get((model, b), 0.0) + max(0.0, duration_s)
-        key = (model, b)
+        if not demand:
+            self._credit(model, min(began, now), now, -1.0)
+        key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
-        if not self._pending and not self._peak and not self._busy:
+        if not self._pending and not self._peak and not self._busy and not any(self.inflight.values()):
             return 0
+        now = time.time()
+        for model in [m for m, n in self.inflight.items() if n]:
+            self._accrue(model, now)  # the requests still in flight: their time so far, in its buckets
         batch, self._pending = self._pending, Counter()
         peaks, self._peak = self._peak, {}
         busy, self._busy = self._busy, {}
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
-                peaks.setdefault((model, bucket_start(time.time(), keys.FINE_RESOLUTION_S)), n)
+                current = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
+                peaks[current] = max(peaks.get(current, 0), n)
         pipe = client.pipeline(transaction=False)
         ttl = self.resolutions.get(keys.FINE_RESOLUTION_S, 2 * 86400)
+        fine = keys.FINE_RESOLUTION_S
         for (model, start), peak in peaks.items():
-            pipe.eval(_MAX, 1, keys.inflight_peak(model, keys.FINE_RESOLUTION_S, start), peak, ttl)
+            pipe.eval(_PEAK_SUM, 2, keys.inflight_peak(model, fine, start), keys.inflight_peaks(model, fine, start),
+                      self.instance, peak, ttl)
         for (model, start), secs in busy.items():
-            key = keys.busy(model, keys.FINE_RESOLUTION_S, start)
+            if abs(secs) < 1e-9:
+                continue
+            key = keys.busy(model, fine, start)
             pipe.incrbyfloat(key, round(secs, 6))
             pipe.expire(key, ttl)
         first: dict[str, int] = {}

@@ -3,17 +3,22 @@ same replay (from the simulator), and the plots.
 
 The measured side comes from the replay's own answers and the registry; the comparison
 replays the same arrivals through `forecasting`'s simulator under `reactive` and `prewarm`
-with the replica model calibrated on this run (measured cold start, measured service
-time), so the two columns differ only by policy. It says so in the output.
+with the replica model calibrated on this run (its measured cold starts and actuation
+delays, the declared capacity), so the two columns differ only by policy. It says so in
+the output. The simulated `prewarm` column is also a fidelity check of the simulator
+against this measured run (`workers.up.fidelity`): `sim_vs_measured` in `report.json`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import redis
 from rich.console import Console
 from rich.table import Table
 
@@ -23,10 +28,12 @@ from forecasting.sim.simulate import SimParams
 from forecasting.data.traces import RequestTrace, TraceFormat
 from prewarm.core.settings import PlannerSettings, Settings
 from prewarm.registry.replicas import ReplicaRegistry
+from workers.up.fidelity import (Measured, counted_since, gateway_waits_over, judge, measure, planner_view,
+                                 replica_seconds, service_s, summary)
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
-from workers.up.workload import Timeline, Workload
+from workers.up.workload import Timeline, UpOptions, Workload
 
 
 class UpRun(Protocol):
@@ -41,6 +48,14 @@ class UpRun(Protocol):
     stats: TrafficStats
     warm_s: float
     total_s: float
+    replay_t0: float  # the replay's start on the timeline
+    replay_epoch: float  # and on the wall clock
+    history_epoch: float  # the epoch the workload's history offsets are from (the replay's planned start)
+    stack_epoch: float  # when the planner (and the rest of the stack) started
+    opts: UpOptions
+
+    client: "redis.Redis[str]"
+    gateway_url: str
 
     @property
     def warm_cost(self) -> float: ...
@@ -98,27 +113,61 @@ def _planner_settings(base: PlannerSettings, env: dict[str, str]) -> PlannerSett
     return PlannerSettings.model_validate(base.model_dump() | over)
 
 
-def _simulate(run: UpRun, wl: Workload, cold_start_s: float) -> tuple[dict[str, Any], Any]:
-    """Replay the same arrivals in the simulator: replicas of the declared capacity, the measured cold start."""
-    capacity = run.settings.planner.capacity_rps
-    env_capacity = run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS")
-    if env_capacity:
-        capacity = float(env_capacity)
-    # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency);
-    # each of those slots then serves capacity / slots requests a second
+def _simulate(run: UpRun, wl: Workload, got: Measured,
+              default_cold_s: float) -> tuple[dict[str, Any], dict[str, Any], SimParams, float, float]:
+    """Replay the same arrivals in the simulator: this run's measured cold starts (each start draws one of
+    them), its mean actuation delay (decision to registration) and its measured service time; with a
+    history, the history too (its requests held for the time they were counted with) and the planner
+    stepping from when the live one started. Returns the result, the replay, its params, the epoch the
+    simulator's clock starts at (its first request) and the replay's start on that clock (scored after it)."""
+    # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency)
     slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
+    # a request holds its slot for the run's measured service time (the latency of the requests that did not
+    # wait), so the simulated gateway counts the requests in flight the real one counted; the declared capacity
+    # (slots / capacity s a request) is the fallback when nothing was answered
+    capacity = float(run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS") or run.settings.planner.capacity_rps)
+    service = service_s(run.stats.latencies, SimParams.wait_threshold_s) or slots / capacity
+    measured_delay = float(np.mean(got.actuation_delays_s)) if got.actuation_delays_s else None
     params = SimParams(
-        slots=slots, cold_start_s=cold_start_s,
-        prefill_base_s=slots / capacity, prefill_tokens_per_s=1e12, decode_tokens_per_s=1e12,
+        slots=slots, cold_start_s=float(np.mean(got.cold_starts_s)) if got.cold_starts_s else default_cold_s,
+        cold_starts_s=got.cold_starts_s,
+        # the measured starts already ran beside each other on this machine: no further load-bandwidth charge
+        load_share=0.0,
+        actuation_delay_s=measured_delay if measured_delay is not None else SimParams.actuation_delay_s,
+        # a request's service is its "generated tokens" at 1000 tokens/s: each keeps the time it was counted with
+        prefill_base_s=0.0, prefill_tokens_per_s=1e12, decode_tokens_per_s=1000.0,
         mean_context_tokens=0.0, mean_generated_tokens=0.0,
     )
-    trace = RequestTrace(t=np.asarray(wl.arrivals, dtype=np.float64), context_tokens=None, generated_tokens=None,
-                         source=wl.description, start_epoch=0.0, format=TraceFormat.REQUEST_CSV)
+    # the simulator's clock starts at the first counted bucket (where the live history begins), on the wall
+    # clock's epoch: the planner's calendar (batch jobs' cron, the daily profile) sees the times the run saw
+    hist = run.history_epoch + wl.history
+    win = run.replay_epoch + np.asarray(wl.arrivals, dtype=np.float64)
+    t = np.concatenate([hist, win])
+    epoch0 = float(t.min())  # the simulator counts time from the first request
+    t = t - epoch0
+    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s), np.full(win.size, service)])
+    trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=svc * 1000.0,
+                         source=wl.description, start_epoch=epoch0, format=TraceFormat.REQUEST_CSV)
     # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
     planner = _planner_settings(run.settings.planner, run.sup.env)
-    out = run_backtest(trace, params, policies=("reactive", "prewarm"),
-                       policy_kwargs={"prewarm": {"planner_settings": planner}})
-    return out["result"], out
+    after = max(0.0, run.replay_epoch - epoch0)
+    # the live planner's first step: when it fitted its profile (refit hourly), else when the stack started
+    first_step = planner_view(run.client, "demo")["first_step_epoch"] or run.stack_epoch
+    plan_from = max(0.0, float(first_step) - epoch0) if hist.size else 0.0
+    out = run_backtest(trace, params, policies=("reactive", "prewarm"), score_after_s=after,
+                       policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from,
+                                                  "model_name": "demo"}})  # the run's batch job names its model
+    return out["result"], out, params, epoch0, after
+
+
+def _waited(run: Any, work: Any, params: SimParams, after_s: float) -> int:
+    """Requests of a simulated run arriving after `after_s` that waited longer than the threshold for a start."""
+    late = run.wait > params.wait_threshold_s
+    if run.weight is not None:
+        parts = run.wait.size // work.counts.size
+        keep = np.tile(np.arange(work.counts.size) >= int(after_s), parts)
+        return int(round(float(run.weight[late & keep].sum())))
+    return int((late & (work.arrivals >= after_s)).sum())
 
 
 def report(run: UpRun, wl: Workload) -> dict[str, Any]:
@@ -127,7 +176,7 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     plots.mkdir(parents=True, exist_ok=True)
     cold = run.registry.load_time_p95("demo") or run.settings.planner.default_cold_start_s
     started = sum(1 for _, e in run.registry.events(count=100_000) if e.get("to") == "pending")
-    measured = {
+    measured: dict[str, Any] = {
         "requests": s.sent,
         "answered_2xx": s.ok,
         "status_503": s.statuses.get(503, 0),
@@ -140,11 +189,28 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
         "replicas_started": started,
         "cold_start_p95_s": cold,
     }
-    sim, full = _simulate(run, wl, cold)
+    got = measure(run.client, "demo", run.registry.events(count=100_000))
+    measured["cold_starts"] = summary(got.cold_starts_s)
+    measured["actuation_delay"] = summary(got.actuation_delays_s)
+    sim, full, params, epoch0, after = _simulate(run, wl, got, cold)
+    work, pw_run = full["work"], full["runs"]["prewarm"]
+    tl = run.timeline
+    live = [a + b + c for a, b, c in zip(tl.serving, tl.loading, tl.warm)]
+    # the simulator's scored span [after, duration) on its clock, on the wall clock and on the run's timeline
+    start, end = epoch0 + after, epoch0 + work.duration_s
+    on_timeline = run.replay_t0 - run.replay_epoch
+    measured_rs = replica_seconds(tl.t, live, start + on_timeline, end + on_timeline)
+    with urllib.request.urlopen(run.gateway_url + "/metrics", timeout=10) as resp:
+        waited = gateway_waits_over(resp.read().decode(), "demo", params.wait_threshold_s)
+    measured["waited_for_start"] = waited
+    fidelity = judge(measured_rs, sim["policies"]["prewarm"]["gpu_hours"] * 3600, waited,
+                     _waited(pw_run, work, params, after))
     timeline_png = _plot_timeline(run, plots / "timeline.png")
     sim_png = plot_policies(full["work"], full["runs"], plots / "simulated_policies.png",
                             title="same arrivals, simulated: reactive vs prewarm")
-    result = {"workload": wl.description, "measured": measured, "simulated": sim,
+    result = {"workload": wl.description, "measured": measured, "simulated": sim, "sim_vs_measured": fidelity,
+              "planner": planner_view(run.client, "demo"), "history_epoch": run.history_epoch,
+              "counted_by_gateway": counted_since(run.client, "demo", start, end, run.history_epoch + wl.history),
               "plots": [str(timeline_png), str(sim_png)]}
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 
@@ -154,7 +220,7 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     table.add_column("prewarm (simulated)", justify="right")
     table.add_column("reactive (simulated)", justify="right")
     pw, re = sim["policies"]["prewarm"], sim["policies"]["reactive"]
-    table.add_row("requests", str(s.sent), f"{sim['params']['requests']:.0f}", f"{sim['params']['requests']:.0f}")
+    table.add_row("requests", str(s.sent), str(len(wl.arrivals)), str(len(wl.arrivals)))  # the replay's (history apart)
     table.add_row("p50 latency / TTFT", f"{measured['latency_p50_s']:.3f} s", f"{pw['ttft_p50_s']:.3f} s", f"{re['ttft_p50_s']:.3f} s")
     table.add_row("p99 latency / TTFT", f"{measured['latency_p99_s']:.3f} s", f"{pw['ttft_p99_s']:.3f} s", f"{re['ttft_p99_s']:.3f} s")
     table.add_row("slower than 0.5 s (sim: waited > 0.5 s)", f"{measured['cold_start_share']:.2%}", f"{pw['cold_start_share']:.2%}",
@@ -168,7 +234,30 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     run.console.print(
         f"simulated on the same arrivals with this run's planner settings: cold start {cold:.1f} s (this run's "
         f"measured p95), {sim['params']['slots']} requests at a time per replica for "
-        f"{sim['params']['prefill_base_s']:.2f} s each (the declared capacity, PREWARM_PLANNER_CAPACITY_RPS)"
+        f"{full['work'].service[-1] if full['work'].service is not None else float('nan'):.3f} s each (this run's mean "
+        f"latency of the requests that did not wait)"
     )
+    _print_fidelity(run.console, fidelity, measured)
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
     return result
+
+
+def _print_fidelity(console: Console, f: dict[str, Any], measured: dict[str, Any]) -> None:
+    """The fidelity check: the simulated prewarm row against this run, both figures and the gap."""
+    table = Table(title="fidelity: simulated prewarm vs this run (same arrivals, same planner)")
+    for col in ("", "measured", "simulated", "gap", "bar", "within"):
+        table.add_column(col, justify="right")
+    rs_gap = f["replica_seconds_ratio"] - 1.0
+    table.add_row("replica-seconds (replay window)", f"{f['replica_seconds_measured']:.0f}",
+                  f"{f['replica_seconds_simulated']:.0f}", f"{rs_gap:+.1%}", "±10%",
+                  "yes" if f["replica_seconds_within"] else "NO")
+    table.add_row("requests held > 0.5 s for a start", str(f["waited_measured"]), str(f["waited_simulated"]),
+                  f"{f['waited_simulated'] - f['waited_measured']:+d}", f"±{f['waited_slack']:.0f}",
+                  "yes" if f["waited_within"] else "NO")
+    console.print(table)
+    cs, ad = measured["cold_starts"], measured["actuation_delay"]
+    console.print(
+        f"simulator given: {cs['n']} measured cold starts (mean {cs.get('mean_s', float('nan')):.1f} s, "
+        f"p95 {cs.get('p95_s', float('nan')):.1f} s) and the mean of {ad['n']} measured actuation delays "
+        f"(decision to registration: {ad.get('mean_s', float('nan')):.2f} s, p95 {ad.get('p95_s', float('nan')):.2f} s)"
+    )

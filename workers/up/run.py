@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import shutil
@@ -34,6 +35,7 @@ from prewarm.registry.embedded import free_port
 from prewarm.runtime.model import load_manifest, make_model
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
+from workers.up.seed import seed_history
 from workers.up.traffic import TrafficStats, drive
 from prewarm.core.settings import Settings
 from workers.up.report import report
@@ -63,6 +65,10 @@ class UpRun:
         self.live_dt: list[float] = []  # replica-seconds per sample
         self.need_dt: list[float] = []  # the planner's need (replica-seconds) per sample
         self._sent_before = 0
+        self.replay_t0 = 0.0
+        self.replay_epoch = 0.0
+        self.stack_epoch = 0.0
+        self.history_epoch = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
     def _model(self) -> str:
@@ -245,6 +251,8 @@ class UpRun:
             await asyncio.sleep(min(1.0, delay))
             delay = start_epoch - time.time()
         task = asyncio.create_task(drive(self.gateway_url, MODEL, wl.arrivals, self.stats, max_tokens=8))
+        # the replay's offset 0 on the timeline and on the wall clock: the report's window, the simulator's epoch
+        self.replay_t0, self.replay_epoch = time.monotonic() - self.started, time.time()
         day_s = wl.day_s
         t0 = time.monotonic()
         while not task.done():
@@ -261,11 +269,26 @@ class UpRun:
     async def run(self) -> dict[str, Any]:
         revision = self._model()
         start_epoch = time.time() + 60.0
+        if self.opts.history_s and not self.opts.trace:
+            raise RuntimeError("--history needs --trace (a request-level trace whose first part is the history)")
         if self.opts.trace:
-            wl = from_trace(self.opts)
+            try:
+                wl = from_trace(self.opts)
+            except ValueError as exc:
+                raise RuntimeError(str(exc)) from exc
         else:
             wl, start_epoch = synthetic(self.opts, start_epoch)
         self.console.print(f"workload: {wl.description}")
+        self.history_epoch = start_epoch
+        if wl.history.size:
+            # the first counted request falls on a coarse bucket's edge: the simulator's clock starts at the first
+            # request, so its buckets and the gateway's then align
+            first = math.ceil((start_epoch + float(wl.history.min())) / 60.0) * 60.0
+            start_epoch = self.history_epoch = first - float(wl.history.min())
+            n = await seed_history(self.settings.redis.url or "", MODEL, start_epoch + wl.history,
+                                   self.opts.history_service_s)
+            self.console.print(f"history: {n} requests counted into the gateway's counters before the replay")
+        self.stack_epoch = time.time()  # the planner's first step is after this: the simulator plans from here
         self._start_stack(self._env(revision, wl))
         self.started = time.monotonic()
         with Live(console=self.console, refresh_per_second=2, transient=False) as live:

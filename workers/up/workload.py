@@ -23,6 +23,13 @@ class UpOptions:
     day_s: float = 120.0
     seed: int = 0
     flower: bool = True
+    # > 0 with a trace: its first history_s seconds are not replayed but counted into the gateway's counters at
+    # their (past) times before the stack starts, as a gateway that had been running would have; the next
+    # `duration_s` seconds are replayed uncompressed. The planner then starts with days of history: its daily
+    # profile and phase calibration run from its first step (the closed-loop equivalence test uses this)
+    history_s: float = 0.0
+    # how long each history request is counted in flight (its answer time; the replay's own are measured)
+    history_service_s: float = 0.1
 
 
 @dataclass
@@ -43,6 +50,7 @@ class Workload:
     batch_cron: str | None = None
     batch_len_s: float = 0.0
     day_s: float | None = None
+    history: np.ndarray = field(default_factory=lambda: np.empty(0))  # offsets (< 0) of the counted, unreplayed past
 
 
 def synthetic(opts: UpOptions, start_epoch: float) -> tuple[Workload, float]:
@@ -65,6 +73,8 @@ def synthetic(opts: UpOptions, start_epoch: float) -> tuple[Workload, float]:
 def from_trace(opts: UpOptions) -> Workload:
     trace = load_trace(opts.trace or "")
     rng = np.random.default_rng(opts.seed)
+    if opts.history_s > 0:
+        return _with_history(trace, opts, rng)
     if isinstance(trace, RequestTrace):
         t = trace.t - trace.t[0]
         span = float(t[-1]) if t.size else 0.0
@@ -81,3 +91,23 @@ def from_trace(opts: UpOptions) -> Workload:
         t = t[rng.uniform(size=t.size) < keep]
     desc = f"{trace.source}: time compressed x{time_scale:.1f}, rate scaled x{keep * time_scale:.3g} ({t.size} requests)"
     return Workload(t, desc)
+
+
+def _with_history(trace: RequestTrace | RateTrace, opts: UpOptions, rng: np.random.Generator) -> Workload:
+    """The trace uncompressed: [0, history_s) counted as history, [history_s, + duration_s) replayed."""
+    if not isinstance(trace, RequestTrace):
+        raise ValueError("--history needs a request-level trace (one timestamp per request), not a rate series")
+    t = trace.t - trace.t[0]
+    end = opts.history_s + opts.duration_s
+    if t.size == 0 or float(t[-1]) < opts.history_s:
+        raise ValueError(f"the trace spans {float(t[-1]) if t.size else 0.0:.0f} s: nothing after --history "
+                         f"{opts.history_s:.0f} s to replay")
+    t = t[t < end] - opts.history_s
+    window = t[t >= 0]
+    mean = window.size / max(1.0, opts.duration_s)
+    keep = 1.0 if mean <= opts.max_rps else opts.max_rps / mean
+    if keep < 1.0:
+        t = t[rng.uniform(size=t.size) < keep]
+    desc = (f"{trace.source}: {opts.history_s:.0f} s of history counted, then {opts.duration_s:.0f} s replayed "
+            f"uncompressed, rate scaled x{keep:.3g} ({int((t >= 0).sum())} requests replayed)")
+    return Workload(t[t >= 0], desc, history=t[t < 0])
