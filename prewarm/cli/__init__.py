@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import Settings
-from prewarm.cli import backtest
+from prewarm.cli import backtest, rollout
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -142,6 +142,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_flower)
 
     backtest.add_parser(sub)
+    rollout.add_parser(sub)
 
     return parser
 
