@@ -198,7 +198,7 @@ class Metrics:
         )
         self.rollout_rollbacks = Counter(
             "prewarm_rollout_rollbacks_total",
-            "Rollouts rolled back, by cause (validation, live_errors, live_latency, aborted)",
+            "Rollouts the planner rolled back, by cause (validation, live_errors, live_latency)",
             ["model", "cause"],
             registry=registry,
         )
