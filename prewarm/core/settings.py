@@ -290,7 +290,7 @@ class RolloutSettings(_Group):
 
     # max |top-logprob difference| between canary and stable on the seeded warmup prompts: a new
     # quantisation moves logprobs by a few hundredths, a corrupted weight file by whole units
-    logprob_tolerance: float = Field(0.05, ge=0)
+    logprob_tolerance: float = Field(0.05, gt=0)
     speed_ratio: float = Field(1.2, ge=1)  # canary TTFT / decode time within this multiple of the stable baseline (the seed's rule)
     # canary live 5xx rate may exceed the stable revision's by this much (absolute) during a pause
     error_rate_margin: float = Field(0.01, ge=0, le=1)

@@ -197,9 +197,10 @@ def start(spec: RolloutSpec, *, now: float, live_revisions: Sequence[str], known
     check_steps(spec.steps)
     if not spec.pause_s > 0:
         raise InvalidRollout(f"--pause must be positive, got {spec.pause_s:g} s")
-    for name in ("logprob_tolerance", "error_rate_margin"):
-        if not getattr(spec, name) >= 0:
-            raise InvalidRollout(f"{name} must be >= 0, got {getattr(spec, name)}")
+    if not spec.logprob_tolerance > 0:
+        raise InvalidRollout(f"--tolerance must be positive, got {spec.logprob_tolerance}")
+    if not spec.error_rate_margin >= 0:
+        raise InvalidRollout(f"error_rate_margin must be >= 0, got {spec.error_rate_margin}")
     for name in ("speed_ratio", "latency_ratio"):
         if not getattr(spec, name) >= 1:
             raise InvalidRollout(f"{name} must be >= 1, got {getattr(spec, name)}")
