@@ -146,6 +146,11 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
                             title="same arrivals, simulated: reactive vs prewarm")
     result = {"workload": wl.description, "measured": measured, "simulated": sim,
               "plots": [str(timeline_png), str(sim_png)]}
+    watch = getattr(run, "rollout", None)
+    if watch is not None:
+        ro = result["rollout"] = watch.result()
+        run.console.print(f"rollout {ro['stable']} -> {ro['canary']}: {ro['outcome']} {ro['reason']}; waited during "
+                          f"the shift: {ro['waited_during_shift']}, errors: {ro['errors_during_shift']}")
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 
     table = Table(title="prewarm up — report")

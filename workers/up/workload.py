@@ -23,6 +23,7 @@ class UpOptions:
     day_s: float = 120.0
     seed: int = 0
     flower: bool = True
+    rollout: str | None = None  # "good" | "corrupt": a rollout of a second revision midway (workers/up/rollout.py)
 
 
 @dataclass
