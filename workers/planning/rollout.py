@@ -32,7 +32,9 @@ from prewarm.policy import rollout as rp
 from prewarm.registry.rollouts import RolloutStore
 from workers import names
 from workers.context import WorkerContext
+from prewarm.core.errors import PrewarmError
 from workers.planning.executor import ENQUEUE_ERRORS, submit_events, task_id
+from workers.planning.kubernetes import actuator_for, apply_target, owns_replicas
 
 log = logging.getLogger("prewarm.planner.rollout")
 
@@ -102,6 +104,9 @@ def _scale(ctx: WorkerContext, state: rp.RolloutState, revision: str, want: int,
            now: float) -> list[str]:
     """A scale event bringing `revision` from `live` to `want` replicas (deterministic id: a re-tick before
     the first event's replicas register submits nothing new)."""
+    if owns_replicas(ctx.settings.kubernetes):
+        _scale_deployment(ctx, state.spec.model, revision, want)
+        return []
     if want == live:
         return []
     kind = ScaleEventKind.SCALE_UP if want > live else ScaleEventKind.SCALE_DOWN
@@ -112,8 +117,29 @@ def _scale(ctx: WorkerContext, state: rp.RolloutState, revision: str, want: int,
     return submit_events(ctx, [ev])
 
 
+def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int) -> None:
+    """In a cluster each revision is its own Deployment (`kubernetes.deployments["model@revision"]`): the rollout's
+    split of the planner's target goes to each through the scale subresource, the one owner of scale there.
+    The pod warmer registers a canary pod only once it is warmed and validated, so weight still waits for it."""
+    cfg = ctx.settings.kubernetes
+    key = f"{model}@{revision}"
+    if cfg.autoscaling != "none" or key not in cfg.deployments:
+        log.error("rollout of %s: no Deployment to scale for %s (set PREWARM_KUBERNETES_DEPLOYMENTS "
+                  "{\"%s\": <deployment>}, with kubernetes.autoscaling none)", model, revision, key)
+        ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
+        return
+    try:
+        apply_target(actuator_for(cfg), cfg, key, want)
+    except (PrewarmError, ValueError) as exc:
+        log.error("rollout of %s: %s to %d replicas not applied: %s", model, key, want, exc)
+        ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
+
+
 def _retire_canary(ctx: WorkerContext, app: Celery, state: rp.RolloutState) -> None:
     """A rollback retires every live canary replica now, loading ones included (they never got weight)."""
+    if owns_replicas(ctx.settings.kubernetes):  # the canary's Deployment to zero: its pods go, none is routed
+        _scale_deployment(ctx, state.spec.model, state.spec.canary, 0)
+        return
     for r in ctx.registry.replicas_of(state.spec.model):
         if r.revision == state.spec.canary and r.state in LIVE_STATES:
             try:
@@ -162,14 +188,17 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
     d = decided[0]
     spec = state.spec
     events: list[str] = []
+    reps = ctx.registry.replicas_of(model)
     if d.action is rp.RolloutAction.ROLLBACK:
         log.error("rollout of %s to %s rolled back: %s", model, spec.canary, state.reason)
         ctx.metrics.rollout_rollbacks.labels(model, _cause(state.reason)).inc()
+    if state.phase is rp.RolloutPhase.ROLLED_BACK:  # by this tick, or aborted by the operator in between
         _retire_canary(ctx, app, state)
-    elif state.phase is rp.RolloutPhase.ROLLED_BACK:  # aborted by the operator in between
-        _retire_canary(ctx, app, state)
+        # the stable revision takes the whole demand again at once (it may have been shrunk to its share)
+        demand = max(d.stable_replicas, observe(ctx, state, now=now).demand_replicas)
+        events += _scale(ctx, state, spec.stable, max(demand, len(_live(reps, spec.stable))),
+                         len(_live(reps, spec.stable)), now=now)
     else:
-        reps = ctx.registry.replicas_of(model)
         events += _scale(ctx, state, spec.canary, d.canary_replicas, len(_live(reps, spec.canary)), now=now)
         events += _scale(ctx, state, spec.stable, d.stable_replicas, len(_live(reps, spec.stable)), now=now)
     if state != before:
