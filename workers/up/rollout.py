@@ -187,6 +187,6 @@ def rollout_watch(run: Any, stable: str) -> RolloutWatch:
     # each step must outlast a cold start and a few planner ticks (5 s in the demo), and the whole
     # rollout fit in the second half of the replay
     replay_s = run.opts.duration_s if run.opts.trace else run.opts.days * run.opts.day_s
-    pause = max(15.0, replay_s / 24)
+    pause = max(10.0, replay_s / 24)
     return RolloutWatch(kind=kind, model="demo", stable=stable, canary=canary, client=run.client,
                         registry=run.registry, models_dir=models_dir, pause_s=pause)
