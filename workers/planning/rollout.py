@@ -111,10 +111,20 @@ def _scale(ctx: WorkerContext, state: rp.RolloutState, revision: str, want: int,
         return []
     kind = ScaleEventKind.SCALE_UP if want > live else ScaleEventKind.SCALE_DOWN
     spec = state.spec
-    eid = f"rollout:{spec.model}:{spec.canary}:{int(state.started_at)}:{revision}:{kind.value}:{live}->{want}"
+    prefix = f"rollout:{spec.model}:{spec.canary}:{int(state.started_at)}:"
+    if kind is ScaleEventKind.SCALE_UP and _unapplied(ctx, prefix):
+        # slots are picked when an event is applied, from the replicas registered by then: a second
+        # scale-up before the first one's replicas registered would pick the same slots
+        return []
+    eid = f"{prefix}{revision}:{kind.value}:{live}->{want}"
     ev = ScaleEvent(event_id=eid, kind=kind, model=spec.model, revision=revision, at=now, replicas=abs(want - live),
                     reason=f"rollout {spec.stable} -> {spec.canary} at {state.weight}%")
     return submit_events(ctx, [ev])
+
+
+def _unapplied(ctx: WorkerContext, prefix: str) -> bool:
+    """Whether a scale-up this rollout submitted is still waiting to be applied."""
+    return any(e.startswith(prefix) and ":scale_up:" in e for e in ctx.client.zrange(keys.PLANNED_EVENTS, 0, -1))
 
 
 def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int) -> None:
@@ -198,9 +208,10 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
         demand = max(d.stable_replicas, observe(ctx, state, now=now).demand_replicas)
         events += _scale(ctx, state, spec.stable, max(demand, len(_live(reps, spec.stable))),
                          len(_live(reps, spec.stable)), now=now)
-    else:
+    else:  # the canary first: one scale-up a tick (see `_scale`), and the step waits on the canary's
         events += _scale(ctx, state, spec.canary, d.canary_replicas, len(_live(reps, spec.canary)), now=now)
-        events += _scale(ctx, state, spec.stable, d.stable_replicas, len(_live(reps, spec.stable)), now=now)
+        if not events:
+            events += _scale(ctx, state, spec.stable, d.stable_replicas, len(_live(reps, spec.stable)), now=now)
     if state != before:
         log.info("rollout %s %s -> %s: %s at %d%% (canary %d, stable %d): %s", model, spec.stable, spec.canary,
                  d.action.value, d.weight, d.canary_replicas, d.stable_replicas, d.reason)
