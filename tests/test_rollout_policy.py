@@ -190,3 +190,15 @@ def test_pause_resume_abort_and_state_round_trip() -> None:
     assert a.phase is RolloutPhase.ROLLED_BACK and a.weight == 0
     with pytest.raises(InvalidRollout, match="nothing to abort"):
         abort(a, now=121.0)
+
+
+def test_a_dip_in_demand_never_cancels_canary_replicas_already_asked_for() -> None:
+    s = begin()
+    _, s = advance(s, obs(0.0, 1))  # 5%
+    _, s = advance(s, obs(5.0, 1))  # shrink tick
+    d, s = advance(s, obs(45.0, 1, demand=20))
+    assert (d.action, d.canary_replicas) == (RolloutAction.PREPARE, 5)
+    d, s = advance(s, obs(50.0, 2, demand=8))  # the forecast dipped: 25% of 8 is 2, but 5 are loading
+    assert d.canary_replicas == 5
+    d, s = advance(s, obs(50.0, 2, demand=8, lead=1.0))  # and the lead moved: still 5
+    assert d.canary_replicas == 5

@@ -87,6 +87,7 @@ class RolloutState:
     shifted_at: float | None = None  # when the current step's weight was written
     shrunk: bool = True  # the stable revision has been shrunk to the current step's share
     reason: str = ""  # why it ended (rollback) or why it is paused
+    canary_asked: int = 0  # canary replicas asked for so far: never shrunk while running (a load cut short is waste)
     updated_at: float = 0.0
     history: tuple[tuple[float, str], ...] = field(default=())  # (time, what happened), oldest first
 
@@ -253,7 +254,19 @@ def _live_verdict(spec: RolloutSpec, obs: RolloutObservation) -> str | None:
 
 
 def advance(state: RolloutState, obs: RolloutObservation) -> tuple[RolloutDecision, RolloutState]:
-    """One tick of the rollout: the decision to carry out now, and the next state."""
+    """One tick of the rollout: the decision to carry out now, and the next state.
+
+    While it runs, the canary is never asked for fewer replicas than before: a dip in the
+    forecast (or a lead that moved) must not cancel the load of a replica the next step needs."""
+    decision, new = _advance(state, obs)
+    if new.phase in (RolloutPhase.RUNNING, RolloutPhase.PAUSED):
+        keep = max(decision.canary_replicas, state.canary_asked)
+        decision = replace(decision, canary_replicas=keep)
+        new = replace(new, canary_asked=keep)
+    return decision, new
+
+
+def _advance(state: RolloutState, obs: RolloutObservation) -> tuple[RolloutDecision, RolloutState]:
     spec, now, demand = state.spec, obs.now, max(0, obs.demand_replicas)
     if state.phase is RolloutPhase.COMPLETED:
         return RolloutDecision(RolloutAction.WAIT, 100, demand, 0, "completed"), state
