@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import Settings
-from prewarm.cli import backtest
+from prewarm.cli import backtest, rollout
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -47,6 +47,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", type=int, default=1,
                    help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
                         "that cannot hold them all, planned as a fleet")
+    p.add_argument("--rollout", choices=["good", "corrupt"], help="midway, roll out a second revision of the model "
+                   "(corrupt: its weights damaged on disk, which must roll back with no user-visible error)")
     p.set_defaults(handler=_cmd_up)
 
     p = sub.add_parser("gateway", help="run the HTTP gateway (embedded Redis when PREWARM_REDIS_URL is unset)")
@@ -145,6 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_flower)
 
     backtest.add_parser(sub)
+    rollout.add_parser(sub)
 
     return parser
 
@@ -180,6 +183,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
         history_s=args.history_s,
+        rollout=args.rollout,
     )
     with _redis_for(settings):
         if args.models and args.models > 1:

@@ -36,6 +36,11 @@ def add_parser(sub: Any) -> None:
                         "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
+    g = p.add_argument_group("rollout scenario (a canary rollout in the middle of the trace)")
+    g.add_argument("--rollout-at", type=float, default=None, metavar="S",
+                   help="add rows rollout_prewarm and rollout_timer: a rollout starting S seconds into the trace")
+    g.add_argument("--rollout-steps", default="5,25,50,100", help="canary weights in percent (default 5,25,50,100)")
+    g.add_argument("--rollout-pause", type=float, default=600.0, metavar="S", help="seconds per step (default 600)")
     _fleet_args(p)
     p.set_defaults(handler=run)
 
@@ -166,10 +171,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         with progress_bar() as progress:
             out = run_backtest(trace, params, policies, progress=progress,
                                policy_kwargs=_planner_kwargs(settings), score_after_s=args.score_after)
+        if args.rollout_at is not None:
+            from forecasting.sim.rollout import add_rollout_rows
+
+            add_rollout_rows(out, params, args.rollout_at, args.rollout_steps, args.rollout_pause, settings.planner)
     except (HistoryError, ValueError) as exc:
         print(f"prewarm backtest: {exc}", file=sys.stderr)
         return 2
-    print_table(out["result"])
+    print_table({**out["result"], "policies": {k: v for k, v in out["result"]["policies"].items()
+                                               if not k.startswith("rollout_")}})
+    if args.rollout_at is not None:
+        from forecasting.sim.rollout import print_rollout
+
+        print_rollout(out["result"])
     if args.plot:
         from forecasting.sim.report import plot
 

@@ -232,3 +232,25 @@ PLANNED_EVENTS = f"{PREFIX}:plannedq"
 #: Outcome of a task message that finished (done or failed for good): a redelivered copy does nothing.
 def task_done(task_id: str) -> str:
     return f"{PREFIX}:taskdone:{task_id}"
+
+# --- canary rollouts (prewarm/registry/rollouts.py) ----------------------------------------
+#: JSON of a model's rollout state (`prewarm.policy.rollout.RolloutState`); kept after it ends, for status.
+def rollout(model: str) -> str:
+    return f"{PREFIX}:rollout:{model}"
+
+
+#: Set of the models that have a rollout record (running or ended).
+ROLLOUTS = f"{PREFIX}:rollouts"
+
+#: JSON list of [revision, weight] of a model, canary first: the gateway's traffic split; absent: no split.
+def revision_weights(model: str) -> str:
+    return f"{PREFIX}:revweights:{model}"
+
+
+#: Hash of what the gateway saw per revision of a model in one fine bucket: "<rev>|requests", "<rev>|errors",
+#: "<rev>|latency_s" (the rollout's live comparison of canary and stable).
+def revision_stats(model: str, bucket_start: int) -> str:
+    return f"{PREFIX}:revstats:{model}:{bucket_start}"
+
+
+REVISION_STATS_TTL_S = 2 * 86400

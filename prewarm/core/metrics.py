@@ -42,6 +42,10 @@ EXPORTED = (
     "prewarm_dropped_events_total",
     "prewarm_validation_results_total",
     "runtime_requests_total",
+    "gateway_revision_requests_total",
+    "prewarm_rollout_weight",
+    "prewarm_rollout_phase",
+    "prewarm_rollout_rollbacks_total",
 )
 
 _LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
@@ -192,6 +196,31 @@ class Metrics:
             "prewarm_validation_results_total",
             "Replica validation checks, by check and result",
             ["model", "check", "result"],
+            registry=registry,
+        )
+        # --- canary rollouts (prewarm.policy.rollout, workers/planning/rollout.py) ---
+        self.revision_requests = Counter(
+            "gateway_revision_requests_total",
+            "User requests routed to each revision of a model (the split a rollout's weights make), by code",
+            ["model", "revision", "code"],
+            registry=registry,
+        )
+        self.rollout_weight = Gauge(
+            "prewarm_rollout_weight",
+            "Traffic weight (percent) of each revision of a model under a rollout",
+            ["model", "revision"],
+            registry=registry,
+        )
+        self.rollout_phase = Gauge(
+            "prewarm_rollout_phase",
+            "1 for the phase a model's rollout is in (running, paused, completed, rolled_back), else 0",
+            ["model", "phase"],
+            registry=registry,
+        )
+        self.rollout_rollbacks = Counter(
+            "prewarm_rollout_rollbacks_total",
+            "Rollouts the planner rolled back, by cause (validation, live_errors, live_latency)",
+            ["model", "cause"],
             registry=registry,
         )
 

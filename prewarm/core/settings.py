@@ -364,6 +364,23 @@ class MetricsSettings(_Group):
     host: str = "127.0.0.1"  # the address /metrics binds; 0.0.0.0 where Prometheus scrapes from outside (Helm, compose)
 
 
+class RolloutSettings(_Group):
+    """Defaults of a canary rollout's judgements (`prewarm rollout start` may set each per rollout)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_ROLLOUT_", extra="forbid")
+    group: ClassVar[str] = "rollout"
+
+    # max |top-logprob difference| between canary and stable on the seeded warmup prompts: a new
+    # quantisation moves logprobs by a few hundredths, a corrupted weight file by whole units
+    logprob_tolerance: float = Field(0.05, gt=0)
+    speed_ratio: float = Field(1.2, ge=1)  # canary TTFT / decode time within this multiple of the stable baseline (the seed's rule)
+    # canary live 5xx rate may exceed the stable revision's by this much (absolute) during a pause
+    error_rate_margin: float = Field(0.01, ge=0, le=1)
+    latency_ratio: float = Field(1.2, ge=1)  # canary mean live latency within this multiple of the stable one's
+    min_requests: int = Field(20, ge=1)  # fewer canary requests in a window is no evidence either way
+    pause_s: float = Field(600.0, gt=0)  # each step runs this long before the next (the default of --pause)
+
+
 _GROUPS: dict[str, type[_Group]] = {
     g.group: g
     for g in (
@@ -376,6 +393,7 @@ _GROUPS: dict[str, type[_Group]] = {
         AgentSettings,
         PlannerSettings,
         MetricsSettings,
+        RolloutSettings,
     )
 }
 
@@ -392,6 +410,7 @@ class Settings:
     agent: AgentSettings
     planner: PlannerSettings
     metrics: MetricsSettings
+    rollout: RolloutSettings
 
     def __init__(self, **groups: _Group) -> None:
         for name, cls in _GROUPS.items():

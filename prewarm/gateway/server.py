@@ -39,9 +39,11 @@ from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
 from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.gateway.nonces import SharedNonces
+from prewarm.gateway.revisions import REQUEST_KEY, RevisionSplit, narrow
 from prewarm.gateway.upstream_auth import UpstreamKeys
 from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.stale_view import StalenessRule, may_serve_stale
+from prewarm.policy.revisions import RevisionChoiceKind
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -113,6 +115,7 @@ class Gateway:
         self.views = RegistryViews(self.reader, StalenessRule(self.cfg.stale_view_max_s, settings.registry.heartbeat_ttl_s,
                                                               self.cfg.refresh_interval_s), self.metrics, self.configured_models)
         self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
+        self.revisions = RevisionSplit(self.redis, self.metrics, self.cfg.refresh_interval_s)  # rollouts' split
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
         self.session: aiohttp.ClientSession | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -154,6 +157,7 @@ class Gateway:
             await asyncio.sleep(1.0)
             try:
                 await self.counter.flush(self.redis)
+                await self.revisions.flush()
             except Exception as exc:  # noqa: BLE001 - keep flushing whatever one batch did
                 log.warning("counter flush failed: %s", exc)
 
@@ -277,12 +281,18 @@ class Gateway:
         self.metrics.requests.labels(model, kind, str(response.status)).inc()
         if not warmup:
             self.metrics.request_duration.labels(model).observe(time.monotonic() - started)
+            self.revisions.observe(model, request.get(REQUEST_KEY), response.status, time.monotonic() - started)
         return response
 
     async def _route_and_proxy(
         self, request: web.Request, model: str, body: bytes, payload: dict[str, Any], warmup: bool, started: float
     ) -> web.StreamResponse:
-        decision = self._route(await self._view(model), warmup)
+        view = await self._view(model)
+        choice = await self.revisions.choose(model, view, request.headers)
+        if choice.kind is RevisionChoiceKind.UNKNOWN:
+            return _error(404, f"model {model!r}: {choice.reason}", "revision_not_found")
+        rev = request[REQUEST_KEY] = choice.revision
+        decision = self._route(narrow(view, rev), warmup)
         if decision.outcome is RouteOutcome.SATURATED:
             return self._saturated(model)
         if decision.replica is None:
@@ -291,7 +301,7 @@ class Gateway:
             deadline = started + self.cfg.hold_timeout_s
             while decision.replica is None and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-                decision = self._route(await self._view(model, fresh=True), warmup)
+                decision = self._route(narrow(await self._view(model, fresh=True), rev), warmup)
                 if decision.outcome is RouteOutcome.SATURATED:
                     return self._saturated(model)
         self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
@@ -318,7 +328,7 @@ class Gateway:
                 refused.append(self.upstream_keys.missing(replica))
             if result is not None:
                 return result
-            decision = self._route(await self._view(model), warmup, frozenset(tried))
+            decision = self._route(narrow(await self._view(model), rev), warmup, frozenset(tried))
         if refused:  # every replica tried refused it (sleeping, unloaded, busy): the client may retry later
             return refused[-1]
         return _error(502, f"the replicas of {model!r} could not be reached", "upstream_unreachable")

@@ -36,6 +36,7 @@ from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import CheckName, Outcome, TensorSpec, ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, WarmupRequest, generate_requests
 from workers.context import WorkerContext
+from workers.node.canary import baseline_revision, compare_with_stable
 from workers.node.memory import CACHED, DISK, in_snapshot
 from workers.node.supervision import HostedRuntime, RuntimeExited
 from workers.node.tiers import TierOutcome, admit_load, wake_locked
@@ -202,13 +203,20 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     listed = spec.expected is not None
     expected = spec.expected if spec.expected is not None else (probe.expected or {})
     report = validate(expected=expected, live=probe.live,
-                      logits=probe.logits, latencies_s=latencies, baseline_s=ctx.registry.baseline(spec.model, spec.node_class,
-                                                                                                   spec.revision),
+                      logits=probe.logits, latencies_s=latencies,
+                      baseline_s=ctx.registry.baseline(spec.model, spec.node_class,
+                                                       baseline_revision(ctx, spec.model, spec.revision)),
                       mean_bound=wcfg.logits_mean_bound, latency_factor=wcfg.latency_factor,
                       allow_unsupported=not listed)
     for c in report.checks:
         ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()
     problems = required_problems(report, spec)
+    rec = ctx.registry.get(rid) if not problems else None  # a rollout's canary answers like its stable revision
+    canary = compare_with_stable(ctx, model=spec.model, revision=spec.revision, served_model=spec.served_model,
+                                 endpoint=rec.endpoint) if rec is not None and rec.endpoint else None
+    if canary is not None:
+        ctx.metrics.validation_results.labels(spec.model, "canary_vs_stable", canary.outcome.value).inc()
+        problems = "" if canary.passed else f"canary numeric check {canary.detail}"
     if problems:
         raise ValidationFailed(rid, report, problems)
     if report.record_baseline is not None:  # no baseline yet: this replica's latency is one of its samples

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from prewarm.core.domain import LIVE_STATES, ModelSpec, check_name
 from prewarm.core.errors import InvalidPayload, PrewarmError
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
+from workers.planning.rollout import planned_revision
 from prewarm.registry.targets import schedule_fields
 from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
     target_schedule, with_demand_floor
@@ -78,13 +79,13 @@ def planned_models(ctx: WorkerContext) -> list[ModelSpec]:
         if not sep:
             raise InvalidPayload(f"PREWARM_PLANNER_MODELS entries must be model@revision, got {entry!r}")
         specs[name] = ModelSpec(check_name(name, "model"), check_name(rev, "revision"), capacity_rps=cap, slots=slots)
-    if specs:
-        return list(specs.values())
-    for name in ctx.registry.models():
-        reps = sorted(ctx.registry.replicas_of(name), key=lambda r: r.updated_at)
-        if reps:
-            specs[name] = ModelSpec(name, reps[-1].revision, capacity_rps=cap, slots=slots)
-    return list(specs.values())
+    if not specs:
+        for name in ctx.registry.models():
+            reps = sorted(ctx.registry.replicas_of(name), key=lambda r: r.updated_at)
+            if reps:
+                specs[name] = ModelSpec(name, reps[-1].revision, capacity_rps=cap, slots=slots)
+    # a rollout names the revision: its stable one while it runs, the canary once it completed
+    return [replace(s, revision=planned_revision(ctx, s.name, s.revision)[0]) for s in specs.values()]
 
 
 def _state_load(ctx: WorkerContext, model: str) -> PlannerState:
@@ -162,6 +163,8 @@ def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision, schedule: list[
 
     With a cluster, Kubernetes starts and stops the pods: only HOLDs reach the executor
     (`events_for_executor`), and the target goes to the Deployment's one owner."""
+    if planned_revision(ctx, spec.name, spec.revision)[1]:  # a running rollout splits the target and scales
+        return []
     if ctx.settings.planner.dry_run:
         for ev in decision.events:
             log.info("dry run: would submit %s", ev.to_payload())

@@ -35,6 +35,7 @@ from workers.planning.nodes import choose_placement, live_nodes
 from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
 from workers.planning.forecast import plan_model, planned_models
 from workers.planning.kubernetes import owns_replicas
+from workers.planning.rollout import tick_all
 
 log = logging.getLogger("prewarm.planner.tasks")
 
@@ -176,9 +177,10 @@ def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
         plans = fleet_and_plan(ctx, self.app, now=now)
     else:
         plans = run_forecast_and_plan(ctx, now=now)
+    rollouts = [] if ctx.settings.planner.dry_run else tick_all(ctx, self.app, now=now)  # after the targets are recorded
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
                         "new_events": list(m.new_events), "dropped": m.dropped, "mode": m.mode}
-                       for m in plans]}
+                       for m in plans], "rollouts": [r.to_json() for r in rollouts]}
 
 
 def place_elsewhere(self: Task, *args: Any, **kwargs: Any) -> Any:

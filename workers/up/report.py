@@ -212,6 +212,11 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
               "planner": planner_view(run.client, "demo"), "history_epoch": run.history_epoch,
               "counted_by_gateway": counted_since(run.client, "demo", start, end, run.history_epoch + wl.history),
               "plots": [str(timeline_png), str(sim_png)]}
+    watch = getattr(run, "rollout", None)
+    if watch is not None:
+        ro = result["rollout"] = watch.result()
+        run.console.print(f"rollout {ro['stable']} -> {ro['canary']}: {ro['outcome']} {ro['reason']}; waited during "
+                          f"the shift: {ro['waited_during_shift']}, errors: {ro['errors_during_shift']}")
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 
     table = Table(title="prewarm up — report")

@@ -39,6 +39,7 @@ from workers.up.seed import seed_history
 from workers.up.traffic import TrafficStats, drive
 from prewarm.core.settings import Settings
 from workers.up.report import report
+from workers.up.rollout import RolloutWatch, rollout_watch
 from workers.up.supervisor import Supervisor
 from workers.up.workload import Timeline, UpOptions, Workload, from_trace, synthetic
 
@@ -69,6 +70,7 @@ class UpRun:
         self.replay_epoch = 0.0
         self.stack_epoch = 0.0
         self.history_epoch = 0.0
+        self.rollout: RolloutWatch | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def _model(self) -> str:
@@ -255,6 +257,9 @@ class UpRun:
         self.replay_t0, self.replay_epoch = time.monotonic() - self.started, time.time()
         day_s = wl.day_s
         t0 = time.monotonic()
+        watch = None if self.rollout is None else asyncio.create_task(  # midway through the replay
+            self.rollout.watch(self.gateway_url, self.stats, float(wl.arrivals[-1]) / 2 if len(wl.arrivals) else 0.0,
+                               t0, task.done))
         while not task.done():
             self._check_children()
             counts = self._sample()
@@ -262,12 +267,18 @@ class UpRun:
             phase = f"replaying: {wl.description}"
             if day_s:
                 phase = f"day {int(el // day_s) + 1}/{self.opts.days}" + (" (learning)" if el < day_s else " (forecasting ahead)")
+            if self.rollout is not None:
+                phase += f" — rollout to {self.rollout.canary}: {self.rollout.phase}"
             live.update(self._view(counts, phase))
             await asyncio.sleep(1.0)
         task.result()
+        if watch is not None:
+            await watch
 
     async def run(self) -> dict[str, Any]:
         revision = self._model()
+        if self.opts.rollout:
+            self.rollout = rollout_watch(self, revision)
         start_epoch = time.time() + 60.0
         if self.opts.history_s and not self.opts.trace:
             raise RuntimeError("--history needs --trace (a request-level trace whose first part is the history)")

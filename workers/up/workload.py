@@ -30,6 +30,7 @@ class UpOptions:
     history_s: float = 0.0
     # how long each history request is counted in flight (its answer time; the replay's own are measured)
     history_service_s: float = 0.1
+    rollout: str | None = None  # "good" | "corrupt": a rollout of a second revision midway (workers/up/rollout.py)
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""A rollout across two Deployments (stable and canary) of one model, against the Kubernetes API double.
+
+Only the API server is a double (tests/k8s_double.py, at the HTTP level); the registry is a
+real Redis and the rollout tick the planner's own code. The pod warmer's part (it registers
+a pod as a ready replica only once it is warmed and validated) is played by the test.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from prewarm.core import keys
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.settings import KubernetesSettings, RedisSettings, Settings
+from prewarm.policy import rollout as rp
+from prewarm.registry.rollouts import RolloutStore
+from tests.k8s_double import KubeDouble
+from workers.app import make_app
+from workers.context import WorkerContext
+from workers.planning.rollout import tick
+
+NS = "inference"
+
+
+@pytest.fixture()
+def double() -> Iterator[KubeDouble]:
+    with KubeDouble() as d:
+        d.add_deployment(NS, "tiny-stable", replicas=4, labels={"app": "tiny", "rev": "r1"})
+        d.add_deployment(NS, "tiny-canary", replicas=0, labels={"app": "tiny", "rev": "r2"})
+        yield d
+
+
+@pytest.fixture()
+def ctx(double: KubeDouble, redis_url: str, tmp_path: Path) -> Iterator[WorkerContext]:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "double", "cluster": {"server": double.url}}],
+        "users": [{"name": "u", "user": {"token": "test"}}],
+        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "u", "namespace": NS}}],
+        "current-context": "double",
+    }))
+    settings = Settings(redis=RedisSettings(url=redis_url), kubernetes=KubernetesSettings(
+        enabled=True, namespace=NS, autoscaling="none", kubeconfig=str(kubeconfig),
+        deployments={"tiny": "tiny-stable", "tiny@r1": "tiny-stable", "tiny@r2": "tiny-canary"}))
+    c = WorkerContext.build(settings)
+    yield c
+    c.client.close()
+
+
+def pod_ready(ctx: WorkerContext, rev: str, slot: int, *, fail: str | None = None) -> None:
+    """The pod warmer registers a pod once warmed and validated (or fails it)."""
+    r = Replica("tiny", rev, f"pod-{rev}-{slot}", 0, endpoint=f"http://10.0.0.{slot}:8000")
+    now = time.time()
+    ctx.registry.register(r, now=now)
+    ctx.registry.transition(r.id, ReplicaState.LOADING, now=now)
+    if fail:
+        ctx.registry.transition(r.id, ReplicaState.FAILED, now=now, reason=fail)
+        return
+    for st in (ReplicaState.WARMING, ReplicaState.READY):
+        ctx.registry.transition(r.id, st, now=now)
+
+
+def test_the_targets_split_by_weight_across_two_deployments(ctx: WorkerContext, double: KubeDouble) -> None:
+    app = make_app(ctx.settings)
+    for slot in range(4):
+        pod_ready(ctx, "r1", slot)
+    ctx.client.hset(keys.last_forecast("tiny"), mapping={"serving_target": "4", "pool_target": "0", "lead_s": "30"})
+    spec = rp.RolloutSpec(model="tiny", stable="r1", canary="r2", steps=(50, 100), pause_s=0.5, logprob_tolerance=0.05,
+                          speed_ratio=1.2, error_rate_margin=0.01, latency_ratio=1.2, min_requests=20)
+    store = RolloutStore(ctx.client)
+    store.update("tiny", lambda running: rp.start(spec, now=time.time(), live_revisions=["r1"],
+                                                  known_revisions=["r2"], running=running))
+    t = tick(ctx, app, "tiny", now=time.time())
+    assert t is not None and t.action == "prepare"
+    assert (double.replicas(NS, "tiny-canary"), double.replicas(NS, "tiny-stable")) == (2, 4)
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]  # the canary's pods are not warmed yet
+    pod_ready(ctx, "r2", 1)
+    pod_ready(ctx, "r2", 2)
+    t = tick(ctx, app, "tiny", now=time.time())
+    assert t is not None and t.action == "shift" and store.weights("tiny") == [("r2", 50.0), ("r1", 50.0)]
+    assert double.replicas(NS, "tiny-stable") == 4  # shrunk only after the gateway has the new weights
+    tick(ctx, app, "tiny", now=time.time())
+    assert double.replicas(NS, "tiny-stable") == 2
+    pod_ready(ctx, "r2", 3, fail="validation: top logprobs differ from r1 by 2.5 > 0.05")  # the next step's pod
+    t = tick(ctx, app, "tiny", now=time.time() + 1)
+    assert t is not None and t.action == "rollback"
+    assert double.replicas(NS, "tiny-canary") == 0
+    assert double.replicas(NS, "tiny-stable") == 4  # the whole demand back on the stable revision
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
+    app.close()

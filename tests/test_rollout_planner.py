@@ -1,0 +1,171 @@
+"""Rollouts carried out by a real planner worker (Celery, Redis): capacity first, then the shift; rollback.
+
+A real `prewarm planner` consumes `prewarm.planner` from the test Redis. The test plays the
+node agents' part the way `tests/test_workers_planner.py` does: the prewarms the planner
+sends are read back from the node queues, and the replicas they name are moved through the
+registry's states as an agent would move them (the agent's own bring-up is tested elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import pytest
+import redis
+
+from prewarm.cli import main
+from prewarm.core import keys
+from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.settings import RedisSettings, RegistrySettings, Settings
+from prewarm.registry.embedded import EmbeddedRedis, free_port
+from prewarm.registry.replicas import ReplicaRegistry
+from prewarm.registry.rollouts import RolloutStore
+from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
+from workers.app import make_app
+from workers.names import DISPATCH_EVENTS, FORECAST, PREWARM, RETIRE, node_queue
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def planner(redis_server: EmbeddedRedis, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    redis_server.start()
+    client: "redis.Redis[str]" = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client.flushall()
+    port = free_port()
+    env = worker_env(redis_server.url, tmp_path, PREWARM_PLANNER_MODELS='["tiny@r1"]')
+    for k in [k for k in __import__("os").environ if k.startswith("PREWARM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("PREWARM_REDIS_URL", redis_server.url)  # for `prewarm rollout` run in this process
+    proc = WorkerProcess(["planner", "--metrics-port", str(port)], env, tmp_path / "planner.log").start()
+    app = make_app(Settings(redis=RedisSettings(url=redis_server.url)))
+    try:
+        yield {"client": client, "proc": proc, "app": app, "metrics_port": port,
+               "registry": ReplicaRegistry(client, RegistrySettings())}
+    finally:
+        proc.stop()
+        app.close()
+        client.close()
+
+
+def agent_brings_up(reg: ReplicaRegistry, rid: str, *, fail: str | None = None) -> None:
+    """What the node agent does with a prewarm: pending -> loading -> warming -> ready (or failed)."""
+    model, rest = rid.split("@", 1)
+    rev, node, slot = rest.split("/")
+    now = time.time()
+    reg.register(Replica(model, rev, node, int(slot), endpoint=f"http://127.0.0.1:{9000 + int(slot)}",
+                         state=ReplicaState.PENDING, created_at=now), now=now)
+    reg.transition(rid, ReplicaState.LOADING, now=now)
+    if fail:
+        reg.transition(rid, ReplicaState.FAILED, now=time.time(), reason=fail)
+        return
+    for st in (ReplicaState.WARMING, ReplicaState.READY):
+        reg.transition(rid, st, now=time.time())
+
+
+def steady_load(client: "redis.Redis[str]") -> None:
+    """An hour of 10 req/s, 20 in flight on average: the planner's target is 4 replicas."""
+    fine = int(time.time() // 10) * 10
+    for i in range(-30, 361):
+        start = fine - 10 * i
+        client.set(keys.requests("tiny", 10, start), 100)
+        client.set(keys.inflight_peak("tiny", 10, start), 24)
+        client.set(keys.busy("tiny", 10, start), 200.0)
+    client.hset(keys.REQUESTS_FIRST, "tiny", fine - 3600)
+    client.sadd(keys.REQUEST_MODELS, "tiny")
+
+
+def setup_stable(p: dict[str, Any]) -> None:
+    client, reg = p["client"], p["registry"]
+    for node in ("n1", "n2"):
+        publish_node(client, node, 4)
+    for slot in range(4):
+        agent_brings_up(reg, f"tiny@r1/n1/{slot}")
+    client.hset(keys.node_info("n2"), "residency", json.dumps({"tiny@r2": "disk"}))
+    client.sadd(keys.NODES, "n2")
+    steady_load(client)
+
+
+def plan_tick(p: dict[str, Any], done: int) -> None:
+    """One forecast_and_plan (the beat's tick), then dispatch the due events; waits for the tick's result."""
+    p["app"].send_task(FORECAST)
+    wait_for(lambda: p["proc"].log().count("prewarm.forecast_and_plan[") >= 2 * done
+             and p["proc"].log().count("succeeded") >= done, 60,
+             lambda: f"forecast_and_plan #{done} (planner log:\n{p['proc'].log()[-3000:]})")
+    p["app"].send_task(DISPATCH_EVENTS)
+
+
+def prewarms(client: "redis.Redis[str]", rev: str) -> list[str]:
+    return sorted({m["args"][0] for n in ("n1", "n2") for m in queued_tasks(client, node_queue(n))
+                   if m["task"] == PREWARM and m["args"][0].startswith(f"tiny@{rev}/")})
+
+
+def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(planner: dict[str, Any]) -> None:
+    client, reg = planner["client"], planner["registry"]
+    setup_stable(planner)
+    store = RolloutStore(client)
+    assert main(["rollout", "start", "tiny", "--revision", "r2", "--steps", "50,100", "--pause", "1s"]) == 0
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
+    tick = 0
+    tick += 1
+    plan_tick(planner, tick)
+    canary = wait_for(lambda: prewarms(client, "r2"), 30,
+                      lambda: f"canary prewarms (planner log:\n{planner['proc'].log()[-3000:]})")
+    assert len(canary) == 2  # 50% of the planner's 4
+    st = store.get("tiny")
+    assert st is not None and st.weight == 0  # no weight before the canary is ready, whatever the clock says
+    tick += 1
+    plan_tick(planner, tick)
+    time.sleep(0.5)
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
+    for rid in canary:  # the agents warm and validate them
+        agent_brings_up(reg, rid)
+    tick += 1
+    plan_tick(planner, tick)
+    wait_for(lambda: store.weights("tiny") == [("r2", 50.0), ("r1", 50.0)], 30, "the shift to 50%")
+    tick += 1
+    plan_tick(planner, tick)  # the tick after the shift shrinks the stable revision to its half
+    wait_for(lambda: any(m["task"] == RETIRE and m["args"][0].startswith("tiny@r1/")
+                         for m in queued_tasks(client, node_queue("n1"))), 30, "the stable shrink")
+    time.sleep(1.0)  # the step's pause
+    tick += 1
+    plan_tick(planner, tick)
+    more = wait_for(lambda: [r for r in prewarms(client, "r2") if r not in canary], 30, "canary capacity for 100%")
+    for rid in more:
+        agent_brings_up(reg, rid)
+    for _ in range(3):  # shift to 100%, then the pause runs, then complete
+        tick += 1
+        plan_tick(planner, tick)
+        time.sleep(1.0)
+    wait_for(lambda: (store.get("tiny") or st).phase.value == "completed", 30,
+             lambda: f"completion (planner log:\n{planner['proc'].log()[-3000:]})")
+    assert store.weights("tiny") == [("r2", 100.0)]
+    with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'prewarm_rollout_weight{model="tiny",revision="r2"} 100.0' in text
+    assert 'prewarm_rollout_phase{model="tiny",phase="completed"} 1.0' in text
+    assert "Traceback" not in planner["proc"].log()
+
+
+def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any]) -> None:
+    client, reg = planner["client"], planner["registry"]
+    setup_stable(planner)
+    store = RolloutStore(client)
+    assert main(["rollout", "start", "tiny", "--revision", "r2", "--steps", "50,100", "--pause", "1s"]) == 0
+    plan_tick(planner, 1)
+    canary = wait_for(lambda: prewarms(client, "r2"), 30, "canary prewarms")
+    agent_brings_up(reg, canary[0], fail="validation: top logprobs differ from r1 by 4.2 > 0.05")
+    agent_brings_up(reg, canary[1])  # ready, but must never get weight now
+    plan_tick(planner, 2)
+    st = wait_for(lambda: (s := store.get("tiny")) is not None and s.phase.value == "rolled_back" and s, 30,
+                  lambda: f"the rollback (planner log:\n{planner['proc'].log()[-3000:]})")
+    assert "logprobs differ" in st.reason
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
+    wait_for(lambda: [m["args"][0] for m in queued_tasks(client, node_queue("n2")) if m["task"] == RETIRE]
+             == [canary[1]], 30, "the live canary replica retired")
+    with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'prewarm_rollout_rollbacks_total{cause="validation",model="tiny"} 1.0' in text
