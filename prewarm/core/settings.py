@@ -9,6 +9,7 @@ set. An invalid value fails at start with a `SettingsError` naming the variable.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import socket
@@ -87,7 +88,32 @@ class GatewaySettings(_Group):
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
     replica_queue_limit: int = Field(128, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
     header_timeout_s: float = Field(10.0, gt=0)  # a connection must send a request's headers within this (slowloris)
-    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (behind a proxy: raise it)
+    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (over it: 429)
+    # Issue 20 (fair under abuse). A body trickled a byte at a time held a connection for a minute:
+    body_timeout_s: float = Field(30.0, gt=0)  # a request body must arrive within this of its headers (else 408)
+    write_timeout_s: float = Field(30.0, gt=0)  # a client that reads nothing of an answer this long is cut, its slot freed
+    # Behind an ingress every client shares its address: X-Forwarded-For is believed only from these
+    # networks (CIDRs), which are exempt from the connection cap; their clients are capped by request instead.
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Admission bounds the expected wait, not a count (a 500-token request is not a 4-token one): a request
+    # is admitted while the work queued for the model drains within max_queue_wait_s, and past that only a
+    # client under its fair share (the bound split between the clients with work queued) is. 20 s: the
+    # client timeout the issue's clients used; a request queued longer than that is a request lost.
+    max_queue_wait_s: float = Field(20.0, gt=0)
+    # Drain rate (tokens/s per model) assumed until the gateway has measured one (after a busy second):
+    # one replica generating one request at a time on a small GPU model; a new model starts here.
+    assumed_tokens_per_s: float = Field(100.0, gt=0)
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _proxies(cls, v: Any) -> Any:
+        items = [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+        for item in items:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{item!r} is not an IP network (CIDR) of a trusted proxy: {exc}") from None
+        return items
 
 
 class RegistrySettings(_Group):
