@@ -117,7 +117,11 @@ def reap(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 def handle_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
     req = payload.parse_model("handle_demand", args, kwargs)
-    return handle_demand_for(_ctx(self), self.app, req.model)
+    ctx = _ctx(self)
+    try:
+        return handle_demand_for(ctx, self.app, req.model)
+    finally:  # the listener may send the next one for this model once the coalescing window has passed
+        ctx.client.expire(keys.demand_pending(req.model), keys.DEMAND_COALESCE_S)
 
 
 def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
