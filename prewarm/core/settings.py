@@ -300,6 +300,26 @@ class PlannerSettings(_Group):
     model_priority: dict[str, float] = Field(default_factory=dict)  # weight of a model's requests (default 1)
 
 
+class KedaSettings(_Group):
+    """`prewarm keda-scaler` (issue 20: anyone in the cluster could open streams until IsActive starved)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_KEDA_", extra="forbid")
+    group: ClassVar[str] = "keda"
+
+    # StreamIsActive streams open at once; more are refused (RESOURCE_EXHAUSTED, KEDA retries). Each is a
+    # coroutine, not a thread, so the bound is about Redis polls, not workers: one per ScaledObject is the need.
+    max_streams: int = Field(256, ge=1)
+    stream_poll_s: float = Field(1.0, gt=0)  # how often an open stream re-reads the planner's record
+    # TLS as KEDA's external scaler speaks it (trigger metadata caCert, tlsClientCert/tlsClientKey): the
+    # server's certificate and key, and the CA whose client certificates are required (mutual TLS).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # A shared token every call must carry: in the trigger's metadata (`token`, from a TriggerAuthentication
+    # or the ScaledObject) or as gRPC `authorization: Bearer <token>` metadata. None: no token asked.
+    token: SecretStr | None = None
+
+
 class MetricsSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_METRICS_", extra="forbid")
     group: ClassVar[str] = "metrics"
@@ -320,6 +340,7 @@ _GROUPS: dict[str, type[_Group]] = {
         AgentSettings,
         PlannerSettings,
         MetricsSettings,
+        KedaSettings,
     )
 }
 
@@ -336,6 +357,7 @@ class Settings:
     agent: AgentSettings
     planner: PlannerSettings
     metrics: MetricsSettings
+    keda: KedaSettings
 
     def __init__(self, **groups: _Group) -> None:
         for name, cls in _GROUPS.items():
