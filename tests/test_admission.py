@@ -49,3 +49,14 @@ def test_forwarded_for_is_believed_only_from_a_declared_proxy() -> None:
     assert client_address("10.1.1.1", None, proxies) == "10.1.1.1"
     assert client_key("Bearer sk-1", "1.2.3.4") == client_key("Bearer sk-1", "5.6.7.8") != client_key("Bearer sk-2", "x")
     assert client_key(None, "1.2.3.4") == "addr:1.2.3.4" and "sk-1" not in client_key("Bearer sk-1", "a")
+
+
+def test_trusted_proxies_are_validated_where_settings_are_read(clean_env: pytest.MonkeyPatch) -> None:
+    from prewarm.core.errors import SettingsError
+    from prewarm.core.settings import Settings
+
+    clean_env.setenv("PREWARM_GATEWAY_TRUSTED_PROXIES", "10.0.0.0/8, fd00::/8")
+    assert Settings.load().gateway.trusted_proxies == ["10.0.0.0/8", "fd00::/8"]
+    clean_env.setenv("PREWARM_GATEWAY_TRUSTED_PROXIES", "10.0.0.0/8,ingress")
+    with pytest.raises(SettingsError, match="PREWARM_GATEWAY_TRUSTED_PROXIES.*'ingress' is not an IP network"):
+        Settings.load()

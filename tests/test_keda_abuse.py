@@ -38,7 +38,7 @@ def planned(redis_client: "redis.Redis[str]") -> Iterator["redis.Redis[str]"]:
 
 def _metrics(stub: pb_grpc.ExternalScalerStub, r: pb.ScaledObjectRef | None = None, **kw: object) -> float:
     got = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=r or ref(), metricName=metric_name(MODEL)),
-                          timeout=10, **kw)  # type: ignore[arg-type]
+                          timeout=10, **kw)
     return float(got.metricValues[0].metricValueFloat)
 
 

@@ -238,6 +238,10 @@ class AgentSettings(_Group):
     runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
     drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
     orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
+    # Issue 20: a frozen runtime's wake waited 30 s, was retried, and the replica stayed asleep for minutes.
+    # A wake (a fraction of a load) not done in this long fails the replica and another is prewarmed, so keep
+    # it well under gateway.hold_timeout_s: the held requests are served by the replacement.
+    wake_timeout_s: float = Field(10.0, gt=0)
     health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
 
     @field_validator("visibility_timeout_s")

@@ -232,6 +232,8 @@ def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
     def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
         rid = req.replica.replica_id
         outcome, seconds = tiers.wake(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome is tiers.TierOutcome.WAKE_FAILED:  # failed: the planner prewarms a replacement now
+            self.app.send_task(names.HANDLE_DEMAND, args=[req.replica.model])
         return {"replica_id": rid, "outcome": outcome.value, "wake_s": seconds}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),
