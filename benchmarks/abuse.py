@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing
 import re
 import socket
 import subprocess
@@ -157,6 +158,33 @@ def demand_flood(port: int, stop: threading.Event) -> None:
             stop.wait(0.05)
 
 
+def attackers(gw_port: int, keda_port: int, running: Any, stop: Any, counts: Any) -> None:
+    """Every abuser, in a process of its own: their threads must not share the measuring client's GIL."""
+    halt = threading.Event()
+    codes: dict[int, int] = {}
+    threads = [threading.Thread(target=slow_bodies, args=(gw_port, 50, halt), daemon=True),
+               threading.Thread(target=unread_streams, args=(gw_port, 16, halt), daemon=True),
+               threading.Thread(target=demand_flood, args=(gw_port, halt), daemon=True)]
+    for t in threads:
+        t.start()
+    threads += greedy(gw_port, 16, halt, codes)
+    channel = grpc.insecure_channel(f"127.0.0.1:{keda_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    ref = pb.ScaledObjectRef(name="s", namespace="n", scalerMetadata={"model": MODEL})
+    streams = [stub.StreamIsActive(ref, timeout=600) for _ in range(12)]
+    for s in streams:
+        next(s)  # each stream is open and answered
+    while sum(codes.values()) < 20:  # the greedy client is at it
+        time.sleep(0.1)
+    running.set()
+    stop.wait()
+    halt.set()
+    for s in streams:
+        s.cancel()
+    channel.close()
+    counts.put(codes)
+
+
 def keda_probe(stub: pb_grpc.ExternalScalerStub, n: int, failed: list[str]) -> list[float]:
     ref = pb.ScaledObjectRef(name="b", namespace="n", scalerMetadata={"model": MODEL})
     out = []
@@ -195,7 +223,7 @@ def periodic_lateness(beat_log: str, planner_log: str, since: float) -> float:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    n_good = 40 if args.quick else 200
+    n_good = 80 if args.quick else 400
     tmp = Path(tempfile.mkdtemp(prefix="prewarm-abuse-"))
     procs: list[subprocess.Popen[bytes]] = []
     with EmbeddedRedis() as server:
@@ -204,6 +232,7 @@ def main() -> None:
                "PREWARM_GATEWAY_BODY_TIMEOUT_S": "2", "PREWARM_GATEWAY_WRITE_TIMEOUT_S": "2",
                "PREWARM_GATEWAY_HEADER_TIMEOUT_S": "2", "PREWARM_GATEWAY_MAX_CONNECTIONS_PER_CLIENT": "64",
                "PREWARM_GATEWAY_MAX_QUEUE_WAIT_S": "2", "PREWARM_PLANNER_INTERVAL_S": "2",
+               "PREWARM_GATEWAY_REPLICA_CONCURRENCY": "4",  # what the upstream serves at once (its SLOTS)
                "PREWARM_REGISTRY_REAPER_INTERVAL_S": "1", "PREWARM_PLANNER_MODELS": f'["{MODEL}@r1","cold@r1"]',
                "PREWARM_AGENT_STATE_DIR": str(tmp / "agent")}
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("abuse_upstream.py")),
@@ -236,33 +265,32 @@ def main() -> None:
             client.hset(keys.last_forecast(MODEL), mapping=schedule_fields([(time.time(), 1)], planned_at=time.time()))
             channel = grpc.insecure_channel(f"127.0.0.1:{keda_port}")
             stub = pb_grpc.ExternalScalerStub(channel)
+            time.sleep(5)  # the planner worker and the beat have settled: the baseline is not their start-up
             good_client(gw_port, 10, [])  # warm
             base_err: list[int] = []
             base = good_client(gw_port, n_good, base_err)
             keda_fail_base: list[str] = []
             keda_base = keda_probe(stub, 20, keda_fail_base)
-            time.sleep(3)  # the planner worker and the beat have settled
             abuse_from = time.time()
-            codes: dict[int, int] = {}
-            threads = [threading.Thread(target=slow_bodies, args=(gw_port, 50, stop), daemon=True),
-                       threading.Thread(target=unread_streams, args=(gw_port, 16, stop), daemon=True),
-                       threading.Thread(target=demand_flood, args=(gw_port, stop), daemon=True)]
-            for t in threads:
-                t.start()
-            threads += greedy(gw_port, 16, stop, codes)
-            ref = pb.ScaledObjectRef(name="s", namespace="n", scalerMetadata={"model": MODEL})
-            streams = [stub.StreamIsActive(ref, timeout=600) for _ in range(12)]
-            time.sleep(2)
+            ctx = multiprocessing.get_context("spawn")
+            running, abuse_stop, counts = ctx.Event(), ctx.Event(), ctx.Queue()
+            abuser = ctx.Process(target=attackers, args=(gw_port, keda_port, running, abuse_stop, counts), daemon=True)
+            abuser.start()
+            if not running.wait(180):
+                raise RuntimeError("the abusers did not get going")
+            time.sleep(4)  # the abuse in full: bodies trickling, streams stalled, the greedy queue full
             abused_err: list[int] = []
             abused = good_client(gw_port, n_good, abused_err)
             keda_fail: list[str] = []
             keda_abused = keda_probe(stub, 20, keda_fail)
             abuse_to = time.time()
+            abuse_stop.set()
+            codes: dict[int, int] = counts.get(timeout=60)
+            abuser.join(30)
             stop.set()
-            for s in streams:
-                s.cancel()
             channel.close()
             time.sleep(1.0)
+            cut = (tmp / "gateway.log").read_text(errors="replace").count("cut: the client read nothing")
             late = periodic_lateness((tmp / "beat.log").read_text(errors="replace"),
                                      (tmp / "planner.log").read_text(errors="replace"), abuse_from)
         finally:
@@ -278,7 +306,7 @@ def main() -> None:
         "isactive_p99_ms_unloaded": percentile(keda_base, 99) * 1000,
         "isactive_p99_ms_abused": percentile(keda_abused, 99) * 1000, "isactive_failed_abused": len(keda_fail),
         "periodic_late_max_s": late, "abuse_s": abuse_to - abuse_from,
-        "greedy_200": codes.get(200, 0), "greedy_429": codes.get(429, 0), "quick": args.quick,
+        "unread_streams_cut": cut, "greedy_200": codes.get(200, 0), "greedy_429": codes.get(429, 0), "quick": args.quick,
     }
     rows = [(k, v, "") for k, v in result.items()]
     report("prewarm: fair under abuse", rows, result, args.json)

@@ -15,7 +15,8 @@ from aiohttp import web
 
 TOKEN_S = 0.002
 SLOTS = 4
-PAD = "x" * 1024
+PAD = "x" * 4096  # a verbose model: 4 KiB per token, sent as fast as it comes
+STREAM_TOKEN_S = TOKEN_S / 8
 
 _slots: asyncio.Semaphore | None = None
 
@@ -32,10 +33,13 @@ async def complete(request: web.Request) -> web.StreamResponse:
                                       "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(tokens):
-            await resp.write(f"data: {json.dumps({'choices': [{'text': PAD}]})}\n\n".encode())
-            await asyncio.sleep(TOKEN_S)
-        await resp.write(b"data: [DONE]\n\n")
+        try:
+            for _ in range(tokens):
+                await resp.write(f"data: {json.dumps({'choices': [{'text': PAD}]})}\n\n".encode())
+                await asyncio.sleep(STREAM_TOKEN_S)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:  # the gateway cut the stream (its client read nothing): stop generating
+            pass
         return resp
 
 

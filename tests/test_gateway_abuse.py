@@ -278,3 +278,30 @@ def test_saturated_replicas_say_when_the_queue_drains(redis_url: str) -> None:
             t.join()
     finally:
         h.close()
+
+
+def test_past_the_replicas_concurrency_clients_take_turns(redis_url: str) -> None:
+    """Major 3: admitted requests went on to the replica and waited there in arrival order, so a short
+    request still waited for every request a greedy client had admitted. Past the replicas'
+    concurrency the gateway now keeps them, one queue per client, served round robin."""
+    h = Harness(redis_url, replica_concurrency=1, max_queue_wait_s=1000.0)
+    try:
+        slow = Upstream("s", delay_s=0.5)
+        h.add(0, slow)
+        assert h.complete()[0] == 200  # the routing view is known: its capacity is one request at a time
+        results: list[Any] = []
+        greedy = [threading.Thread(target=lambda: results.append(
+            h.complete(headers=_bearer("greedy"), extra={"max_tokens": 100}))) for _ in range(4)]
+        for t in greedy:
+            t.start()
+        wait_for(lambda: h.gateway.turns.waiting("m") == 3, 10, "three greedy requests waiting their turn")
+        polite = threading.Thread(target=lambda: results.append(
+            h.complete(headers=_bearer("polite"), extra={"max_tokens": 4})))
+        polite.start()
+        for t in [*greedy, polite]:
+            t.join()
+        assert [r[0] for r in results] == [200] * 5
+        order = [b.get("max_tokens") for b in slow.received[1:]]
+        assert order.index(4) <= 2, order  # after the one in flight and at most one greedy turn, not last
+    finally:
+        h.close()

@@ -37,6 +37,7 @@ from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaN
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
+from prewarm.gateway.fairness import FairTurns
 from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.gateway.limits import BodyTimeout, ClientStalled, Limits, read_body, write as write_client
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
@@ -109,6 +110,7 @@ class Gateway:
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
         self.limits = Limits(self.cfg)  # body/write deadlines, clients behind trusted proxies, fair admission
+        self.turns = FairTurns()  # past the replicas' concurrency, requests wait their client's turn here
         self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client,
                                    trusted=self.limits.trusted, retry_after_s=self.cfg.retry_after_s)
         self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
@@ -220,6 +222,12 @@ class Gateway:
             return await self._single_flight("models", fetch)
         return self.state.models
 
+    def _capacity(self, model: str) -> int | None:
+        """Requests the model's ready replicas serve at once (None: none ready, the hold decides)."""
+        view = self.state.views.get(model, _ModelCache()).view
+        n = len(view.serving) + len(view.warm) + len(view.loading) if view is not None else 0
+        return n * self.cfg.replica_concurrency if n else None
+
     def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
             view.serving, view.warm, view.loading, self.state.inflight,
@@ -310,7 +318,8 @@ class Gateway:
                 self.counter.begin(model, time.time())
                 proxied: web.StreamResponse | None = None
                 try:
-                    proxied = await self._route_and_proxy(request, model, body, payload, warmup, started)
+                    async with self.turns.turn(model, ticket.client, self._capacity(model)):  # fair, per client
+                        proxied = await self._route_and_proxy(request, model, body, payload, warmup, started)
                 finally:
                     self.limits.release(ticket, proxied.status if proxied is not None else None)
                     demand = proxied is not None and _is_demand(proxied.status)
