@@ -29,7 +29,7 @@ from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import RedisSettings, Settings
 from tests.celery_helpers import publish_node, queued_tasks
 from workers.app import make_app
-from workers.names import APPLY_EVENT, PLANNER_QUEUE, PREWARM, node_queue
+from workers.names import APPLY_EVENT, DEMAND_QUEUE, PLANNER_QUEUE, PREWARM, node_queue
 from workers.context import WorkerContext
 from workers.planning.executor import apply_event, dispatch_due, submit_events
 
@@ -152,7 +152,7 @@ def test_the_demand_listener_outlives_a_broker_that_refuses(ctx: WorkerContext, 
         while not sent and time.monotonic() < deadline:
             ctx.client.publish(keys.DEMAND_CHANNEL, "after")
             time.sleep(0.5)
-            sent = [m["args"][0] for m in queued_tasks(broker_client, PLANNER_QUEUE)]
+            sent = [m["args"][0] for m in queued_tasks(broker_client, DEMAND_QUEUE)]
         assert "after" in sent, sent
     finally:
         stop.set()

@@ -6,12 +6,15 @@ and a real `prewarm gateway` in front. The node's GPU budget (`agent.gpu_memory_
 two replicas of the three: the third load is refused with a clear error until an eviction
 frees memory; the eviction waits for a long streaming request in flight through the
 gateway to finish (200, every token); a replica put to sleep leaves the GPU ledger and is
-woken by a request through the gateway, held until it is ready. Tests run in order.
+woken by a request through the gateway, held until it is ready; a replica whose wake hangs (its
+runtime frozen) is failed and replaced while the request is held. Tests run in order.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -90,6 +93,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     common = {"PREWARM_AGENT_TASK_TIME_LIMIT_S": "60", "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "61",
               "PREWARM_GATEWAY_HOLD_TIMEOUT_S": "60", "PREWARM_GATEWAY_UPSTREAM_TIMEOUT_S": "600", "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]'}
     env = worker_env(server.url, tmp, PREWARM_AGENT_NODE=NODE, PREWARM_METRICS_PORT=str(free_port()),
+                     PREWARM_AGENT_WAKE_TIMEOUT_S="5",  # well under the gateway's hold (60 s)
                      PREWARM_AGENT_PORT_BASE=str(_port_block()),
                      PREWARM_AGENT_GPU_MEMORY_GB=repr(2.5 * footprint),  # two replicas fit, three do not
                      PREWARM_AGENT_HOST_MEMORY_GB=repr(4 * footprint), **common)
@@ -234,3 +238,35 @@ def test_sleeping_replica_is_woken_by_a_request_through_the_gateway(fleet: Fleet
     info = fleet.node()
     assert float(info["gpu_used_gb"]) == pytest.approx(2 * fleet.footprint_gb)
     assert float(info["host_used_gb"]) == pytest.approx(snapshots_gb)  # b's host copy released
+
+
+def test_a_wake_that_hangs_fails_the_replica_and_a_replacement_serves_the_held_request(fleet: Fleet) -> None:
+    """Issue 20, major 6: with an asleep replica's runtime frozen, each wake timed out at 30 s and was
+    retried, the replica stayed asleep for minutes and every request got 503; the demand claim of
+    that wake also kept a new attempt out for 30 s. Now the wake fails the replica within
+    agent.wake_timeout_s, its stale claim is replaced, and a fresh replica serves the held request."""
+    fleet.app.send_task(SLEEP, args=[RID["b"]])
+    fleet.wait_state(RID["b"], "asleep", timeout=60)
+    rec = fleet.registry.get(RID["b"])
+    assert rec is not None
+    port = int(rec.endpoint.rsplit(":", 1)[1])
+    pids = runtime_pids(port)
+    assert len(pids) == 1, pids
+    frozen_at = time.time()
+    os.kill(pids[0], signal.SIGSTOP)  # frozen: accepts connections (the kernel does), answers nothing
+    try:
+        status, body, _ = call(f"{fleet.gateway_url}/v1/completions", "POST",
+                               {"model": "b", "prompt": "hi", "max_tokens": 4}, timeout=120.0)
+        assert status == 200, (status, body, fleet.logs())
+        assert "outcome': 'wake_failed'" in fleet.agent.log()
+        assert f"demand claim for b was for {RID['b']}, which is failed" in fleet.planner.log()
+        # the replacement may take the freed slot (the same id, registered anew after the failure)
+        fresh = [r for r in fleet.registry.replicas_of("b") if r.created_at > frozen_at]
+        assert len(fresh) == 1, fresh  # (served once past the warm threshold: it may still be warming)
+        fleet.wait_state(fresh[0].id, "ready", timeout=60)
+        wait_for(lambda: pids[0] not in runtime_pids(port), 30, "the frozen runtime to be stopped")
+    finally:
+        try:
+            os.kill(pids[0], signal.SIGCONT)
+        except ProcessLookupError:
+            pass

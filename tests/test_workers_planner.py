@@ -1,6 +1,6 @@
 """The planner worker and the beat as real processes: scale from zero, reaping, exactly one beat.
 
-A real `prewarm planner` consumes `prewarm.planner` from the test Redis. Node views are
+A real `prewarm planner` consumes `prewarm.planner` and `prewarm.demand` from the test Redis. Node views are
 written the way an agent publishes them (`keys.node_info`), and the prewarm the planner
 decides is read back from the node's queue in the broker, where that node's agent would
 consume it. Demand is recorded with the gateway's own function.
@@ -211,3 +211,37 @@ def test_forecast_and_plan_turns_gateway_counters_into_scale_events(planner: dic
 def test_planner_log_has_no_tracebacks(planner: dict[str, Any]) -> None:
     assert "Traceback" not in planner["proc"].log(), planner["proc"].log()[-3000:]
 
+
+
+def test_a_demand_flood_queues_one_task_per_model_and_the_periodic_tasks_go_first(
+        planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
+    """Issue 20, major 5: 3,000 requests for a model with nothing ready queued 1,723 `handle_demand`
+    tasks on the planner queue, and `reap`/`forecast_and_plan` waited behind them. Now one task per
+    model at most is pending, on its own queue, and a reap sent after the flood is not held up."""
+    client, proc = planner["client"], planner["proc"]
+    flood = 2000
+
+    async def announce() -> None:
+        c = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        try:
+            for _ in range(flood):
+                await record_demand(c, "flooded", time.time())
+        finally:
+            await c.aclose()
+
+    def demand_tasks() -> int:
+        return proc.log().count("Task prewarm.handle_demand[") // 2 + sum(  # received + succeeded lines
+            1 for q in ("prewarm.planner", "prewarm.demand") for m in queued_tasks(client, q)
+            if m["task"] == "prewarm.handle_demand")
+
+    before = proc.log().count("Task prewarm.handle_demand[")
+    asyncio.run(announce())
+    reap = planner["app"].send_task(REAP)
+    wait_for(lambda: f"prewarm.reap[{reap.id}] succeeded" in proc.log(), 60, lambda: f"the reap\n{proc.log()[-3000:]}")
+    at_reap = proc.log().count("Task prewarm.handle_demand[") - before
+    assert at_reap <= 2 * 3, f"{at_reap // 2} demand tasks ran before the reap"
+    _record_demand(redis_server.url, "sentinel")  # announced after the flood: heard after all of it
+    wait_for(lambda: "unmet demand for sentinel" in proc.log(), 30, "the sentinel's demand task")
+    sent = (proc.log().count("Task prewarm.handle_demand[") - before) // 2
+    assert sent <= 10, f"{flood} announcements became {sent} demand tasks"
+    assert client.ttl(keys.demand_pending("flooded")) <= keys.DEMAND_COALESCE_S

@@ -15,7 +15,7 @@ from prewarm.core.settings import AgentSettings, RedisSettings, Settings
 from workers import payload
 from workers.beat import BeatLock
 from workers.app import make_app
-from workers.names import KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, route_task
+from workers.names import DEMAND_QUEUE, HANDLE_DEMAND, KEEP_WARM, PLANNER_QUEUE, PREWARM, REAP, route_task
 from workers.node.supervision import RuntimeExited
 from prewarm.core.errors import failure_reason
 from workers.node.bringup import DeadlineExceeded
@@ -71,6 +71,7 @@ def test_node_tasks_route_to_the_node_named_in_the_replica_id() -> None:
     assert route_task(PREWARM, ["garbage"], {}, {}) == {"queue": PLANNER_QUEUE}
     assert route_task(PREWARM, [], {}, {}) == {"queue": PLANNER_QUEUE}
     assert route_task(REAP, [], {}, {}) == {"queue": PLANNER_QUEUE}
+    assert route_task(HANDLE_DEMAND, ["m"], {}, {}) == {"queue": DEMAND_QUEUE}  # issue 20: apart from the periodic tasks
 
 
 def test_app_follows_the_delivery_decisions() -> None:

@@ -4,7 +4,7 @@ Producers (the executor, the planner's tasks, the gateway's demand path) import 
 instead of the Celery app, so a task module never imports the app that registers it.
 Routing: replica tasks go to `prewarm.node.<node>`, the node read from the replica id
 (`model@revision/node/slot`) so a producer cannot send a replica to the wrong node;
-cluster-wide tasks go to `prewarm.planner`.
+cluster-wide tasks go to `prewarm.planner`, except `handle_demand`, which goes to `prewarm.demand`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from prewarm.core.domain import parse_replica_id
 from prewarm.core.errors import InvalidPayload
 
 PLANNER_QUEUE = "prewarm.planner"
+#: Unmet-demand tasks, apart from the planner's periodic ones (reap, forecast_and_plan) so that a flood
+#: of demand never delays them (issue 20); the planner worker consumes both.
+DEMAND_QUEUE = "prewarm.demand"
 NODE_QUEUE_PREFIX = "prewarm.node."
 
 # Task names (producers use these with `send_task`; they are part of the wire format).
@@ -58,6 +61,8 @@ def route_task(
         except InvalidPayload:
             return {"queue": PLANNER_QUEUE}
         return {"queue": node_queue(node)}
+    if name == HANDLE_DEMAND:
+        return {"queue": DEMAND_QUEUE}
     return {"queue": PLANNER_QUEUE}
 
 

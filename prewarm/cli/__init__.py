@@ -278,7 +278,7 @@ def _cmd_keda_scaler(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(sig, lambda *_: stop.set())
     max_age = args.max_age_s if args.max_age_s is not None else 3 * settings.planner.interval_s
     return run(sync_client(settings.redis), host=args.host, port=args.port, max_age_s=max_age,
-               metrics_port=args.metrics_port, stop=stop,
+               metrics_port=args.metrics_port, stop=stop, cfg=settings.keda,
                ready=lambda port: print(f"prewarm keda-scaler: listening on {args.host}:{port}", flush=True))
 
 

@@ -226,6 +226,20 @@ def placement_claim(replica_id: str) -> str:
 #: enough for the planner's next rounds to see the node's memory published anew.
 PLACEMENT_REFUSED_TTL_S = 300
 
+
+#: Marker that a `handle_demand` task for a model is queued or has just run: the planner's demand
+#: listener sends one at most at a time per model (issue 20: 3,000 requests queued 1,723 tasks, and
+#: the planner's periodic tasks waited behind them). The task shortens it to DEMAND_COALESCE_S when done.
+def demand_pending(model: str) -> str:
+    return f"{PREFIX}:demandpending:{model}"
+
+
+#: A pending marker whose task was lost (its message gone with the broker) blocks new ones this long at
+#: most; the beat's `scan_demand` still finds the demand meanwhile.
+DEMAND_PENDING_TTL_S = 120
+#: After a `handle_demand` ran, announcements within this long are the same demand (one task per window).
+DEMAND_COALESCE_S = 1
+
 #: Sorted set of planned scale-event ids waiting to be carried out, scored by their due time (epoch s).
 PLANNED_EVENTS = f"{PREFIX}:plannedq"
 

@@ -9,6 +9,7 @@ set. An invalid value fails at start with a `SettingsError` naming the variable.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import socket
@@ -110,12 +111,37 @@ class GatewaySettings(_Group):
     replica_concurrency: int = Field(8, ge=1)  # requests in flight that saturate a replica: more spill to the warm pool
     replica_queue_limit: int = Field(128, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
     header_timeout_s: float = Field(10.0, gt=0)  # a connection must send a request's headers within this (slowloris)
-    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (behind a proxy: raise it)
+    max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (over it: 429)
     # Directory of the upstreams' own API keys, one file per key named by its reference `<secret>/<key>`
     # (the chart mounts each model's key Secret here). A replica registered with `auth_ref` gets that key;
     # one without gets `runtime.api_key`. The registry holds only references, never keys.
     upstream_keys_dir: str | None = None
     upstream_keys_refresh_s: float = Field(30.0, gt=0)  # a key file is read again after this (Secret rotation)
+    # Issue 20 (fair under abuse). A body trickled a byte at a time held a connection for a minute:
+    body_timeout_s: float = Field(30.0, gt=0)  # a request body must arrive within this of its headers (else 408)
+    write_timeout_s: float = Field(30.0, gt=0)  # a client that reads nothing of an answer this long is cut, its slot freed
+    # Behind an ingress every client shares its address: X-Forwarded-For is believed only from these
+    # networks (CIDRs), which are exempt from the connection cap; their clients are capped by request instead.
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Admission bounds the expected wait, not a count (a 500-token request is not a 4-token one): a request
+    # is admitted while the work queued for the model drains within max_queue_wait_s, and past that only a
+    # client under its fair share (the bound split between the clients with work queued) is. 20 s: the
+    # client timeout the issue's clients used; a request queued longer than that is a request lost.
+    max_queue_wait_s: float = Field(20.0, gt=0)
+    # Drain rate (tokens/s per model) assumed until the gateway has measured one (after a busy second):
+    # one replica generating one request at a time on a small GPU model; a new model starts here.
+    assumed_tokens_per_s: float = Field(100.0, gt=0)
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _proxies(cls, v: Any) -> Any:
+        items = [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+        for item in items:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{item!r} is not an IP network (CIDR) of a trusted proxy: {exc}") from None
+        return items
 
 
 class RegistrySettings(_Group):
@@ -260,6 +286,10 @@ class AgentSettings(_Group):
     runtime_start_timeout_s: float = Field(120.0, gt=0)  # a spawned runtime must answer /healthz within this
     drain_timeout_s: float = Field(30.0, ge=0)  # how long a retiring replica may finish in-flight requests
     orphan_grace_s: float = Field(300.0, gt=0)  # a runtime no agent vouched for this long stops itself
+    # Issue 20: a frozen runtime's wake waited 30 s, was retried, and the replica stayed asleep for minutes.
+    # A wake (a fraction of a load) not done in this long fails the replica and another is prewarmed, so keep
+    # it well under gateway.hold_timeout_s: the held requests are served by the replacement.
+    wake_timeout_s: float = Field(10.0, gt=0)
     health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
 
     @field_validator("visibility_timeout_s")
@@ -356,6 +386,26 @@ class PlannerSettings(_Group):
     model_priority: dict[str, float] = Field(default_factory=dict)  # weight of a model's requests (default 1)
 
 
+class KedaSettings(_Group):
+    """`prewarm keda-scaler` (issue 20: anyone in the cluster could open streams until IsActive starved)."""
+
+    model_config = SettingsConfigDict(env_prefix="PREWARM_KEDA_", extra="forbid")
+    group: ClassVar[str] = "keda"
+
+    # StreamIsActive streams open at once; more are refused (RESOURCE_EXHAUSTED, KEDA retries). Each is a
+    # coroutine, not a thread, so the bound is about Redis polls, not workers: one per ScaledObject is the need.
+    max_streams: int = Field(256, ge=1)
+    stream_poll_s: float = Field(1.0, gt=0)  # how often an open stream re-reads the planner's record
+    # TLS as KEDA's external scaler speaks it (trigger metadata caCert, tlsClientCert/tlsClientKey): the
+    # server's certificate and key, and the CA whose client certificates are required (mutual TLS).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # A shared token every call must carry: in the trigger's metadata (`token`, from a TriggerAuthentication
+    # or the ScaledObject) or as gRPC `authorization: Bearer <token>` metadata. None: no token asked.
+    token: SecretStr | None = None
+
+
 class MetricsSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_METRICS_", extra="forbid")
     group: ClassVar[str] = "metrics"
@@ -394,6 +444,7 @@ _GROUPS: dict[str, type[_Group]] = {
         PlannerSettings,
         MetricsSettings,
         RolloutSettings,
+        KedaSettings,
     )
 }
 
@@ -411,6 +462,7 @@ class Settings:
     planner: PlannerSettings
     metrics: MetricsSettings
     rollout: RolloutSettings
+    keda: KedaSettings
 
     def __init__(self, **groups: _Group) -> None:
         for name, cls in _GROUPS.items():

@@ -29,19 +29,22 @@ the registry that serves clients sits one layer above them).
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import re
 import threading
 import time
-from concurrent import futures
-from typing import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterable, Iterator
 
 import grpc
 import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from prewarm.core.errors import PrewarmError, TemporaryError
+from prewarm.core.errors import PrewarmError, SettingsError, TemporaryError
+from prewarm.core.settings import KedaSettings
 from prewarm.gateway.kedaproto import externalscaler_pb2 as pb
 from prewarm.gateway.kedaproto import externalscaler_pb2_grpc as pb_grpc
 from prewarm.registry.targets import ReplicaTarget, read_target, recorded_models
@@ -50,6 +53,8 @@ log = logging.getLogger("prewarm.keda")
 
 #: The trigger metadata key naming the model.
 MODEL_KEY = "model"
+#: The trigger metadata key carrying the scaler's token (`keda.token`), e.g. from a TriggerAuthentication.
+TOKEN_KEY = "token"
 #: Gauge names (also listed in `prewarm.core.metrics.EXPORTED`).
 TARGET_METRIC = "prewarm_planner_target_replicas"
 TARGET_AGE_METRIC = "prewarm_planner_target_age_seconds"
@@ -63,54 +68,88 @@ def metric_name(model: str) -> str:
 
 
 class TargetScaler(pb_grpc.ExternalScalerServicer):
-    """KEDA's ExternalScaler service over the planner's records in one Redis."""
+    """KEDA's ExternalScaler service over the planner's records in one Redis (grpc.aio).
+
+    Issue 20: each `StreamIsActive` held one of 8 worker threads, so 8 open streams left
+    `IsActive`/`GetMetrics` no thread and KEDA's calls missed their deadline. Every call is a
+    coroutine now; a Redis read borrows a thread for its few milliseconds only (`to_thread`), and
+    the streams open at once are bounded (`max_streams`, RESOURCE_EXHAUSTED past it). With a
+    `token`, a call without it is UNAUTHENTICATED.
+    """
 
     def __init__(self, client: "redis.Redis[str]", *, max_age_s: float, clock: Clock = time.time,
-                 stream_poll_s: float = 1.0) -> None:
+                 stream_poll_s: float = 1.0, max_streams: int = 256, token: str | None = None) -> None:
         self.client = client
         self.max_age_s = max_age_s
         self.clock = clock
         self.stream_poll_s = stream_poll_s
+        self.max_streams = max_streams
+        self.token = token
+        self.streams = 0
         self.stopping = threading.Event()
 
-    def _target(self, ref: pb.ScaledObjectRef, context: grpc.ServicerContext) -> ReplicaTarget:
+    async def _authorized(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> None:
+        if self.token is None:
+            return
+        given = ref.scalerMetadata.get(TOKEN_KEY, "")
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                given = value[7:]
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"ScaledObject {ref.namespace}/{ref.name}: the scaler's token is missing or wrong "
+                                f"(trigger metadata {TOKEN_KEY}, or authorization: Bearer <token>)")
+
+    async def _target(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> ReplicaTarget:
+        await self._authorized(ref, context)
         model = ref.scalerMetadata.get(MODEL_KEY, "").strip()
         if not model:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"ScaledObject {ref.namespace}/{ref.name}: its trigger metadata must name the model "
-                          f"({MODEL_KEY}: <name>)")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"ScaledObject {ref.namespace}/{ref.name}: its trigger metadata must name the model "
+                                f"({MODEL_KEY}: <name>)")
         try:
-            return read_target(self.client, model, now=self.clock(), max_age_s=self.max_age_s)
+            return await asyncio.to_thread(read_target, self.client, model, now=self.clock(), max_age_s=self.max_age_s)
         except TemporaryError as exc:
             log.warning("ScaledObject %s/%s (model %s): %s", ref.namespace, ref.name, model, exc)
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrewarmError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         raise AssertionError("unreachable: context.abort raises")
 
-    def IsActive(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.IsActiveResponse:  # noqa: N802
-        return pb.IsActiveResponse(result=self._target(request, context).active)
+    async def IsActive(self, request: pb.ScaledObjectRef,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.IsActiveResponse:
+        return pb.IsActiveResponse(result=(await self._target(request, context)).active)
 
-    def StreamIsActive(self, request: pb.ScaledObjectRef,  # noqa: N802
-                       context: grpc.ServicerContext) -> Iterator[pb.IsActiveResponse]:
-        last: bool | None = None
-        while context.is_active() and not self.stopping.is_set():
-            active = self._target(request, context).active
-            if active != last:
-                last = active
-                yield pb.IsActiveResponse(result=active)
-            self.stopping.wait(self.stream_poll_s)
+    async def StreamIsActive(self, request: pb.ScaledObjectRef,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.IsActiveResponse]:
+        await self._authorized(request, context)
+        if self.streams >= self.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_streams} StreamIsActive streams are open already (keda.max_streams)")
+        self.streams += 1
+        try:
+            last: bool | None = None
+            while not self.stopping.is_set():
+                active = (await self._target(request, context)).active
+                if active != last:
+                    last = active
+                    yield pb.IsActiveResponse(result=active)
+                await asyncio.sleep(self.stream_poll_s)
+        finally:
+            self.streams -= 1
 
-    def GetMetricSpec(self, request: pb.ScaledObjectRef,  # noqa: N802
-                      context: grpc.ServicerContext) -> pb.GetMetricSpecResponse:
+    async def GetMetricSpec(self, request: pb.ScaledObjectRef,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.GetMetricSpecResponse:
+        await self._authorized(request, context)
         model = request.scalerMetadata.get(MODEL_KEY, "").strip()
         if not model:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trigger metadata must name the model ({MODEL_KEY})")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trigger metadata must name the model ({MODEL_KEY})")
         return pb.GetMetricSpecResponse(
             metricSpecs=[pb.MetricSpec(metricName=metric_name(model), targetSize=1, targetSizeFloat=1.0)])
 
-    def GetMetrics(self, request: pb.GetMetricsRequest, context: grpc.ServicerContext) -> pb.GetMetricsResponse:  # noqa: N802
-        target = self._target(request.scaledObjectRef, context)
+    async def GetMetrics(self, request: pb.GetMetricsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.GetMetricsResponse:
+        target = await self._target(request.scaledObjectRef, context)
         name = request.metricName or metric_name(target.model)
         return pb.GetMetricsResponse(metricValues=[
             pb.MetricValue(metricName=name, metricValue=target.replicas, metricValueFloat=float(target.replicas))])
@@ -147,36 +186,92 @@ class TargetCollector(Collector):
         yield age
 
 
-def build_server(scaler: TargetScaler, *, host: str, port: int, workers: int = 8) -> tuple[grpc.Server, int]:
+class ScalerServer:
+    """The grpc.aio server on its own event loop thread, with a blocking start/stop for the CLI and tests."""
+
+    def __init__(self, scaler: TargetScaler, address: str, credentials: grpc.ServerCredentials | None) -> None:
+        self.scaler = scaler
+        self.loop = asyncio.new_event_loop()
+        self.server: grpc.aio.Server | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="keda-scaler", daemon=True)
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._bind(address, credentials), self.loop).result(30)
+
+    async def _bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
+        self.server = grpc.aio.server()
+        pb_grpc.add_ExternalScalerServicer_to_server(self.scaler, self.server)
+        bound = (self.server.add_secure_port(address, credentials) if credentials is not None
+                 else self.server.add_insecure_port(address))
+        if bound == 0:
+            raise OSError(f"cannot listen on {address}")
+        return bound
+
+    def start(self) -> None:
+        assert self.server is not None
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+
+    def stop(self, grace: float | None = None) -> None:
+        self.scaler.stopping.set()
+        if self.server is not None and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30 + (grace or 0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SettingsError(f"keda.{what}: cannot read {path}: {exc}") from exc
+
+
+def server_credentials(cfg: KedaSettings) -> grpc.ServerCredentials | None:
+    """TLS as KEDA's external scaler speaks it: a certificate, and with a client CA, mutual TLS."""
+    if cfg.tls_cert_file is None and cfg.tls_key_file is None:
+        if cfg.tls_client_ca_file is not None:
+            raise SettingsError("keda.tls_client_ca_file needs keda.tls_cert_file and keda.tls_key_file")
+        return None
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        raise SettingsError("keda.tls_cert_file and keda.tls_key_file go together: set both or neither")
+    pair = (_read(cfg.tls_key_file, "tls_key_file"), _read(cfg.tls_cert_file, "tls_cert_file"))
+    ca = _read(cfg.tls_client_ca_file, "tls_client_ca_file") if cfg.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def build_server(scaler: TargetScaler, *, host: str, port: int,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[ScalerServer, int]:
     """A started-not-yet gRPC server with the ExternalScaler service bound; returns it and the bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="keda"))
-    pb_grpc.add_ExternalScalerServicer_to_server(scaler, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    return server, bound
+    server = ScalerServer(scaler, f"{host}:{port}", credentials)
+    return server, server.port
 
 
 def run(client: "redis.Redis[str]", *, host: str, port: int, max_age_s: float, metrics_port: int | None = None,
-        stop: threading.Event | None = None, ready: Callable[[int], None] | None = None) -> int:
+        stop: threading.Event | None = None, ready: Callable[[int], None] | None = None,
+        cfg: KedaSettings | None = None) -> int:
     """`prewarm keda-scaler`: serve until `stop` is set (the CLI sets it on SIGTERM/SIGINT)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
+    cfg = cfg or KedaSettings()
     stop = stop or threading.Event()
-    scaler = TargetScaler(client, max_age_s=max_age_s)
-    server, bound = build_server(scaler, host=host, port=port)
+    token = cfg.token.get_secret_value() if cfg.token is not None else None
+    scaler = TargetScaler(client, max_age_s=max_age_s, stream_poll_s=cfg.stream_poll_s, max_streams=cfg.max_streams,
+                          token=token)
+    credentials = server_credentials(cfg)
+    server, bound = build_server(scaler, host=host, port=port, credentials=credentials)
     if metrics_port is not None:
         registry = CollectorRegistry()
         registry.register(TargetCollector(client, max_age_s=max_age_s))
         start_http_server(metrics_port, addr=host, registry=registry)
     server.start()
-    log.info("KEDA external scaler listening on %s:%d (targets older than %.0fs are refused)%s", host, bound,
-             max_age_s, f"; /metrics on :{metrics_port}" if metrics_port is not None else "")
+    log.info("KEDA external scaler listening on %s:%d%s%s (targets older than %.0fs are refused, at most %d streams)%s",
+             host, bound, " with TLS" if credentials else "", " and a token" if token else "", max_age_s,
+             cfg.max_streams, f"; /metrics on :{metrics_port}" if metrics_port is not None else "")
     if ready is not None:
         ready(bound)
     try:
         stop.wait()
     finally:
-        scaler.stopping.set()
-        server.stop(grace=2.0).wait()
+        server.stop(grace=2.0)
     return 0

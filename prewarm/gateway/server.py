@@ -37,6 +37,7 @@ from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaN
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
+from prewarm.gateway.fairness import FairTurns
 from prewarm.gateway.guard import ConnectionGate, serve
 from prewarm.gateway.nonces import SharedNonces
 from prewarm.gateway.revisions import REQUEST_KEY, RevisionSplit, narrow
@@ -44,6 +45,7 @@ from prewarm.gateway.upstream_auth import UpstreamKeys
 from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.stale_view import StalenessRule, may_serve_stale
 from prewarm.policy.revisions import RevisionChoiceKind
+from prewarm.gateway.limits import BodyTimeout, ClientStalled, Limits, read_body, write as write_client
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -61,10 +63,10 @@ def _error(status: int, message: str, code: str, *, headers: dict[str, str] | No
 
 
 def _is_demand(status: int) -> bool:
-    """Whether an answered request is demand the planner should serve: everything but a request
-    the replica refused as invalid (4xx) — counting those would let any client make the planner
-    scale up with cheap bad requests. Too many requests (429) is demand."""
-    return not 400 <= status < 500 or status == 429
+    """Whether an answered request is demand the planner should serve: everything but a 4xx — counting
+    requests refused as invalid would let any client make the planner scale up with cheap bad requests,
+    and counting 429s would count each client that retries as told once per retry (issue 20)."""
+    return not 400 <= status < 500
 
 
 @dataclass
@@ -102,7 +104,10 @@ class Gateway:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
-        self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client)
+        self.limits = Limits(self.cfg)  # body/write deadlines, clients behind trusted proxies, fair admission
+        self.turns = FairTurns()  # past the replicas' concurrency, requests wait their client's turn here
+        self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client,
+                                   trusted=self.limits.trusted, retry_after_s=self.cfg.retry_after_s)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
         key = settings.runtime.api_key  # each replica's own key, or the runtimes' (a client's own never passes)
@@ -180,6 +185,12 @@ class Gateway:
     async def _known_models(self) -> set[str]:
         return await self.views.known_models()
 
+    def _capacity(self, model: str) -> int | None:
+        """Requests the model's ready replicas serve at once (None: none ready, the hold decides)."""
+        view = self.state.views.get(model, _ModelCache()).view
+        n = len(view.serving) + len(view.warm) + len(view.loading) if view is not None else 0
+        return n * self.cfg.replica_concurrency if n else None
+
     def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
             view.serving, view.warm, view.loading, self.state.inflight,
@@ -229,7 +240,11 @@ class Gateway:
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         try:
-            body = await request.read()
+            body = await read_body(request, self.cfg.body_timeout_s)
+        except BodyTimeout as exc:  # a body trickled in (slow-body abuse): answered, and the connection closed
+            late = _error(408, str(exc), "body_timeout")
+            late.force_close()
+            return late
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body_too_large")
         try:
@@ -260,12 +275,18 @@ class Gateway:
             else:
                 # requests in flight (waiting for a slot included) and their busy time: the planner's
                 # fine signals; a refused request (not demand) leaves no busy time
+                ticket = self.limits.admit(request, model, payload)
+                if isinstance(ticket, web.Response):  # over its fair share: 429, not demand, no busy time
+                    self.metrics.routing_decisions.labels(model, "refused").inc()
+                    return self._answered(model, kind, ticket, started)
                 began = time.time()
                 self.counter.begin(model, began)
                 proxied: web.StreamResponse | None = None
                 try:
-                    proxied = await self._route_and_proxy(request, model, body, payload, warmup, started)
+                    async with self.turns.turn(model, ticket.client, self._capacity(model)):  # fair, per client
+                        proxied = await self._route_and_proxy(request, model, body, payload, warmup, started)
                 finally:
+                    self.limits.release(ticket, proxied.status if proxied is not None else None)
                     demand = proxied is not None and _is_demand(proxied.status)
                     self.counter.end(model, time.time(), began, demand=demand)
                 response = proxied
@@ -278,8 +299,11 @@ class Gateway:
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)
         if not warmup and model != "unknown" and _is_demand(response.status):
             self.counter.add(model, time.time())
+        return self._answered(model, kind, response, started)
+
+    def _answered(self, model: str, kind: str, response: web.StreamResponse, started: float) -> web.StreamResponse:
         self.metrics.requests.labels(model, kind, str(response.status)).inc()
-        if not warmup:
+        if kind == "user":
             self.metrics.request_duration.labels(model).observe(time.monotonic() - started)
             self.revisions.observe(model, request.get(REQUEST_KEY), response.status, time.monotonic() - started)
         return response
@@ -338,7 +362,7 @@ class Gateway:
         queue and a quick 429 beat a long wait behind clients that hold streams open."""
         self.metrics.routing_decisions.labels(model, RouteOutcome.SATURATED.value).inc()
         return _error(429, f"every replica of {model!r} is at its limit of {self.cfg.replica_queue_limit} requests "
-                           "in flight; retry shortly", "overloaded", headers={"Retry-After": "1"})
+                           "in flight; retry shortly", "overloaded", headers={"Retry-After": str(self.limits.drain_s(model))})
 
     async def _record_demand(self, model: str) -> None:
         try:
@@ -417,9 +441,12 @@ class Gateway:
         try:
             async for chunk in upstream.content.iter_any():
                 try:
-                    await resp.write(chunk)
-                except ConnectionResetError:  # the client went away ("stop generating"): not the replica's fault
+                    await write_client(resp, chunk, self.cfg.write_timeout_s)
+                except (ConnectionResetError, ClientStalled) as exc:  # gone or not reading: not the replica's fault
                     upstream.close()
+                    if isinstance(exc, ClientStalled) and request.transport is not None:
+                        log.warning("stream from %s cut: %s", rid, exc)  # the slot is freed as the relay returns
+                        request.transport.abort()
                     return resp
         except aiohttp.SocketTimeoutError:
             log.warning("replica %s sent nothing for %.0fs mid-stream: the stream is ended, the replica is not blamed",

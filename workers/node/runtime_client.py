@@ -119,5 +119,5 @@ class RuntimeClient:
         return max((v for _, _, v in samples), default=None)
 
 
-def make_client(settings: Settings, endpoint: str) -> RuntimeClient:
-    return RuntimeClient(settings, endpoint)
+def make_client(settings: Settings, endpoint: str, *, timeout_s: float = 30.0) -> RuntimeClient:
+    return RuntimeClient(settings, endpoint, timeout_s=timeout_s)

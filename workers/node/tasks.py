@@ -258,6 +258,8 @@ def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
             booking = ctx.runtimes.ledger.get(rid)
             _place_elsewhere(self.app, rid, booking.nbytes if booking else 0,
                              f"wake refused on {req.replica.node}: GPU memory full")
+        elif outcome is tiers.TierOutcome.WAKE_FAILED:  # failed: the planner prewarms a replacement now
+            self.app.send_task(names.HANDLE_DEMAND, args=[req.replica.model])
         return {"replica_id": rid, "outcome": outcome.value, "wake_s": seconds}
 
     return _replica_task(self, lambda a, k: payload.parse_replica_only("wake_replica", a, k),

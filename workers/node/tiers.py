@@ -30,13 +30,17 @@ from enum import Enum
 from pathlib import Path
 
 from prewarm.core.domain import TERMINAL_STATES, Replica, ReplicaState
-from prewarm.core.errors import IllegalTransition, ReplicaNotFound, TemporaryError
+from prewarm.core.errors import IllegalTransition, PrewarmError, ReplicaNotFound, TemporaryError
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.node.memory import ASLEEP, GPU, InsufficientMemory, footprint_bytes
 from workers.node.runtime_client import make_client
 
 log = logging.getLogger("prewarm.agent.tiers")
+
+#: SIGTERM to SIGKILL for the runtime of a replica that did not wake: it is failed and serves nothing,
+#: and a frozen process never handles SIGTERM; its replacement waits for the slot.
+WAKE_FAILED_STOP_GRACE_S = 1.0
 
 
 class TierOutcome(str, Enum):
@@ -48,6 +52,7 @@ class TierOutcome(str, Enum):
     NOT_READY = "not_ready"  # still loading: left alone (the next planning round decides again)
     NO_MEMORY = "insufficient_memory"  # the destination memory is full: left where it was
     GONE = "gone"  # retired, failed, never registered, or its runtime is gone
+    WAKE_FAILED = "wake_failed"  # the runtime did not wake within agent.wake_timeout_s: failed, to be replaced
 
 
 def _lock(ctx: WorkerContext, rid: str, owner: str, deadline: float) -> ReplicaLock:
@@ -151,20 +156,34 @@ def wake_locked(ctx: WorkerContext, rid: str) -> tuple[TierOutcome, float | None
     except InsufficientMemory as exc:
         log.error("%s; the replica stays asleep until the planner frees memory", exc)
         return TierOutcome.NO_MEMORY, None
+    timeout_s = ctx.settings.agent.wake_timeout_s
     try:
-        awake = make_client(ctx.settings, hosted.endpoint).wake_up()
-    except Exception:
-        ctx.runtimes.ledger.move(rid, ASLEEP, what="wake of", force=True)
-        raise
-    if not awake:
-        ctx.runtimes.ledger.move(rid, ASLEEP, what="wake of", force=True)
-        raise TemporaryError(f"the runtime of {rid} is still asleep after /wake_up", retry_after=1.0)
+        awake = make_client(ctx.settings, hosted.endpoint, timeout_s=timeout_s).wake_up()
+        why = "" if awake else "its runtime is still asleep after /wake_up"
+    except (OSError, PrewarmError) as exc:  # unreachable, frozen (no answer within the timeout), or broken
+        why = f"/wake_up failed: {exc}"
+    if why:
+        return _wake_failed(ctx, rid, f"wake: {why} (agent.wake_timeout_s {timeout_s:g}s)"), None
     _set(ctx, rid, ReplicaState.READY, "woken")
     seconds = time.monotonic() - started
     ctx.registry.record_ready_time(rec.model, ASLEEP, ctx.settings.agent.node_class, seconds)
     log.info("[COLDSTART] replica=%s model=%s node=%s state=ready tier=asleep wake_s=%.3f", rid, rec.model, rec.node,
              seconds)
     return TierOutcome.READY, seconds
+
+
+def _wake_failed(ctx: WorkerContext, rid: str, why: str) -> TierOutcome:
+    """Issue 20: a replica that does not wake is failed at once (not retried while every request gets 503),
+    its memory freed and its runtime stopped at once (a frozen one ignores SIGTERM: a short grace, then
+    SIGKILL), so that a replacement fits on this node too. The caller asks the planner for it."""
+    log.error("replica %s: %s; failed, a replacement is asked for", rid, why)
+    try:
+        ctx.runtimes.update(ctx.registry.transition(rid, ReplicaState.FAILED, now=ctx.clock(), reason=why[:500]))
+    except (IllegalTransition, ReplicaNotFound):
+        pass
+    ctx.runtimes.ledger.release(rid)
+    ctx.runtimes.stop(rid, grace_s=WAKE_FAILED_STOP_GRACE_S)
+    return TierOutcome.WAKE_FAILED
 
 
 def evict(ctx: WorkerContext, rid: str, reason: str, *, owner: str, deadline: float) -> TierOutcome:

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 from celery import Celery, Task
 
 from prewarm.core import keys
-from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
+from prewarm.core.domain import LIVE_STATES, TERMINAL_STATES, Pool, ReplicaState, replica_id
 from workers import names
 from workers import context, payload
 from workers.context import WorkerContext
@@ -55,6 +55,23 @@ def resolve_revision(model: str, configured: Iterable[str], known: Iterable[tupl
     return recent[0][0] if recent else None
 
 
+def _claim(ctx: WorkerContext, model: str, target: str) -> bool:
+    """Take the model's demand claim for `target` (the replica it wakes or starts), or False if held.
+
+    Issue 20: a claim left by a wake that then failed blocked every new attempt for DEMAND_CLAIM_S
+    while requests got 503. A claim whose replica has since failed or retired is stale and replaced."""
+    key = keys.demand_claim(model)
+    if ctx.client.set(key, target, nx=True, ex=DEMAND_CLAIM_S):
+        return True
+    held = ctx.client.get(key)
+    rec = ctx.registry.get(held) if held and "/" in held else None
+    if rec is None or rec.state not in TERMINAL_STATES:
+        return False
+    log.info("demand claim for %s was for %s, which is %s: a new one is taken", model, held, rec.state.value)
+    ctx.client.set(key, target, ex=DEMAND_CLAIM_S)
+    return True
+
+
 def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, Any]:
     now = ctx.clock()
     view = ctx.registry.view(model, now=now)
@@ -65,14 +82,14 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
     if asleep and not any(r.state in LIVE_STATES - {ReplicaState.ASLEEP} for r in replicas):
         # Only sleeping replicas: wake one (a fraction of a load), on its own node. Repeats are
         # harmless (the wake is idempotent under the replica lock); the claim keeps them rare.
-        if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
+        if not _claim(ctx, model, asleep[0]):
             return {"model": model, "outcome": "claimed"}
         app.send_task(names.WAKE, args=[asleep[0]])
         log.info("wake on demand: unmet demand for %s -> wake %s", model, asleep[0])
         return {"model": model, "outcome": "wake", "replica_id": asleep[0]}
     if any(r.state in LIVE_STATES for r in replicas):
         return {"model": model, "outcome": "starting"}
-    if not ctx.client.set(keys.demand_claim(model), repr(now), nx=True, ex=DEMAND_CLAIM_S):
+    if not _claim(ctx, model, model):
         return {"model": model, "outcome": "claimed"}
     if owns_replicas(ctx.settings.kubernetes):
         # In a cluster the Deployment's owner starts pods, not an agent: plan the model now, with the
@@ -101,6 +118,7 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         log.info("dry run: scale from zero for %s would prewarm %s", model, rid)
         ctx.client.delete(keys.demand_claim(model))
         return {"model": model, "outcome": "dry_run", "replica_id": rid}
+    ctx.client.set(keys.demand_claim(model), rid, xx=True, keepttl=True)  # the claim names what it is for
     app.send_task(names.PREWARM, args=[rid, Pool.SERVING.value, None])
     log.info("scale from zero: unmet demand for %s -> prewarm %s", model, rid)
     return {"model": model, "outcome": "prewarm", "replica_id": rid}
@@ -121,7 +139,11 @@ def reap(self: Task, *args: Any, **kwargs: Any) -> Any:
 
 def handle_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
     req = payload.parse_model("handle_demand", args, kwargs)
-    return handle_demand_for(_ctx(self), self.app, req.model)
+    ctx = _ctx(self)
+    try:
+        return handle_demand_for(ctx, self.app, req.model)
+    finally:  # the listener may send the next one for this model once the coalescing window has passed
+        ctx.client.expire(keys.demand_pending(req.model), keys.DEMAND_COALESCE_S)
 
 
 def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
