@@ -187,7 +187,8 @@ class Gateway:
 
     def _capacity(self, model: str) -> int | None:
         """Requests the model's ready replicas serve at once (None: none ready, the hold decides)."""
-        view = self.state.views.get(model, _ModelCache()).view
+        cached = self.views.views.get(model)
+        view = cached.view if cached is not None else None
         n = len(view.serving) + len(view.warm) + len(view.loading) if view is not None else 0
         return n * self.cfg.replica_concurrency if n else None
 
