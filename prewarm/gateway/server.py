@@ -279,7 +279,7 @@ class Gateway:
                 ticket = self.limits.admit(request, model, payload)
                 if isinstance(ticket, web.Response):  # over its fair share: 429, not demand, no busy time
                     self.metrics.routing_decisions.labels(model, "refused").inc()
-                    return self._answered(model, kind, ticket, started)
+                    return self._answered(request, model, kind, ticket, started)
                 began = time.time()
                 self.counter.begin(model, began)
                 proxied: web.StreamResponse | None = None
@@ -300,9 +300,10 @@ class Gateway:
             response = self._unavailable("registry unavailable, retry shortly", exc.retry_after)
         if not warmup and model != "unknown" and _is_demand(response.status):
             self.counter.add(model, time.time())
-        return self._answered(model, kind, response, started)
+        return self._answered(request, model, kind, response, started)
 
-    def _answered(self, model: str, kind: str, response: web.StreamResponse, started: float) -> web.StreamResponse:
+    def _answered(self, request: web.Request, model: str, kind: str, response: web.StreamResponse,
+                  started: float) -> web.StreamResponse:
         self.metrics.requests.labels(model, kind, str(response.status)).inc()
         if kind == "user":
             self.metrics.request_duration.labels(model).observe(time.monotonic() - started)
