@@ -46,6 +46,8 @@ class RegistryViews:
         self.views: dict[str, _Cached] = {}
         self.models_cache = _Cached()
         self.models: set[str] = set()
+        self.values: dict[str, Any] = {}  # other reads the gateway routes by (a rollout's weights), by key
+        self.value_caches: dict[str, _Cached] = {}
         self.reads: dict[str, "asyncio.Future[Any]"] = {}  # registry reads in flight, by key
         metrics.registry_view_age.set_function(lambda: stale_view.view_age(self.health, self.clock()))
 
@@ -131,3 +133,14 @@ class RegistryViews:
             return self.models
 
         return await self._read("models", self.models_cache, False, fetch, lambda: self.models)
+
+    async def value(self, key: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """Any other registry read the gateway routes by (a rollout's revision weights), under the same
+        rules as a view: cached for the refresh interval, one read at a time, the last value while Redis is away."""
+        cache = self.value_caches.setdefault(key, _Cached())
+
+        async def read(_now: float) -> T:
+            value = self.values[key] = await fetch()
+            return value
+
+        return await self._read(key, cache, False, read, lambda: self.values[key])

@@ -1,8 +1,8 @@
 """The gateway's revision split: which revision of a model a request goes to, and what it saw of each.
 
 The decision is the pure `prewarm.policy.revisions.choose_revision`; this module feeds it
-(the weights a rollout wrote to Redis, cached for the gateway's refresh interval like its
-registry view; the revisions with a ready replica in that view; the request's
+(the weights a rollout wrote to Redis, read through `registry_view.py` like a routing view:
+cached, single-flight, the last value while Redis is away; the revisions with a ready replica in that view; the request's
 `X-Prewarm-Revision` and `X-Prewarm-Route-Key` headers) and narrows the routing view to the
 chosen revision, so `prewarm.policy.routing` picks a replica of that revision only. It also
 counts each user request per revision (Prometheus, and the Redis buckets the rollout's live
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Mapping
 
 import redis.asyncio as aioredis
@@ -21,6 +21,7 @@ from aiohttp import web
 
 from prewarm.core.domain import Replica
 from prewarm.core.metrics import Metrics
+from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.revisions import RevisionChoice, RevisionChoiceKind, choose_revision
 from prewarm.registry.replicas import RoutingView
 from prewarm.registry.rollouts import RevisionStatsBuffer, read_weights
@@ -31,12 +32,6 @@ HEADER_REVISION = "X-Prewarm-Revision"
 HEADER_ROUTE_KEY = "X-Prewarm-Route-Key"
 #: Where the chosen revision is kept on the aiohttp request for `observe` (None: no split).
 REQUEST_KEY: "web.RequestKey[str | None]" = web.RequestKey("prewarm_revision", str)
-
-
-@dataclass
-class _Cached:
-    at: float
-    weights: list[tuple[str, float]]
 
 
 def _usable(r: Replica) -> bool:
@@ -54,21 +49,15 @@ def narrow(view: RoutingView, revision: str | None) -> RoutingView:
 class RevisionSplit:
     """Revision weights per model (cached), the per-request choice, and per-revision counts."""
 
-    def __init__(self, client: "aioredis.Redis[str]", metrics: Metrics, refresh_s: float) -> None:
+    def __init__(self, client: "aioredis.Redis[str]", metrics: Metrics, views: RegistryViews) -> None:
         self.client = client
         self.metrics = metrics
-        self.refresh_s = refresh_s
+        self.views = views  # the weights are read like a routing view: cached, single-flight, stale while Redis is away
         self.stats = RevisionStatsBuffer()
-        self._cache: dict[str, _Cached] = {}
         self._rng = random.Random()
 
     async def weights(self, model: str) -> list[tuple[str, float]]:
-        now = time.monotonic()
-        hit = self._cache.get(model)
-        if hit is None or now - hit.at > self.refresh_s:
-            hit = _Cached(now, await read_weights(self.client, model))
-            self._cache[model] = hit
-        return hit.weights
+        return await self.views.value(f"weights:{model}", lambda: read_weights(self.client, model))
 
     async def choose(self, model: str, view: RoutingView, headers: Mapping[str, str]) -> RevisionChoice:
         """The revision for this request. Warmup traffic names its replica's revision the same way."""

@@ -120,7 +120,7 @@ class Gateway:
         self.views = RegistryViews(self.reader, StalenessRule(self.cfg.stale_view_max_s, settings.registry.heartbeat_ttl_s,
                                                               self.cfg.refresh_interval_s), self.metrics, self.configured_models)
         self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
-        self.revisions = RevisionSplit(self.redis, self.metrics, self.cfg.refresh_interval_s)  # rollouts' split
+        self.revisions = RevisionSplit(self.redis, self.metrics, self.views)  # rollouts' split
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
         self.session: aiohttp.ClientSession | None = None
         self._flusher: asyncio.Task[None] | None = None
