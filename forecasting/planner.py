@@ -48,7 +48,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from croniter import croniter
 
-from forecasting import budget
+from forecasting import budget, park
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
@@ -87,6 +87,7 @@ class PlannerParams:
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
     schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
     batch_jobs: tuple[BatchJob, ...] = ()
+    park_horizon_s: float = 0.0  # a replica released but needed again within this is parked asleep (0: retired)
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
@@ -98,7 +99,7 @@ class PlannerParams:
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            min_serving=int(s.min_serving),
+            min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s),
         )
 
     @property
@@ -116,6 +117,7 @@ class ReplicaCounts:
     # True where the warm pool is not told apart from the serving replicas (a Deployment's pods in a
     # cluster): `ready`/`loading` include it, and the step takes the pool out before it plans serving
     pooled: bool = False
+    asleep: int = 0  # parked asleep (level-1 sleep, not live): woken before any new load
 
     @property
     def live(self) -> int:
@@ -337,6 +339,33 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     return target, why
 
 
+def _parked(inp: StepInputs, events: list[ScaleEvent], state: PlannerState, target: int, lead: float,
+            margin: Any) -> list[ScaleEvent]:
+    """A serving scale-down whose ready replicas the profile needs again within `park_horizon_s` parks them
+    asleep (PARK) instead; its loading ones are still cancelled. What the horizon does not need is released
+    by the next step (the parked ones then count as asleep), so PARK and SCALE_DOWN never pick the same."""
+    p, obs, counts = inp.params, inp.observed, inp.replicas
+    down = next((e for e in events if e.kind is ScaleEventKind.SCALE_DOWN and e.pool is Pool.SERVING), None)
+    if down is None or not obs.busy.size:
+        return events
+    level = float(obs.inflight[-max(1, int(p.level_s // obs.bucket_s)):].mean())
+    expected = park.need_within(state.profile, level, inp.now, lead, p.park_horizon_s)
+    if expected is None:
+        return events
+    need = replicas_needed(margin(expected), inp.model.slots, p.headroom)
+    k = park.park_count(down.replicas, counts.loading, target, counts.asleep, need)
+    if k <= 0:
+        return events
+    bucket = math.floor(inp.now / p.fine_bucket_s) * p.fine_bucket_s
+    parked = replace(down, event_id=event_id(inp.model, ScaleEventKind.PARK, bucket, Pool.SERVING),
+                     kind=ScaleEventKind.PARK, replicas=k,
+                     reason=f"{need} needed again within {p.park_horizon_s:.0f} s: parked asleep, not retired")
+    out = [e for e in events if e is not down] + [parked]
+    if counts.loading > 0:  # the loading ones are still cancelled (k > 0: the scale-down took them all)
+        out.append(replace(down, replicas=counts.loading))
+    return out
+
+
 def _split_pool(counts: ReplicaCounts, pool: int) -> ReplicaCounts:
     """Pods of one Deployment, serving and pool alike: up to `pool` of them are the warm pool (those still
     coming up first), the rest serve. Counted as all serving, the reactive floor would keep them all
@@ -464,6 +493,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
+    if p.park_horizon_s > 0:
+        events = _parked(inp, events, state, target, lead, margin)
     events, placement_dropped = _placed(inp, events)
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
