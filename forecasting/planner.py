@@ -154,6 +154,7 @@ class StepInputs:
     cold_start_p95_s: float | None = None  # measured; None: params.default_cold_start_s
     profile_history: tuple[float, float, np.ndarray] | None = None  # (start, bucket_s, req/s): only when refit_due
     nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
+    wake_p95_s: float | None = None  # measured wake of a parked replica (None: none measured)
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,23 @@ def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
         return state
     start, bucket, rates = inp.profile_history
     return replace(state, profile=fit_profile(rates, start, bucket), profile_at=inp.now)
+
+
+def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Forecast, str]:
+    """The forecast over `lead` and the mode it puts the planner in. The mean load in flight is what a
+    replica's slots serve when the forecast of it is good; while it is not (bursts), the peaks are planned
+    and released only reactively."""
+    p, obs = inp.params, inp.observed
+    kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile,
+              window=int(p.score_window_s // obs.bucket_s), level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
+              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
+              phase_quantile=p.phase_quantile)
+    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    mode = _mode(fc, p)
+    if mode == REACTIVE:
+        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
+        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    return fc, mode
 
 
 def _mode(fc: Forecast, p: PlannerParams) -> str:
@@ -452,18 +470,14 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     state = _learn(inp, state)
     lead = lead_of(p, inp.cold_start_p95_s)
     obs = inp.observed
-    h = lead_buckets(lead, obs.bucket_s)
-    kw = dict(horizon=h, quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
-              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
-              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
-              phase_quantile=p.phase_quantile)
-    # the mean load in flight is what a replica's slots serve when the forecast of it is good;
-    # while it is not (bursts), the peaks are planned and released only reactively
-    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
-    mode = _mode(fc, p)
-    if mode == REACTIVE:
-        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
-        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    fc, mode = _forecast(inp, state, lead)
+    if inp.replicas.asleep and inp.wake_p95_s is not None and inp.wake_p95_s + p.lead_margin_s < lead:
+        # parked replicas come back in their measured wake time: a rise they can cover is planned one wake
+        # (not one cold start) ahead of it
+        margin0 = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
+        if replicas_needed(margin0(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
+            lead = inp.wake_p95_s + p.lead_margin_s
+            fc, mode = _forecast(inp, state, lead)
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)

@@ -300,3 +300,16 @@ def test_parking_still_cancels_the_loading_replicas_and_needs_a_learned_profile(
     assert sorted(kinds(d)) == [("park", "serving", 3), ("scale_down", "serving", 2)]
     d, _ = step(inp, PlannerState(profile=None, profile_at=inp.now))  # nothing learned: nothing is parked
     assert kinds(d) == [("scale_down", "serving", 5)]
+
+
+def test_a_rise_parked_replicas_can_cover_is_planned_one_measured_wake_ahead() -> None:
+    """170 s cold starts, 2 s wakes: with 2 replicas parked and a rise of 2, the lead is the wake's (12 s),
+    not the load's (180 s); a rise the parked replicas cannot cover keeps the cold-start lead."""
+    params = replace(BASE, default_cold_start_s=170.0)
+    inp = inputs([40.0] * 400, ready=5, params=params)  # 7 needed
+    covered, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=2), wake_p95_s=2.0), PlannerState())
+    assert covered.lead_s == pytest.approx(12.0) and kinds(covered) == [("scale_up", "serving", 2)]
+    short, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=1), wake_p95_s=2.0), PlannerState())
+    assert short.lead_s == pytest.approx(180.0)
+    unmeasured, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=2)), PlannerState())
+    assert unmeasured.lead_s == pytest.approx(180.0)

@@ -33,6 +33,7 @@ from workers.names import KEEP_WARM, PREWARM, RETIRE, SLEEP, WAKE, node_queue
 from workers.planning.executor import apply_event, live_counts, submit_events
 from workers.planning.fleet import fleet_catalog
 from workers.planning.forecast import forecast_and_plan, history
+from workers.planning.forecast import inputs as inputs_of
 from workers.planning.kubernetes import actuator_for, apply_target
 
 T0 = 1_700_000_000.0
@@ -272,3 +273,20 @@ def test_park_sleeps_the_newest_ready_and_a_scale_up_wakes_parked_replicas_first
     queued = queued_tasks(ctx.client, node_queue("n1"))
     assert sorted(m["args"][0] for m in queued if m["task"] == WAKE) == sorted(ready[2:])  # woken, not loaded
     assert [m["args"][0] for m in queued if m["task"] == PREWARM] == [chosen[2]] and chosen[2] not in ready
+
+
+def test_the_live_inputs_count_parked_replicas_and_their_measured_wake(ctx: WorkerContext) -> None:
+    publish_node(ctx.client, "g1", 4)
+    ctx.client.hset(keys.node_info("g1"), "node_class", "h200")
+    now = time.time()
+    for i in range(3):
+        rid = _replica(ctx, "m", "g1", i, now - 50 + i, ReplicaState.READY)
+        if i:  # two of them parked, as sleep_replica leaves them
+            ctx.registry.transition(rid, ReplicaState.DRAINING, now=time.time())
+            ctx.registry.transition(rid, ReplicaState.ASLEEP, now=time.time())
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    inp = inputs_of(ctx, ModelSpec("m", "r1", slots=8), PlannerState(), params, now=now)
+    assert inp.replicas.asleep == 2 and inp.wake_p95_s is None  # no wake measured yet
+    ctx.registry.record_ready_time("m", "asleep", "h200", 0.8)  # the agent on g1 timed a wake
+    inp = inputs_of(ctx, ModelSpec("m", "r1", slots=8), PlannerState(), params, now=now)
+    assert (inp.replicas.ready, inp.replicas.asleep, inp.wake_p95_s) == (1, 2, 0.8)

@@ -41,7 +41,7 @@ from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
 from workers import names
 from workers.context import WorkerContext
 from workers.planning.forecast import ModelPlan, planned_models
-from workers.planning.nodes import live_nodes
+from workers.planning.nodes import live_nodes, measured_ready_p95
 
 log = logging.getLogger("prewarm.planner.fleet")
 
@@ -60,8 +60,6 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
     plans with ("default") is the slowest class measured (a p95 the model meets on any node)."""
     p = ctx.settings.planner
     defaults = {c.name: c for c in default_catalog(models).cards}
-    classes = sorted({ctx.client.hget(keys.node_info(ns.node), "node_class") or ctx.settings.agent.node_class
-                      for ns in live_nodes(ctx)} | {ctx.settings.agent.node_class})
     cards = []
     for name in models:
         mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
@@ -72,8 +70,7 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
         per_class: dict[str, dict[Tier, float]] = {}
         for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
-            got = {cls: v for cls in classes
-                   if (v := ctx.registry.ready_time_p95(name, tier.value, cls)) is not None}
+            got = measured_ready_p95(ctx, name, tier.value)
             for cls, v in got.items():
                 per_class.setdefault(cls, {})[tier] = v
             if got:
