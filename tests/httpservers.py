@@ -79,6 +79,7 @@ class Upstream:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     peers: list[Any] = field(default_factory=list)  # the client's (address, port) of each request: its connection
+    api_key: str | None = None  # like vLLM's --api-key: any other bearer token is answered 401
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -87,6 +88,9 @@ class Upstream:
         return app
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.headers.append(dict(request.headers))
+            return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer to a wrong key
         body = await request.json()
         self.received.append(body)
         self.headers.append(dict(request.headers))

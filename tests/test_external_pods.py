@@ -16,9 +16,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
+from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
 
 from prewarm import cli
@@ -27,9 +28,11 @@ from prewarm.core.domain import Pool, ReplicaState
 from prewarm.adapters.k8s_watch import ReadyPod
 from prewarm.runtime.model import make_model
 from prewarm.core.settings import Settings
+from prewarm.registry.targets import schedule_fields
 from tests.celery_helpers import wait_for
 from tests.k8s_double import KubeDouble
-from tests.runtime_server import SECRET, RuntimeProcess, poison, start_runtime, wait_loaded
+from tests.k8s_events import KubeDoubleWithEvents
+from tests.runtime_server import SECRET, TOKEN, RuntimeProcess, poison, start_runtime, wait_loaded
 from workers.context import WorkerContext
 from workers.pods import (
     EXTERNAL_SLOT_BASE,
@@ -102,7 +105,7 @@ def _settings(mp: pytest.MonkeyPatch, redis_url: str, pod_port: int) -> Settings
 @dataclass
 class Running:
     ctx: WorkerContext
-    double: KubeDouble
+    double: KubeDoubleWithEvents
     stop: threading.Event
     thread: threading.Thread
     out: dict[str, object]
@@ -124,7 +127,7 @@ def running(redis_url: str, clean_env: pytest.MonkeyPatch, request: pytest.Fixtu
     runtime: RuntimeProcess = request.getfixturevalue(request.param)
     settings = _settings(clean_env, redis_url, _port(runtime))
     ctx = WorkerContext.build(settings, registry=CollectorRegistry())
-    with KubeDouble() as double:
+    with KubeDoubleWithEvents() as double:
         double.add_deployment(NS, "llm", replicas=1, labels=LABELS)
         stop = threading.Event()
         out: dict[str, object] = {}
@@ -166,16 +169,25 @@ def test_replica_ids_are_stable_per_pod() -> None:
 def test_a_pods_time_to_ready_is_the_planners_lead_and_keep_warm_reaches_it(
     running: Running, good: RuntimeProcess
 ) -> None:
-    """Creation to validated is recorded as agents record a cold start (the planner's lead in a
-    cluster: `load_time_p95`); a HOLD's keep-warm mark makes the pod warmer send it signed requests."""
+    """Creation to validated, less the image pull the pod waited for, is recorded as agents record a
+    cold start (the planner's lead in a cluster: `load_time_p95`, per model, revision and node class); the
+    pull is recorded apart. A HOLD's keep-warm mark makes the pod warmer send it signed requests."""
     double, ctx = running.double, running.ctx
     created = time.time() - 40.0  # scheduled, pulled and started 40 s ago; Ready only now
+    double.put_pod(NS, "llm-t", LABELS, ready=False, ip="127.0.0.1", node="gpu-a", created_at=created)
+    double.add_pod_event(NS, "llm-t", "Pulling", 'Pulling image "vllm/vllm-openai:v0.6.3"', created + 1)
+    double.add_pod_event(NS, "llm-t", "Pulled", 'Successfully pulled image "vllm/vllm-openai:v0.6.3" in 24.5s '
+                         '(25s including waiting). Image size: 9876543210 bytes.', created + 26)
     double.put_pod(NS, "llm-t", LABELS, ready=True, ip="127.0.0.1", node="gpu-a", created_at=created)
     rid = f"tiny@r1/gpu-a/{pod_slot(NS, 'llm-t')}"
     wait_for(lambda: running.state(rid) in ("ready", "failed"), 30, f"{rid} to be ready")
     assert running.state(rid) == "ready"
-    p95 = ctx.registry.load_time_p95("tiny")
-    assert p95 is not None and 39.0 <= p95 <= time.time() - created + 1.0  # whole seconds on the API server
+    node_class = ctx.settings.agent.node_class
+    p95 = ctx.registry.load_time_p95("tiny", "r1", node_class)
+    assert p95 is not None and 14.0 <= p95 <= time.time() - created - 25.0 + 1.0  # whole seconds on the API server
+    assert ctx.registry.image_pulls("tiny", "r1", node_class) == [25.0]  # reported apart
+    assert running.sample("model_image_pull_seconds_sum", model="tiny", node="gpu-a") == 25.0
+    assert ctx.registry.load_time_p95("tiny", "r2") is None and ctx.registry.load_time_p95("tiny", "r1", "h100") is None
     assert running.sample("model_cold_start_seconds_count", model="tiny", node="gpu-a") == 1
 
     warm0 = json.load(urllib.request.urlopen(good.url + "/stats", timeout=5))["warmup"]
@@ -308,3 +320,56 @@ def test_cli_prewarm_pods(redis_url: str, clean_env: pytest.MonkeyPatch, good: R
     rec = ctx.registry.get(rid)
     assert rec is not None and rec.state is ReplicaState.READY and rec.endpoint == good.url
     ctx.client.close()
+
+
+def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
+        redis_url: str, clean_env: pytest.MonkeyPatch, good: RuntimeProcess) -> None:
+    """Issue 17: a pod the planner parks asleep goes through its server's /sleep, /is_sleeping and
+    /wake_up. The server here is prewarm's own runtime, which speaks vLLM's sleep API (on CPU its
+    level-1 sleep moves nothing, but the API, the drain and the states are the same)."""
+    ctx = WorkerContext.build(_settings(clean_env, redis_url, _port(good)), registry=CollectorRegistry())
+    target = PodTarget(model="tiny", revision="r1", served_model="tiny", ready_timeout_s=10.0, sleep_mode=True,
+                       api_key=TOKEN, api_key_ref="tiny-key/api-key")
+    warmer = PodPrewarmer(ctx, target)
+    pod = _ready_pod("llm-s", good.url)
+    rid = warmer.handle(pod).replica_id
+    assert ctx.registry.get(rid).state is ReplicaState.READY  # type: ignore[union-attr]
+    # issue 18: registered with the reference of its key (what the gateway sends it), never the key
+    assert ctx.registry.get(rid).auth_ref == "tiny-key/api-key"  # type: ignore[union-attr]
+    assert TOKEN not in json.dumps(ctx.client.hgetall(keys.replica(rid)))
+
+    def plan(pods: int, awake: int) -> None:  # what the planner records (`publish_cluster_target`)
+        ctx.client.hset(keys.last_forecast("tiny"), mapping=schedule_fields([(time.time(), pods)],
+                                                                            planned_at=time.time(), awake=awake))
+
+    def sleeping() -> bool:
+        req = urllib.request.Request(good.url + "/is_sleeping", headers={"Authorization": f"Bearer {TOKEN}"})
+        return bool(json.load(urllib.request.urlopen(req, timeout=5))["is_sleeping"])
+
+    try:
+        assert warmer.tier_round() == {}  # no plan recorded: nothing moves
+        plan(1, 1)
+        assert warmer.tier_round() == {} and not sleeping()
+        plan(1, 0)  # parked asleep
+        assert warmer.tier_round() == {rid: "asleep"}
+        assert sleeping() and ctx.registry.get(rid).state is ReplicaState.ASLEEP  # type: ignore[union-attr]
+        assert ctx.registry.ready("tiny", Pool.SERVING, now=time.time()) == []  # the gateway routes nothing to it
+        assert warmer.sync({"llm-s": _listed(pod)}) == {rid: "heartbeat"}  # asleep, and alive
+        plan(1, 1)
+        assert warmer.tier_round() == {rid: "ready"}
+        assert not sleeping() and [r.id for r in ctx.registry.ready("tiny", Pool.SERVING, now=time.time())] == [rid]
+        assert ctx.registry.ready_time_p95("tiny", "asleep", target.node_class) is not None  # the measured wake
+        transitions = [(f["from"], f["to"]) for _, f in ctx.registry.events() if f.get("replica") == rid]
+        assert transitions[-3:] == [("ready", "draining"), ("draining", "asleep"), ("asleep", "ready")]
+    finally:
+        if sleeping():
+            urllib.request.urlopen(urllib.request.Request(good.url + "/wake_up", data=b"", method="POST",
+                                                          headers={"Authorization": f"Bearer {TOKEN}"}), timeout=30)
+        ctx.client.close()
+
+
+def _listed(pod: ReadyPod) -> Any:
+    """The pod as the API lists it (what `sync` reads): Ready, with its uid and IP."""
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=pod.name, uid=pod.uid),
+                     status=k8s.V1PodStatus(pod_ip=pod.pod_ip, conditions=[k8s.V1PodCondition(type="Ready",
+                                                                                               status="True")]))

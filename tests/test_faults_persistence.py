@@ -92,7 +92,7 @@ def test_redis_restarted_with_its_data_under_traffic_loses_nothing() -> None:
         for s in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
             reg.transition(rep.id, s, now=now)
         # what the planner reads besides the counters (written as the workers write them)
-        reg.record_load_time("m", 3.25)
+        reg.record_load_time("m", 3.25, revision="r1", node_class="cpu")
         reg.record_baseline_sample("m", "cpu", 0.042, samples=1)
         client.hset(keys.planner_state("m"), mapping={"state": json.dumps({"held_until": now + 600})})
         client.hset(keys.planned_event("ev-1"), mapping={"event": json.dumps({"id": "ev-1"}), "status": "planned"})
@@ -125,7 +125,7 @@ def test_redis_restarted_with_its_data_under_traffic_loses_nothing() -> None:
                 continue  # live: refreshed by traffic and heartbeats
             else:
                 assert after[key] == value, (key, value, after[key])
-        assert reg.load_time_p95("m") == 3.25 and reg.baseline("m", "cpu") == 0.042
+        assert reg.load_time_p95("m", "r1", "cpu") == 3.25 and reg.baseline("m", "cpu") == 0.042
         served = answers.count(200)
         assert served > 0, sorted(set(answers))
         counted = _user_requests(client, "m")

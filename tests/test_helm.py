@@ -22,7 +22,7 @@ from prewarm.cli import _build_parser
 from prewarm.adapters.k8s import API_CALLS
 from prewarm.gateway.keda import MODEL_KEY, TARGET_METRIC
 from tests.keda_crd import check_scaled_object
-from prewarm.core.settings import _GROUPS
+from prewarm.core.settings import _GROUPS, KubernetesSettings
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
 SEED_SET = "autoscaling.warmupPoolSize=2,hpa.behavior.scaleDown.stabilizationWindowSeconds=300"
@@ -154,12 +154,14 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
     assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
     assert env_of(find(seeded, "Deployment", "-beat"))["PREWARM_PLANNER_WARM_POOL_SIZE"] == "2"
     hpa = find(render({"autoscaling": {"mode": "hpa"}}), "HorizontalPodAutoscaler", "-inference")
-    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+    # issue 17: the seed's 300 s is the planner's reactive fallback, not a second window behind its plan
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 0
+    assert env_of(find(seeded, "Deployment", "-planner"))["PREWARM_PLANNER_STABILIZATION_S"] == "300"
     other = render({"hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 120}}},
                     "autoscaling": {"warmupPoolSize": 0, "mode": "hpa"}})
     assert find(other, "HorizontalPodAutoscaler", "-inference")["spec"]["behavior"]["scaleDown"][
         "stabilizationWindowSeconds"
-    ] == 120
+    ] == 0
     planner_env = env_of(find(other, "Deployment", "-planner"))
     assert planner_env["PREWARM_PLANNER_STABILIZATION_S"] == "120"
     assert planner_env["PREWARM_PLANNER_WARM_POOL_SIZE"] == "0"  # zero is a value, not "unset"
@@ -169,7 +171,12 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
                         "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
                 "ScaledObject", "-inference")
     assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
-        "stabilizationWindowSeconds": 90}
+        "stabilizationWindowSeconds": 0}
+    assert keda["spec"]["cooldownPeriod"] <= 1  # no second window before scaling to zero either
+    keda_env = env_of(find(render({"autoscaling": {"mode": "keda"},
+                                   "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
+                           "Deployment", "-planner"))
+    assert keda_env["PREWARM_PLANNER_STABILIZATION_S"] == "90"
 
 
 def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
@@ -181,13 +188,25 @@ def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
     assert term["matchExpressions"] == [{"key": "model.type", "operator": "In", "values": ["llama", "mistral"]}]
     container = spec["containers"][0]
     assert container["args"] == ["agent"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["memory"]
     env = env_of(ds)
     assert env["PREWARM_AGENT_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["PREWARM_AGENT_REPLICA_SLOTS"] == "2"
     assert [p["containerPort"] for p in container["ports"] if p["name"].startswith("runtime-")] == [18000, 18001]
     assert "affinity" not in pod_spec(find(render(), "DaemonSet", "-agent"))
+
+
+def test_agents_ask_for_a_gpu_only_when_they_host_replicas() -> None:
+    """Issue 18: in Kubernetes mode (the default) the agents host nothing; a GPU request on every labelled
+    node would leave a one-GPU node's inference pod unschedulable. Without Kubernetes they host the replicas."""
+    k8s_mode = render()
+    agent = pod_spec(find(k8s_mode, "DaemonSet", "-agent"))["containers"][0]
+    assert "nvidia.com/gpu" not in agent["resources"]["limits"]
+    assert pod_spec(find(k8s_mode, "Deployment", "-inference"))["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] == 1  # the pod that serves gets the node's one GPU
+    hosting = render({"kubernetes": {"enabled": False}, "agent": {"gpus": 2}})
+    agent = pod_spec(find(hosting, "DaemonSet", "-agent"))["containers"][0]
+    assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_exactly_one_beat_and_the_planner_workers() -> None:
@@ -263,6 +282,39 @@ def test_pod_warmer_warms_the_inference_pods() -> None:
         render({"inference": {"enabled": False}})
     for off in ({"podWarmer": {"enabled": False}}, {"kubernetes": {"enabled": False}}):
         assert not [d for d in render(off) if d["metadata"]["name"].endswith("-pod-warmer")]
+
+
+def test_each_models_key_secret_reaches_its_warmer_and_the_gateway() -> None:
+    """Issue 18: a model's Deployment names its key Secret; its pod warmer registers the reference and the
+    gateway mounts the key under that reference (the registry never holds the key)."""
+    docs = render({"autoscaling": {"mode": "keda", "targets": [
+        {"model": "llama3", "deployment": "vllm-llama3", "revision": "2024-06", "apiKeySecret": "llama-key",
+         "apiKeySecretKey": "token"},
+        {"model": "qwen", "deployment": "vllm-qwen", "revision": "q1"}]},
+        "podWarmer": {"apiKeySecret": "shared-key"}})
+    warmers = {pod_spec(d)["containers"][0]["args"][3]: env_of(d) for d in docs
+               if d["kind"] == "Deployment" and "-pod-warmer" in d["metadata"]["name"]}
+    assert warmers["vllm-llama3"]["PREWARM_KUBERNETES_POD_API_KEY"] == {
+        "secretKeyRef": {"name": "llama-key", "key": "token"}}
+    assert warmers["vllm-llama3"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "llama-key/token"
+    assert warmers["vllm-qwen"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "shared-key/api-key"  # podWarmer's default
+    assert warmers["pw-prewarm-inference"]["PREWARM_KUBERNETES_POD_API_KEY_REF"] == "shared-key/api-key"
+    gateway = find(docs, "Deployment", "-gateway")
+    keys_dir = env_of(gateway)["PREWARM_GATEWAY_UPSTREAM_KEYS_DIR"]
+    (mount,) = pod_spec(gateway)["containers"][0]["volumeMounts"]
+    assert mount["mountPath"] == keys_dir and mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec(gateway)["volumes"] if v["name"] == mount["name"]]
+    mounted = {src["secret"]["items"][0]["path"]: (src["secret"]["name"], src["secret"]["items"][0]["key"],
+                                                   src["secret"]["optional"]) for src in volume["projected"]["sources"]}
+    assert mounted == {"llama-key/token": ("llama-key", "token", True), "shared-key/api-key": ("shared-key", "api-key", True)}
+    for ref in mounted:  # every path the gateway reads is a reference a replica may carry
+        KubernetesSettings(pod_api_key_ref=ref)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(gateway, version, strict=True)
+    plain = find(render(), "Deployment", "-gateway")  # no key Secret named: nothing mounted, the runtimes' key only
+    assert "volumes" not in pod_spec(plain) and "PREWARM_GATEWAY_UPSTREAM_KEYS_DIR" not in env_of(plain)
+    with pytest.raises(helm_python.HelmValuesError):
+        _chart().validate_schema(_chart().merge_values({"podWarmer": {"apiKeySecret": "../etc"}}))
 
 
 def test_redis_is_optional_with_an_external_url_or_secret() -> None:

@@ -24,15 +24,16 @@ from prewarm.adapters.k8s import (
     K8sNotFound,
     KubeActuator,
 )
-from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod
+from prewarm.adapters.k8s_watch import ImagePull, PodWatcher, ReadyPod, image_pulls, pulls_in_events
 from tests.k8s_double import KubeDouble, Request
+from tests.k8s_events import KubeDoubleWithEvents
 
 NS = "inference"
 
 
 @pytest.fixture()
-def double() -> Iterator[KubeDouble]:
-    with KubeDouble() as d:
+def double() -> Iterator[KubeDoubleWithEvents]:
+    with KubeDoubleWithEvents() as d:
         d.add_deployment(NS, "llm", replicas=2, labels={"app": "llm", "tier": "gpu"})
         d.add_hpa(NS, "llm", min_replicas=2, max_replicas=10, deployment="llm")
         yield d
@@ -252,6 +253,9 @@ def test_api_calls_cover_every_endpoint_the_actuator_used(double: KubeDouble, ac
     double.put_pod(NS, "p", {"app": "llm", "tier": "gpu"}, ready=True, ip="10.0.0.5")
     t.join(timeout=10)
     assert not t.is_alive()
+    pod = double.state.pods[(NS, "p")]["metadata"]
+    assert image_pulls(watcher.core, ReadyPod("p", NS, pod["uid"], "gpu-1", "10.0.0.5", "http://10.0.0.5:8000", {},
+                                              "1")) == ()  # the pod warmer's read of its image pulls
     allowed = {(c.group, c.resource, v) for c in API_CALLS for v in c.verbs}
     assert {_rbac_of(r) for r in double.requests()} == allowed
 
@@ -314,3 +318,21 @@ def test_cli_scale_dry_run_and_apply(
     assert (node["name"], node["gpus"], node["model_type"]) == ("gpu-a", 2, "llama")
     assert cli.main([*base, "scale", "--deployment", "absent", "--replicas", "1"]) == 1
     assert "deployments/absent/scale" in capsys.readouterr().err
+
+
+def test_image_pulls_are_read_from_the_pods_kubelet_events(double: KubeDoubleWithEvents) -> None:
+    """Issue 18: a pod's first start of an image on a node waits for the pull; the pod warmer keeps that
+    wait out of the planner's lead. The kubelet's wordings across versions; a present image is no pull."""
+    double.put_pod(NS, "p", {"app": "llm"}, ready=True, ip="10.0.0.5")
+    double.put_pod(NS, "q", {"app": "llm"}, ready=True, ip="10.0.0.6")
+    for message in ('Pulling image "init:1"', 'Successfully pulled image "init:1" in 1m2.5s',
+                    'Successfully pulled image "vllm:0.6" in 20.1s (21.25s including waiting). Image size: 9 bytes.',
+                    'Container image "vllm:0.6" already present on machine'):
+        double.add_pod_event(NS, "p", message.split(" ", 1)[0].replace("Successfully", "Pulled")
+                             .replace("Container", "Pulled"), message, 0.0)
+    double.add_pod_event(NS, "q", "Pulled", 'Successfully pulled image "other:1" in 3s', 0.0)
+    meta = double.state.pods[(NS, "p")]["metadata"]
+    watcher = PodWatcher(double.api_client(), NS, "llm", watch_timeout_s=1)
+    pod = ReadyPod("p", NS, meta["uid"], "gpu-1", "10.0.0.5", "http://10.0.0.5:8000", {}, "1")
+    assert image_pulls(watcher.core, pod) == (ImagePull("init:1", 62.5), ImagePull("vllm:0.6", 21.25))
+    assert pulls_in_events([]) == ()

@@ -185,8 +185,16 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     reg = ReplicaRegistry(redis_client, SETTINGS)
     assert reg.load_time_p95("llama") is None
     for s in range(1, 21):
-        reg.record_load_time("llama", float(s))
+        reg.record_load_time("llama", float(s), revision="r1", node_class="h200")
     assert reg.load_time_p95("llama") == 19.0
+    # issue 18: the lead is kept per revision and node class; read for one revision, it is the slowest class's
+    for s in (30.0, 31.0, 32.0):
+        reg.record_load_time("llama", s, revision="r1", node_class="a10")
+    reg.record_load_time("llama", 90.0, revision="r2", node_class="h200")
+    assert reg.load_time_p95("llama", "r1", "h200") == 19.0 and reg.load_time_p95("llama", "r1", "a10") == 32.0
+    assert reg.load_time_p95("llama", "r1") == 32.0 and reg.load_time_p95("llama", "r2") == 90.0
+    assert reg.load_time_p95("llama", "r3") is None and reg.load_time_p95("llama", "r2", "a10") is None
+    assert reg.load_time_p95("llama") == 90.0
     # issue 17: the baseline is the median of the first validated replicas, so a slow first one does not set it
     assert reg.record_baseline_sample("llama", "h200", 0.50, samples=5) is None  # slow first replica
     assert reg.baseline("llama", "h200") is None

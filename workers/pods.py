@@ -11,7 +11,8 @@ computes the right thing at the expected speed:
 
 The steps are `workers.node.bringup.bring_up`, the same bring-up the node agents run; this
 module adds what is particular to a pod: its replica id, the pod going away mid-warmup, its
-time to ready counted from the pod's creation, heartbeats and keep-alives while it lives.
+time to ready counted from the pod's creation (the planner's lead, per model, revision and node
+class, with the image pulls it waited for recorded apart), heartbeats and keep-alives while it lives.
 
 Validation over the OpenAI API: the numeric check reads the top-k log-probabilities of a
 probe's next token (`logprobs`) and the performance check compares the warm latency with
@@ -57,10 +58,10 @@ from typing import Any, Callable, Mapping
 from kubernetes import client as k8s_client
 
 from prewarm.adapters.k8s import call
-from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod, WatchStats, pod_is_ready
+from prewarm.adapters.k8s_watch import ImagePull, PodWatcher, ReadyPod, WatchStats, image_pulls, pod_is_ready
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter
 from prewarm.core import keys
-from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_name, replica_id
+from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_key_ref, check_name, replica_id
 from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
     TemporaryError, failure_reason
 from prewarm.core.settings import Settings
@@ -68,6 +69,7 @@ from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
 from workers.node.bringup import BringUpSpec, bring_up, owner_token
 from workers.node.lock import ReplicaLock
+from workers.pod_tiers import tier_round
 
 log = logging.getLogger("prewarm.external")
 
@@ -101,6 +103,7 @@ class PodTarget:
     require_logprobs: bool = True
     sleep_mode: bool = False
     api_key: str | None = None
+    api_key_ref: str = ""  # registered with each replica: the name under which the gateway holds `api_key`
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
 
@@ -108,6 +111,7 @@ class PodTarget:
         check_name(self.model, "model")
         check_name(self.revision, "revision")
         check_name(self.node_class, "node class")
+        check_key_ref(self.api_key_ref, "the pods' API key reference")
         if not self.served_model:
             raise InvalidPayload("the served model name must not be empty")
 
@@ -143,9 +147,11 @@ class PodPrewarmer:
     """The `on_ready` side of the pod watcher, plus the heartbeats of the replicas it made."""
 
     def __init__(self, ctx: WorkerContext, target: PodTarget, *,
-                 adapter_factory: Callable[[str], OpenAICompatibleAdapter] | None = None) -> None:
+                 adapter_factory: Callable[[str], OpenAICompatibleAdapter] | None = None,
+                 pulls: Callable[[ReadyPod], tuple[ImagePull, ...]] | None = None) -> None:
         self.ctx = ctx
         self.target = target
+        self.pulls = pulls  # the image pulls a pod waited for (its events); None: none known
         self.adapter_factory = adapter_factory or self._adapter
         self.poll_s = 0.1
         self._mu = threading.Lock()
@@ -207,21 +213,23 @@ class PodPrewarmer:
             # Handed over again (it was unready in between: its server may have restarted cold),
             # moved to another IP, or left half-done by a watcher that died: start over.
             self._end(rid, rec, f"pod {pod.name} was handed over again: warming it anew", fail_code="superseded")
-        # Time to ready runs from the pod's creation the first time this pod is seen (scheduling, image
-        # pull, server start and load are all part of a cold start in a cluster); a pod handed over
-        # again (its container restarted) counts from its new registration.
+        # Time to ready runs from the pod's creation the first time this pod is seen (scheduling, server
+        # start and load are all part of a cold start in a cluster), less the image pulls it waited for
+        # (recorded apart: only a node's first start of an image pays them); a pod handed over again (its
+        # container restarted) counts from its new registration.
         first_time = rec is None and pod.created_at is not None
+        pulled = self._image_pulls(pod) if first_time else 0.0
         now = ctx.clock()
         fresh = Replica(model=t.model, revision=t.revision, node=pod.node, slot=pod_slot(pod.namespace, pod.name),
                         endpoint=pod.endpoint, pool=t.pool, state=ReplicaState.PENDING, created_at=now,
-                        updated_at=now, heartbeat_at=now)
+                        updated_at=now, heartbeat_at=now, auth_ref=t.api_key_ref)
         ctx.registry.register(fresh, now=now)
         self._track(pod, fresh)
         spec = BringUpSpec(model=t.model, node=pod.node, node_class=t.node_class, served_model=t.served_model,
                            expected=None,  # such servers do not list their tensors: structural is "unsupported"
                            started_at=pod.created_at if first_time and pod.created_at is not None else now,
                            require_logprobs=t.require_logprobs, load_timeout_s=t.ready_timeout_s,
-                           label=f"pod={pod.name}", revision=t.revision)
+                           label=f"pod={pod.name}", revision=t.revision, excluded_s=pulled)
         adapter = self.adapter_factory(pod.endpoint)
         done = bring_up(ctx, fresh, spec, connect=lambda _rec: adapter,
                         transition=lambda to, expected, reason: self._step(rid, to, expected, reason),
@@ -229,6 +237,25 @@ class PodPrewarmer:
         self._track(pod, done.replica)
         return PodResult(pod.name, rid, PodOutcome.READY, done.report.reason if done.report else "",
                          done.cold_start_s)
+
+    def _image_pulls(self, pod: ReadyPod) -> float:
+        """Seconds the pod waited for image pulls, recorded apart (`record_image_pull`, `model_image_pull_seconds`):
+        the first start of an image on a node pulls it, later starts find it there, so the pull is no part of
+        the lead the planner plans with. Unknown (no events readable): 0, the lead keeps it (the safe side)."""
+        if self.pulls is None:
+            return 0.0
+        try:
+            pulls = self.pulls(pod)
+        except (PrewarmError, OSError) as exc:
+            log.warning("pod %s: its image pulls are unknown (%s); its lead includes them", pod.name, exc)
+            return 0.0
+        t = self.target
+        for p in pulls:
+            self.ctx.registry.record_image_pull(t.model, t.revision, t.node_class, p.seconds)
+            self.ctx.metrics.image_pull.labels(t.model, pod.node).observe(p.seconds)
+            log.info("pod %s on %s waited %.1fs for image %s (kept out of its lead)", pod.name, pod.node, p.seconds,
+                     p.image)
+        return sum(p.seconds for p in pulls)
 
     def _step(self, rid: str, to: ReplicaState, expected: ReplicaState, reason: str = "") -> Replica:
         try:
@@ -297,6 +324,26 @@ class PodPrewarmer:
             ctx.metrics.warmup_requests.labels(t.model, "keepalive").inc(len(requests))
             sent[rid] = len(requests)
         return sent
+
+    def tier_round(self) -> dict[str, str]:
+        """With `sleep_mode`: park ready pods asleep, or wake them, to the planner's awake count
+        (`workers.pod_tiers`). A pod whose server refused to sleep is warmed and registered again."""
+        t = self.target
+        if not t.sleep_mode:
+            return {}
+        with self._mu:
+            tracked = {rid: tr.pod for rid, tr in self._tracked.items()}
+        done = tier_round(self.ctx, t.model, t.node_class, {rid: pod.endpoint for rid, pod in tracked.items()},
+                          self.adapter_factory, owner_token("pod-tiers"), self._retrack)
+        for rid, what in done.items():
+            if what == "failed":
+                self.handle(tracked[rid])
+        return done
+
+    def _retrack(self, rec: Replica) -> None:
+        with self._mu:
+            if rec.id in self._tracked:
+                self._tracked[rec.id] = _Tracked(self._tracked[rec.id].pod, rec)
 
     def sync(self, pods: Mapping[str, Any]) -> dict[str, str]:
         """One heartbeat round over `pods` (name -> pod object as listed): a tracked replica whose
@@ -383,7 +430,7 @@ def run_pod_prewarmer(
     kube = ctx.settings.kubernetes
     watcher = PodWatcher(api, namespace, deployment, pod_port=kube.pod_port, watch_timeout_s=watch_timeout_s)
     selector = watcher.selector()
-    prewarmer = PodPrewarmer(ctx, target)
+    prewarmer = PodPrewarmer(ctx, target, pulls=lambda pod: image_pulls(watcher.core, pod))
     pool = ThreadPoolExecutor(max_workers=concurrency or kube.pod_concurrency, thread_name_prefix="pod-warm")
     beat_stop = threading.Event()
 
@@ -398,6 +445,7 @@ def run_pod_prewarmer(
     def keeper() -> None:
         while not beat_stop.wait(ctx.settings.warmup.keepalive_interval_s):
             try:
+                prewarmer.tier_round()  # asleep or awake, as the planner wants, before keeping the awake warm
                 prewarmer.keepalive_round()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive a Redis blip
                 log.warning("pod keep-alive round failed: %s", exc)
@@ -427,6 +475,7 @@ def target_from(settings: Settings, *, model: str, revision: str, served_model: 
         model=model, revision=revision, served_model=served_model or model, pool=Pool(pool),
         node_class=node_class or settings.agent.node_class, require_logprobs=kube.pod_require_logprobs,
         sleep_mode=kube.pod_sleep_mode, api_key=kube.pod_api_key.get_secret_value() if kube.pod_api_key else None,
+        api_key_ref=kube.pod_api_key_ref,
         ready_timeout_s=kube.pod_ready_timeout_s,
     )
 

@@ -64,6 +64,7 @@ API_CALLS: tuple[ApiCall, ...] = (
     ApiCall("apps", "deployments/scale", ("get", "patch")),
     ApiCall("autoscaling", "horizontalpodautoscalers", ("get", "patch")),
     ApiCall("", "pods", ("list", "watch")),
+    ApiCall("", "events", ("list",)),  # a new pod's image pulls, kept out of the planner's lead
     ApiCall("", "nodes", ("list",), cluster_scoped=True),
 )
 

@@ -11,11 +11,17 @@ the watcher needs no RBAC beyond `API_CALLS` in `prewarm.adapters.k8s`. It lists
 pods already Ready and a resourceVersion), then watches from that version; when the
 version has expired (410 Gone) it lists again. A pod that turns unready and Ready again
 (a restarted container) is handed over again; a deleted pod is forgotten.
+
+`image_pulls` reads what a pod waited for its images from its events, as the kubelet reports
+them (`Pulled`: "Successfully pulled image "x" in 2.5s (3.1s including waiting)"): the first
+start of an image on a node pays for the pull, later ones find it present, so a pull is a
+different cost from the lead the planner plans with and is reported apart.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -178,3 +184,47 @@ class PodWatcher:
             resource_version=str(pod.metadata.resource_version or ""),
             created_at=pod.metadata.creation_timestamp.timestamp() if pod.metadata.creation_timestamp else None,
         )
+
+
+@dataclass(frozen=True)
+class ImagePull:
+    """An image a pod waited for the kubelet to pull, and how long."""
+
+    image: str
+    seconds: float  # the wait, pull slot included ("including waiting") when the kubelet reports it
+
+
+_DUR = r"(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+"
+# "... in 2.5s", "... in 2.5s (3.1s including waiting)", and since 1.30 ". Image size: 123 bytes." after it
+_PULLED = re.compile(rf'^Successfully pulled image "(?P<image>[^"]+)" in (?P<took>{_DUR})'
+                     rf'(?: \((?P<waited>{_DUR}) including waiting\))?(?:\.|$)')
+_GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def go_duration_s(text: str) -> float | None:
+    """Seconds of a Go `time.Duration` as printed ("1m2.5s", "350ms"); None if it is not one."""
+    parts = _GO_DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _GO_UNITS[u] for n, u in parts)
+
+
+def pulls_in_events(events: Any) -> tuple[ImagePull, ...]:
+    """The image pulls among a pod's events (`V1Event`s); events of images already present are none."""
+    out = []
+    for ev in events:
+        m = _PULLED.match(str(ev.message or "")) if ev.reason == "Pulled" else None
+        seconds = go_duration_s(m.group("waited") or m.group("took")) if m else None
+        if m and seconds is not None:
+            out.append(ImagePull(m.group("image"), seconds))
+    return tuple(out)
+
+
+def image_pulls(core: k8s_client.CoreV1Api, pod: ReadyPod) -> tuple[ImagePull, ...]:
+    """The image pulls `pod` waited for (one list call on its events, by name and uid)."""
+    what = f"events of pod {pod.namespace}/{pod.name}"
+    selector = f"involvedObject.name={pod.name}" + (f",involvedObject.uid={pod.uid}" if pod.uid else "")
+    listing = call(lambda: core.list_namespaced_event(pod.namespace, field_selector=selector, _request_timeout=10),
+                   "list", what)
+    return pulls_in_events(listing.items or [])

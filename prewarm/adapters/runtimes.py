@@ -348,5 +348,22 @@ class OpenAICompatibleAdapter(_HttpAdapter):
     def mark_ready(self, report: ValidationReport) -> bool:
         return report.passed and self.ready()
 
+    def engine_load(self) -> int | None:
+        """Requests the engine is running or holding (vLLM's `num_requests_running` + `num_requests_waiting`
+        on /metrics, summed over their label sets); None when the server does not export them."""
+        resp = self._request("GET", "/metrics", accept=(404,))
+        if resp.status == 404:
+            return None
+        total, seen = 0.0, False
+        for line in resp.body.decode("utf-8", "replace").splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    seen = True
+                except (IndexError, ValueError):
+                    continue
+        return int(total) if seen else None
+
     def ready(self) -> bool:
         return self.load_status().loaded

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from prewarm.core.errors import InvalidPayload
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+#: `<Secret name>/<key in the Secret>`: a Kubernetes Secret's name (DNS subdomain) and one of its data keys.
+_KEY_REF = re.compile(r"^[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/[-._A-Za-z0-9]{1,253}$")
 
 
 class ReplicaState(str, Enum):
@@ -68,6 +70,18 @@ def check_name(value: str, what: str) -> str:
         raise InvalidPayload(
             f"{what} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', got {value!r}"
         )
+    return value
+
+
+def check_key_ref(value: str, what: str = "API key reference") -> str:
+    """Validate a reference to an upstream's API key: `<Secret name>/<key>` ('' names the runtimes' own
+    key, `runtime.api_key`). The registry stores the reference, never the key; the gateway reads the key
+    from the file of that name under `gateway.upstream_keys_dir`, so a reference must not leave it."""
+    if value == "":
+        return value
+    if not isinstance(value, str) or not _KEY_REF.match(value) or value.split("/", 1)[1] in (".", ".."):
+        raise InvalidPayload(f"{what} must look like <secret name>/<key> (a lower-case DNS name, then the key's "
+                             f"letters, digits, '.', '_' or '-'), got {value!r}")
     return value
 
 
@@ -134,9 +148,11 @@ class Replica:
     updated_at: float = 0.0
     heartbeat_at: float = 0.0
     reason: str = ""  # why it failed or was retired
+    auth_ref: str = ""  # which API key the gateway sends it (`check_key_ref`); '': the runtimes' own key
 
     def __post_init__(self) -> None:
         replica_id(self.model, self.revision, self.node, self.slot)
+        check_key_ref(self.auth_ref, f"auth_ref of replica {self.model}@{self.revision}/{self.node}/{self.slot}")
         if not 0.0 <= self.progress <= 1.0:
             raise InvalidPayload(f"progress must be within 0..1, got {self.progress}")
 
@@ -164,6 +180,7 @@ class Replica:
             "updated_at": repr(float(self.updated_at)),
             "heartbeat_at": repr(float(self.heartbeat_at)),
             "reason": self.reason,
+            "auth_ref": self.auth_ref,
         }
 
     @classmethod
@@ -183,6 +200,7 @@ class Replica:
                 updated_at=float(fields.get("updated_at", 0.0)),
                 heartbeat_at=float(fields.get("heartbeat_at", 0.0)),
                 reason=fields.get("reason", ""),
+                auth_ref=fields.get("auth_ref", ""),
             )
         except (KeyError, ValueError) as exc:
             raise InvalidPayload(f"replica record is malformed: {exc}") from exc

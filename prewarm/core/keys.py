@@ -85,6 +85,12 @@ def demand(model: str) -> str:
     return f"{PREFIX}:demand:{model}"
 
 
+#: Marker that a signed warmup request's nonce was accepted by a gateway (any of them): a second use is a
+#: replay. Set NX with a TTL running to the end of its timestamp's skew window (`signing.MAX_SKEW_S`).
+def warmup_nonce(nonce: str) -> str:
+    return f"{PREFIX}:warmupnonce:{nonce}"
+
+
 #: Pub/sub channel on which the gateway announces unmet demand (scale from zero).
 DEMAND_CHANNEL = f"{PREFIX}:demand"
 #: Demand records expire after this long without a new unmet request.
@@ -106,9 +112,21 @@ def baseline_samples(model: str, node_class: str, revision: str = "") -> str:
 BASELINE_TTL_S = 7 * 86400
 
 
-#: List of recent cold-start durations (seconds) of a model, newest first, capped at LOADTIMES_KEEP.
-def load_times(model: str) -> str:
-    return f"{PREFIX}:loadtimes:{model}"
+#: List of recent leads (seconds) of a model at a revision on a node class, newest first, capped at
+#: LOADTIMES_KEEP: from the scale event (registration, or a pod's creation) to validated, image pulls left out.
+def load_times(model: str, revision: str, node_class: str) -> str:
+    return f"{PREFIX}:loadtimes:{model}@{revision}:{node_class}"
+
+
+#: Set of "<revision>/<node class>" a model has load times for (where `load_time_p95` looks).
+def load_time_classes(model: str) -> str:
+    return f"{PREFIX}:loadtimeclasses:{model}"
+
+
+#: List of recent image pulls (seconds) a pod of a model at a revision waited for on a node class, newest
+#: first, capped at LOADTIMES_KEEP: the first start of an image on a node, reported apart from the lead.
+def image_pulls(model: str, revision: str, node_class: str) -> str:
+    return f"{PREFIX}:imagepulls:{model}@{revision}:{node_class}"
 
 
 LOADTIMES_KEEP = 200

@@ -19,6 +19,7 @@ EXPORTED = (
     "model_loading_phase_duration_seconds",
     "model_loading_failures_total",
     "model_cold_start_seconds",
+    "model_image_pull_seconds",
     "gateway_requests_total",
     "gateway_request_duration_seconds",
     "gateway_cold_start_wait_seconds",
@@ -66,6 +67,13 @@ class Metrics:
         self.cold_start = Histogram(
             "model_cold_start_seconds",
             "Time from a replica asked to start to ready (loaded and validated)",
+            ["model", "node"],
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
+        )
+        self.image_pull = Histogram(
+            "model_image_pull_seconds",
+            "Image pulls a new pod waited for (the first start of an image on a node), left out of its cold start",
             ["model", "node"],
             buckets=_LOAD_BUCKETS,
             registry=registry,

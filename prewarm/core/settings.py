@@ -24,7 +24,8 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from pydantic_settings import SettingsError as SourceError
 
 from prewarm.core import keys
-from prewarm.core.errors import SettingsError
+from prewarm.core.domain import check_key_ref
+from prewarm.core.errors import InvalidPayload, SettingsError
 
 
 class _Group(BaseSettings):
@@ -89,6 +90,11 @@ class GatewaySettings(_Group):
     replica_queue_limit: int = Field(128, ge=1)  # requests in flight to one replica at most; all full: 429 + Retry-After
     header_timeout_s: float = Field(10.0, gt=0)  # a connection must send a request's headers within this (slowloris)
     max_connections_per_client: int = Field(256, ge=0)  # open connections per client address; 0: no cap (behind a proxy: raise it)
+    # Directory of the upstreams' own API keys, one file per key named by its reference `<secret>/<key>`
+    # (the chart mounts each model's key Secret here). A replica registered with `auth_ref` gets that key;
+    # one without gets `runtime.api_key`. The registry holds only references, never keys.
+    upstream_keys_dir: str | None = None
+    upstream_keys_refresh_s: float = Field(30.0, gt=0)  # a key file is read again after this (Secret rotation)
 
 
 class RegistrySettings(_Group):
@@ -169,10 +175,21 @@ class KubernetesSettings(_Group):
     pod_port: int = Field(8000, ge=1, le=65535)
     # --- prewarming the pods of an inference Deployment (`prewarm k8s prewarm-pods`) ---
     pod_api_key: SecretStr | None = None  # bearer token of the pods' OpenAI-compatible servers (vLLM --api-key)
+    # the reference (`<secret>/<key>`) of that token registered with each pod's replica: the gateway reads the
+    # key under that name from `gateway.upstream_keys_dir`; '' the pods take the runtimes' own key (runtime.api_key)
+    pod_api_key_ref: str = ""
     pod_sleep_mode: bool = False  # the pods' servers have vLLM-style /sleep, /wake_up, /is_sleeping
     pod_ready_timeout_s: float = Field(120.0, gt=0)  # a Ready pod's server must pass its health check within this
     pod_require_logprobs: bool = True  # numeric validation needs logprobs; False: "unsupported" is accepted
     pod_concurrency: int = Field(4, ge=1)  # pods warmed at the same time
+
+    @field_validator("pod_api_key_ref")
+    @classmethod
+    def _key_ref(cls, v: str) -> str:
+        try:
+            return check_key_ref(v)
+        except InvalidPayload as exc:
+            raise ValueError(str(exc)) from None
 
 
 class RuntimeSettings(_Group):

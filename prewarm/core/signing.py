@@ -3,9 +3,10 @@
 Warmup requests carry `X-Warmup: 1`, `X-Warmup-Timestamp`, `X-Warmup-Nonce` and
 `X-Warmup-Signature`, an HMAC-SHA256 over the timestamp, the nonce, the method, the path
 and the body with the shared secret. A request whose signature does not verify gains
-nothing: it is treated as user traffic. Each verifier remembers the nonces it accepted for
-the skew window (`NonceCache`), so a captured warmup request replayed within it is user
-traffic too.
+nothing: it is treated as user traffic. A verifier remembers the nonces it accepted for
+the skew window, so a captured warmup request replayed within it is user traffic too: a
+runtime in its own memory (`NonceCache`, it is one process), the gateways in Redis, shared
+by every gateway pod (`prewarm.gateway.nonces`), since a replay may reach any of them.
 """
 
 from __future__ import annotations
@@ -60,24 +61,36 @@ class NonceCache:
         return True
 
 
+def verified_warmup(
+    secret: str | None, headers: Mapping[str, str], method: str, path: str, body: bytes, now: float,
+) -> tuple[str, float] | None:
+    """(nonce, timestamp) of a request marked as warmup whose signature and timestamp verify, else None.
+    Whether the nonce was used before is the caller's question (`NonceCache` in one process, or the
+    gateways' shared record in Redis, `prewarm.gateway.nonces`)."""
+    if not secret or headers.get(HEADER) != "1":
+        return None
+    try:
+        ts = float(headers.get(HEADER_TS, ""))
+    except ValueError:
+        return None
+    if not abs(now - ts) <= MAX_SKEW_S:  # NaN fails too
+        return None
+    nonce = headers.get(HEADER_NONCE, "")
+    if not 8 <= len(nonce) <= 64:
+        return None
+    expected = sign(secret, method, path, body, ts, nonce)
+    if not hmac.compare_digest(expected, headers.get(HEADER_SIG, "")):
+        return None
+    return nonce, ts
+
+
 def is_valid_warmup(
     secret: str | None, headers: Mapping[str, str], method: str, path: str, body: bytes, now: float,
     nonces: NonceCache | None = None,
 ) -> bool:
     """True only for a request marked as warmup whose signature and timestamp verify and, with
     `nonces`, whose nonce was not used before (a replay)."""
-    if not secret or headers.get(HEADER) != "1":
+    verified = verified_warmup(secret, headers, method, path, body, now)
+    if verified is None:
         return False
-    try:
-        ts = float(headers.get(HEADER_TS, ""))
-    except ValueError:
-        return False
-    if abs(now - ts) > MAX_SKEW_S:
-        return False
-    nonce = headers.get(HEADER_NONCE, "")
-    if not 8 <= len(nonce) <= 64:
-        return False
-    expected = sign(secret, method, path, body, ts, nonce)
-    if not hmac.compare_digest(expected, headers.get(HEADER_SIG, "")):
-        return False
-    return nonces is None or nonces.first_use(nonce, now)
+    return nonces is None or nonces.first_use(verified[0], now)

@@ -38,6 +38,8 @@ from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
 from prewarm.gateway.guard import ConnectionGate, serve
+from prewarm.gateway.nonces import SharedNonces
+from prewarm.gateway.upstream_auth import UpstreamKeys
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -108,13 +110,14 @@ class Gateway:
         self.metrics = Metrics(self.metrics_registry)
         self.state = GatewayState()
         self.gate = ConnectionGate(self.cfg.header_timeout_s, self.cfg.max_connections_per_client)
-        self.nonces = signing.NonceCache()  # a replayed warmup request is user traffic (per gateway process)
         self.counter = RequestCounter()
         self.secret = settings.warmup.secret.get_secret_value() if settings.warmup.secret else None
-        key = settings.runtime.api_key
-        self.upstream_auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+        key = settings.runtime.api_key  # each replica's own key, or the runtimes' (a client's own never passes)
+        self.upstream_keys = UpstreamKeys(key.get_secret_value() if key is not None else None,
+                                          self.cfg.upstream_keys_dir, self.cfg.upstream_keys_refresh_s)
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
         self.redis = async_client(settings.redis)
+        self.nonces = SharedNonces(self.redis, self.secret)  # a replayed warmup request is user traffic (all gateways)
         self.reader = AsyncRegistryReader(self.redis)
         self.registry = ReplicaRegistry(sync_client(settings.redis), settings.registry)
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
@@ -281,8 +284,7 @@ class Gateway:
 
         warmup = False
         if signing.HEADER in request.headers:
-            warmup = signing.is_valid_warmup(self.secret, request.headers, request.method, request.path, body, time.time(),
-                                             self.nonces)
+            warmup = await self.nonces.is_valid_warmup(request.headers, request.method, request.path, body, time.time())
             if not warmup and self.cfg.warmup_forged == "refuse":
                 return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
         kind = "warmup" if warmup else "user"
@@ -340,7 +342,6 @@ class Gateway:
             self.metrics.cold_start_wait.labels(model).observe(time.monotonic() - started)
 
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
-        headers.update(self.upstream_auth)  # the runtimes' API key; a client's own Authorization never passes
         if not warmup:
             for h in (signing.HEADER, signing.HEADER_TS, signing.HEADER_SIG, signing.HEADER_NONCE):
                 headers.pop(h, None)
@@ -350,8 +351,12 @@ class Gateway:
         while decision.replica is not None:
             replica = decision.replica
             tried.add(replica.id)
-            result = await self._proxy_once(request, replica.id, replica.endpoint + request.path, body, headers, stream,
-                                            model, refused)
+            auth = self.upstream_keys.headers(replica)
+            result = None if auth is None else await self._proxy_once(
+                request, replica.id, replica.endpoint + request.path, body, {**headers, **auth}, stream, model, refused,
+                replica.auth_ref)
+            if auth is None:
+                refused.append(self.upstream_keys.missing(replica))
             if result is not None:
                 return result
             decision = self._route(await self._view(model), warmup, frozenset(tried))
@@ -374,7 +379,7 @@ class Gateway:
 
     async def _proxy_once(
         self, request: web.Request, rid: str, url: str, body: bytes, headers: dict[str, str], stream: bool, model: str,
-        refused: list[web.Response] | None = None,
+        refused: list[web.Response] | None = None, auth_ref: str = "",
     ) -> web.StreamResponse | None:
         """Send the request to one replica. None: it could not be reached or refused it (try another).
 
@@ -412,6 +417,9 @@ class Gateway:
                     else:
                         refused.append(web.Response(status=503, body=data,
                                                     headers={"Content-Type": ctype, "Retry-After": retry}))
+                    return None
+                if upstream.status in (401, 403) and refused is not None:  # the gateway's key, not the client's
+                    refused.append(self.upstream_keys.refused(rid, auth_ref, upstream.status))
                     return None
                 if not stream or upstream.status != 200:
                     try:

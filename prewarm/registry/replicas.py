@@ -58,7 +58,7 @@ def _pairs(flat: list[str]) -> dict[str, str]:
 
 
 #: Fields the routing view reads, in the order VIEW returns them (the rest derive from the id).
-_VIEW_FIELDS = ("id", "endpoint", "pool", "state", "progress", "phase", "heartbeat_at")
+_VIEW_FIELDS = ("id", "endpoint", "pool", "state", "progress", "phase", "heartbeat_at", "auth_ref")
 VIEW = view_script(_VIEW_FIELDS)
 
 
@@ -73,6 +73,13 @@ def _parse_row(row: str) -> Replica:
 def _view_rows(raw: list[list[str]]) -> RoutingView:
     groups = [tuple(_parse_row(row) for row in rows) for rows in raw]
     return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
+
+
+def _p95(raw: list[str]) -> float | None:
+    values = sorted(float(v) for v in raw)
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
 
 
 def _split_template(template: Callable[[str], str]) -> tuple[str, str]:
@@ -296,19 +303,42 @@ class ReplicaRegistry:
 
     # --- cold-start durations and latency baselines --------------------------------------
     @_wrap_redis_errors
-    def record_load_time(self, model: str, seconds: float) -> None:
+    def record_load_time(self, model: str, seconds: float, *, revision: str, node_class: str) -> None:
+        """One lead of `model@revision` on `node_class`: scale event to validated, image pulls left out."""
+        key = keys.load_times(model, revision, node_class)
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(keys.load_times(model), repr(float(seconds)))
-        pipe.ltrim(keys.load_times(model), 0, keys.LOADTIMES_KEEP - 1)
+        pipe.lpush(key, repr(float(seconds)))
+        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        pipe.sadd(keys.load_time_classes(model), f"{revision}/{node_class}")
         pipe.execute()
 
     @_wrap_redis_errors
-    def load_time_p95(self, model: str) -> float | None:
-        values = sorted(float(v) for v in self.client.lrange(keys.load_times(model), 0, -1))
-        if not values:
-            return None
-        idx = min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))
-        return values[idx]
+    def load_time_p95(self, model: str, revision: str | None = None, node_class: str | None = None) -> float | None:
+        """The p95 lead of each recorded (revision, node class) of `model` that matches (None: any), and of
+        those the largest: the scheduler, not the planner, picks the node a new replica lands on, so the lead
+        must cover the slowest class it may get. A revision never measured has none (None: the default)."""
+        worst: float | None = None
+        for pair in sorted(self.client.smembers(keys.load_time_classes(model))):
+            rev, _, cls = pair.partition("/")
+            if (revision is not None and rev != revision) or (node_class is not None and cls != node_class):
+                continue
+            p95 = _p95(self.client.lrange(keys.load_times(model, rev, cls), 0, -1))
+            if p95 is not None and (worst is None or p95 > worst):
+                worst = p95
+        return worst
+
+    @_wrap_redis_errors
+    def record_image_pull(self, model: str, revision: str, node_class: str, seconds: float) -> None:
+        """An image pull a new pod waited for (the first start of its image on a node), kept apart from the lead."""
+        key = keys.image_pulls(model, revision, node_class)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.lpush(key, repr(float(seconds)))
+        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        pipe.execute()
+
+    @_wrap_redis_errors
+    def image_pulls(self, model: str, revision: str, node_class: str) -> list[float]:
+        return [float(v) for v in self.client.lrange(keys.image_pulls(model, revision, node_class), 0, -1)]
 
     @_wrap_redis_errors
     def record_ready_time(self, model: str, tier: str, node_class: str, seconds: float) -> None:
@@ -321,10 +351,7 @@ class ReplicaRegistry:
 
     @_wrap_redis_errors
     def ready_time_p95(self, model: str, tier: str, node_class: str) -> float | None:
-        values = sorted(float(v) for v in self.client.lrange(keys.ready_times(model, tier, node_class), 0, -1))
-        if not values:
-            return None
-        return values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
+        return _p95(self.client.lrange(keys.ready_times(model, tier, node_class), 0, -1))
 
     @_wrap_redis_errors
     def baseline(self, model: str, node_class: str, revision: str = "") -> float | None:

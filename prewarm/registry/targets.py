@@ -34,6 +34,7 @@ TARGET_FIELD = "target"  # the count wanted at planning time
 SCHEDULE_FIELD = "target_schedule"  # JSON [[due epoch s, replicas], ...], ascending
 PLANNED_AT_FIELD = "target_at"  # when the planner wrote the schedule (epoch s); its own field, because a
 # failed planning round rewrites the record's "at" and status but leaves the last schedule
+AWAKE_FIELD = "target_awake"  # of the pods wanted now, how many awake (the rest parked asleep by the pod warmer)
 
 #: Every Redis error that means "cannot reach Redis now".
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -55,6 +56,7 @@ class ReplicaTarget:
     age_s: float  # now - planned_at
     next_at: float | None  # when the count changes next (None: not within the planned horizon)
     next_replicas: int | None
+    awake: int = 0  # of `replicas`, how many the planner wants awake now (the others asleep)
 
     @property
     def active(self) -> bool:
@@ -62,12 +64,16 @@ class ReplicaTarget:
         return self.replicas > 0
 
 
-def schedule_fields(schedule: Sequence[tuple[float, int]], *, planned_at: float) -> dict[str, str]:
-    """The record fields for a schedule (first step: now). The writer side of `read_target`."""
+def schedule_fields(schedule: Sequence[tuple[float, int]], *, planned_at: float,
+                    awake: int | None = None) -> dict[str, str]:
+    """The record fields for a schedule (first step: now) and how many of the pods wanted now are awake
+    (None: all). The writer side of `read_target`."""
     if not schedule:
         raise ValueError("a target schedule needs at least the step for now")
     steps = [[float(t), max(0, int(n))] for t, n in sorted(schedule)]
-    return {TARGET_FIELD: str(steps[0][1]), SCHEDULE_FIELD: json.dumps(steps), PLANNED_AT_FIELD: repr(planned_at)}
+    now_awake = steps[0][1] if awake is None else min(steps[0][1], max(0, int(awake)))
+    return {TARGET_FIELD: str(steps[0][1]), SCHEDULE_FIELD: json.dumps(steps), PLANNED_AT_FIELD: repr(planned_at),
+            AWAKE_FIELD: str(now_awake)}
 
 
 def step_at(steps: Sequence[Sequence[float]], now: float) -> tuple[int, float | None, int | None]:
@@ -84,10 +90,11 @@ def step_at(steps: Sequence[Sequence[float]], now: float) -> tuple[int, float | 
 def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s: float) -> ReplicaTarget:
     """The planner's target for `model` at `now`; TargetUnknown, TargetStale or RegistryUnavailable otherwise."""
     try:
-        raw: list[str | None] = client.hmget(keys.last_forecast(model), [SCHEDULE_FIELD, TARGET_FIELD, PLANNED_AT_FIELD])
+        raw: list[str | None] = client.hmget(keys.last_forecast(model),
+                                             [SCHEDULE_FIELD, TARGET_FIELD, PLANNED_AT_FIELD, AWAKE_FIELD])
     except _REDIS_DOWN as exc:
         raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
-    schedule, target, at = raw
+    schedule, target, at, awake = raw
     if at is None or (schedule is None and target is None):
         raise TargetUnknown(f"no planner target recorded for model {model!r} (is the planner running and "
                             f"planning it? PREWARM_PLANNER_MODELS)", retry_after=5.0)
@@ -103,7 +110,11 @@ def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s
         raise TargetStale(f"the planner's target for {model!r} is {age:.0f}s old (more than {max_age_s:.0f}s): "
                           f"the planner is not renewing it", retry_after=5.0)
     replicas, next_at, next_replicas = step_at(steps, now)
-    return ReplicaTarget(model, max(0, replicas), planned_at, age, next_at, next_replicas)
+    replicas = max(0, replicas)
+    # the recorded split is the planning step's; a later step of the schedule (a batch rise) is wanted awake
+    first_step = len(steps) == 1 or float(steps[1][0]) > now
+    now_awake = min(replicas, int(awake)) if first_step and awake is not None and awake.isdigit() else replicas
+    return ReplicaTarget(model, replicas, planned_at, age, next_at, next_replicas, now_awake)
 
 
 def recorded_models(client: "redis.Redis[str]") -> list[str]:

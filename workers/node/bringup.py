@@ -103,6 +103,7 @@ class BringUpSpec:
     load_timeout_s: float | None = None  # None: only `check` ends a load that never finishes
     label: str = ""  # extra words for the log lines (e.g. "pod=<name>")
     revision: str = ""  # the baseline is per revision: new weights, new baseline
+    excluded_s: float = 0.0  # time since started_at that is not the lead (a pod's image pull, recorded apart)
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,10 @@ def bring_up(ctx: WorkerContext, rec: Replica, spec: BringUpSpec, *, connect: Ca
         raise TemporaryError(f"the server of {rid} did not report ready after validation", 1.0)
     check()
     rec = transition(ReplicaState.READY, ReplicaState.WARMING, report.reason if spec.expected is None else "")
-    cold = max(0.0, ctx.clock() - spec.started_at)
+    cold = max(0.0, ctx.clock() - spec.started_at - spec.excluded_s)
     ctx.metrics.cold_start.labels(spec.model, spec.node).observe(cold)
-    ctx.registry.record_load_time(spec.model, cold)  # the planner's lead: load_time_p95
+    # the planner's lead (`load_time_p95`), per revision and node class
+    ctx.registry.record_load_time(spec.model, cold, revision=spec.revision, node_class=spec.node_class)
     log.info("[COLDSTART] replica=%s model=%s node=%s %sstate=ready cold_start_s=%.3f endpoint=%s", rid, spec.model,
              spec.node, f"{spec.label} " if spec.label else "", cold, rec.endpoint)
     return BringUpResult(rec, PrewarmOutcome.READY, report, cold)

@@ -11,11 +11,14 @@ model alone:
    counts as in flight there, so the planner never evicts it;
 4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
    models' own forecasters on a slower cadence, the fleet planner);
-5. act: a LOAD becomes `prewarm_replica` on the chosen node's queue, a WAKE `wake_replica`
-   of the replica asleep there (else a load), a SLEEP `sleep_replica` (engine level-1 sleep:
-   weights to host memory), an EVICT `evict_replica` (the weights stay in the node's
-   snapshot: the cached tier); sleep and evict wait for requests in flight
-   (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
+5. act, with `kubernetes.enabled`: each model's count goes to its Deployment's one owner
+   (`publish_cluster_target`: KEDA, the HPA's metric or the scale subresource), the pods
+   parked asleep included where they can sleep, and no agent gets a task (the pod warmer
+   sleeps and wakes the pods); without Kubernetes, a LOAD becomes `prewarm_replica` on the
+   chosen node's queue, a WAKE `wake_replica` of the replica asleep there (else a load), a
+   SLEEP `sleep_replica` (engine level-1 sleep: weights to host memory), an EVICT
+   `evict_replica` (the weights stay in the node's snapshot: the cached tier); sleep and
+   evict wait for requests in flight (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
 The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
 live in this process (a restarted planner refits them, staggered).
 """
@@ -40,7 +43,8 @@ from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
 from workers import names
 from workers.context import WorkerContext
-from workers.planning.forecast import ModelPlan, planned_models
+from workers.planning.forecast import ModelPlan, planned_models, publish_cluster_target
+from workers.planning.kubernetes import owns_replicas
 from workers.planning.nodes import live_nodes, measured_ready_p95
 
 log = logging.getLogger("prewarm.planner.fleet")
@@ -163,7 +167,8 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     sent: dict[str, list[str]] = {m: [] for m in names_}
     used_slots = {ns.node: set(ns.used) for ns in live_nodes(ctx)}
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
-    for action in plan.actions:
+    cluster = owns_replicas(ctx.settings.kubernetes)  # the pods are Kubernetes' to start: no agent task then
+    for action in () if cluster else plan.actions:
         spec = specs[action.model]
         asleep_here = [r.id for r in ctx.registry.live_on_node(action.node)
                        if r.model == action.model and r.state is ReplicaState.ASLEEP]
@@ -213,6 +218,8 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
         status = f"fleet: {view[name]['tier']}" + (" (dry run)" if p.dry_run else "")
         ctx.client.hset(keys.last_forecast(name), mapping={"status": status, "at": repr(now),
                                                             "need_now": str(view[name]["replicas"])})
+        if cluster:  # every model's count reaches its Deployment's one owner, as a single model's does
+            publish_cluster_target(ctx, name, view[name]["replicas"], int(name in plan.asleep), now=now)
         out.append(ModelPlan(name, status, (), tuple(sent[name]), 0, view[name]["replicas"]))
     log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d refit(s)",
              len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), result.refits)

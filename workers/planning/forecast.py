@@ -134,16 +134,18 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
 def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: PlannerParams, *,
            now: float) -> StepInputs:
     """2. The step's inputs, as the simulator builds them (`observed_from_counts`)."""
-    p95 = ctx.registry.load_time_p95(spec.name)
+    p95 = ctx.registry.load_time_p95(spec.name, spec.revision)  # the lead of this revision, on its slowest class
+    if p95 is None:  # a revision not measured yet: its model's other revisions (their weights are alike), else the default
+        p95 = ctx.registry.load_time_p95(spec.name)
     (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
     cluster = owns_replicas(ctx.settings.kubernetes)
     nodes = None if cluster else node_views(ctx) or None
-    # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     # a parked replica's wake, the slowest node class measured (it may be woken on any node)
     wakes = measured_ready_p95(ctx, spec.name, "asleep") if counts["asleep"] else {}
+    # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
                       ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
                       max(wakes.values()) if wakes else None)
@@ -254,6 +256,28 @@ def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
     except (PrewarmError, ValueError) as exc:
         log.error("kubernetes target %d for %s not applied: %s", target, model, exc)
         ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
+
+
+def publish_cluster_target(ctx: WorkerContext, model: str, awake: int, asleep: int, *,
+                           now: float) -> list[tuple[float, int]]:
+    """A fleet round's decision for one model, to the cluster by the same one path as `plan_model`'s
+    (`kubernetes.autoscaling`: the recorded target KEDA and the HPA read, or the scale subresource). The
+    pods wanted are the awake replicas, plus the ones parked asleep where the pods can sleep
+    (`kubernetes.pod_sleep_mode`: a sleeping pod still exists, and the pod warmer keeps `awake` of them
+    awake through their servers' /sleep and /wake_up). Fresh unmet demand floors it at one awake pod,
+    a parked one woken first."""
+    cfg = ctx.settings.kubernetes
+    parked = asleep if cfg.pod_sleep_mode else 0
+    last = ctx.client.hget(keys.demand(model), "last")
+    floored = with_demand_floor([(now, awake)], float(last) if last else None, now)[0][1]
+    parked, awake = max(0, parked - (floored - awake)), floored  # a parked pod is woken before one is added
+    schedule = [(now, awake + parked)]
+    if ctx.settings.planner.dry_run:
+        log.info("dry run: would hand %s a target of %d pod(s), %d awake", model, schedule[0][1], awake)
+        return schedule
+    ctx.client.hset(keys.last_forecast(model), mapping=schedule_fields(schedule, planned_at=now, awake=awake))
+    _apply_to_cluster(ctx, model, schedule[0][1])
+    return schedule
 
 
 def forecast_and_plan(ctx: WorkerContext, *, now: float) -> list[ModelPlan]:

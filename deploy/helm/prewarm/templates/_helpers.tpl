@@ -101,6 +101,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.autoscaling.mode | quote }}
 - name: PREWARM_KUBERNETES_MAX_REPLICAS
   value: {{ .Values.autoscaling.maxReplicas | quote }}
+- name: PREWARM_KUBERNETES_POD_SLEEP_MODE  # the pods can be parked asleep: a fleet round counts them in the target
+  value: {{ .Values.podWarmer.sleepMode | quote }}
 {{- if .Values.autoscaling.targets }}
 {{- $map := dict }}{{- $caps := dict }}
 {{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- $_ := set $caps .model (int .maxReplicas) }}{{- end }}
@@ -129,10 +131,14 @@ prometheus.io/path: /metrics
 {{- toJson $out -}}
 {{- end -}}
 
-{{/* The HPA behavior of both autoscaling modes (KEDA hands it to the HPA it creates). */}}
+{{/* The HPA behavior of both autoscaling modes (KEDA hands it to the HPA it creates). The HPA follows the
+     planner's target, which already holds capacity where it should: a scale-down window here would put a
+     second, blind 300 s behind every predictive release. The window (hpa.behavior.scaleDown) is the
+     planner's own (PREWARM_PLANNER_STABILIZATION_S): its reactive fallback keeps it while its forecasts
+     are poor. */}}
 {{- define "prewarm.hpaBehavior" -}}
 scaleDown:
-  stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleDown.stabilizationWindowSeconds }}
+  stabilizationWindowSeconds: 0
 scaleUp:
   stabilizationWindowSeconds: {{ .Values.hpa.behavior.scaleUp.stabilizationWindowSeconds }}
 {{- end -}}
@@ -154,4 +160,22 @@ scaleUp:
     secretKeyRef:
       name: {{ printf "%s-runtime" (include "prewarm.fullname" .) }}
       key: control-token
+{{- end -}}
+
+{{/* The upstreams' own API keys (issue 18), as a JSON object "<secret>/<key>" -> {secret, key}:
+     podWarmer.apiKeySecret and each autoscaling.targets entry's apiKeySecret. The gateway mounts each
+     at <gateway keys dir>/<secret>/<key>; a pod warmer registers the reference "<secret>/<key>" with
+     each replica it makes, so Redis holds names of keys, never keys. */}}
+{{- define "prewarm.upstreamKeys" -}}
+{{- $out := dict -}}
+{{- with .Values.podWarmer.apiKeySecret -}}
+{{- $_ := set $out (printf "%s/%s" . $.Values.podWarmer.apiKeySecretKey) (dict "secret" . "key" $.Values.podWarmer.apiKeySecretKey) -}}
+{{- end -}}
+{{- range .Values.autoscaling.targets -}}
+{{- if .apiKeySecret -}}
+{{- $k := .apiKeySecretKey | default "api-key" -}}
+{{- $_ := set $out (printf "%s/%s" .apiKeySecret $k) (dict "secret" .apiKeySecret "key" $k) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}

@@ -1,0 +1,122 @@
+"""Issue 17 "one owner of scale, for the pool", and issue 18's per-revision lead, in a cluster.
+
+The fleet round (many models under one GPU budget) in Kubernetes mode: every model's count goes
+to its Deployment's one owner (`kubernetes.autoscaling`), as a single model's does, and no node
+agent is asked to start anything. Real Redis, the real planner code (`fleet_and_plan`, the
+`forecast_and_plan` inputs), the real `kubernetes` client against the HTTP-level API double
+(tests/k8s_double.py: no API server runs here).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from forecasting.planner import PlannerParams, PlannerState
+from prewarm.core import keys
+from prewarm.core.domain import ModelSpec
+from prewarm.core.settings import Settings
+from prewarm.registry.targets import read_target
+from tests.celery_helpers import queued_tasks
+from tests.k8s_double import KubeDouble
+from tests.test_cluster import NS, _kubeconfig
+from tests.test_fleet_live import MEM, _counts, _node
+from workers.app import make_app
+from workers.context import WorkerContext
+from workers.names import node_queue
+from workers.planning.fleet import fleet_and_plan
+from workers.planning.forecast import inputs, publish_cluster_target
+
+DEPLOYMENTS = {"a": "dep-a", "b": "dep-b", "c": "dep-c"}
+
+
+def _fleet_ctx(mp: pytest.MonkeyPatch, redis_url: str, kubeconfig: Path, mode: str, **extra: str) -> WorkerContext:
+    for k, v in {
+        "PREWARM_REDIS_URL": redis_url,
+        "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]',
+        "PREWARM_PLANNER_FLEET_BUDGET_GB": "80",
+        "PREWARM_PLANNER_MODEL_MEMORY_GB": json.dumps(MEM),
+        "PREWARM_KUBERNETES_ENABLED": "true",
+        "PREWARM_KUBERNETES_AUTOSCALING": mode,
+        "PREWARM_KUBERNETES_NAMESPACE": NS,
+        "PREWARM_KUBERNETES_DEPLOYMENTS": json.dumps(DEPLOYMENTS),
+        "PREWARM_KUBERNETES_KUBECONFIG": str(kubeconfig),
+        **extra,
+    }.items():
+        mp.setenv(k, v)
+    return WorkerContext.build(Settings.load(), registry=CollectorRegistry())
+
+
+def _traffic(ctx: WorkerContext) -> None:
+    """Room on the nodes for all three, budget for two: `a` dense, `b` every other minute, `c` idle."""
+    for node in ("n1", "n2"):
+        _node(ctx.client, node, slots=2, gpu_gb=100.0)
+    _counts(ctx.client, "a", {ago: 600 for ago in range(1, 120)})
+    _counts(ctx.client, "b", {ago: 30 for ago in range(1, 120) if ago % 2})
+    _counts(ctx.client, "c", {110: 1})
+
+
+@pytest.mark.parametrize("mode", ["none", "keda"])
+def test_the_fleet_rounds_counts_reach_each_deployments_one_owner(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path, mode: str) -> None:
+    """Today the fleet round's per-model counts never reach Kubernetes: it sends prewarms to agents
+    that host nothing in a cluster, and records no target for KEDA or the HPA to read."""
+    with KubeDouble() as double:
+        for dep in DEPLOYMENTS.values():
+            double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+        ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), mode)
+        _traffic(ctx)
+        app = make_app(ctx.settings)
+        try:
+            now = time.time()
+            plans = {p.model: p for p in fleet_and_plan(ctx, app, now=now)}
+        finally:
+            app.close()
+        plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
+        assert plan["a"]["replicas"] >= 1 and plan["c"]["replicas"] == 0, plan
+        for node in ("n1", "n2"):  # no agent gets a task: the pods are Kubernetes' to start
+            assert queued_tasks(ctx.client, node_queue(node)) == []
+        for model, dep in DEPLOYMENTS.items():
+            want = plan[model]["replicas"]
+            assert plans[model].need_now == want
+            target = read_target(ctx.client, model, now=now + 1.0, max_age_s=60.0)  # what KEDA and the HPA read
+            assert (target.replicas, target.awake) == (want, want)
+            patched = double.replicas(NS, dep)
+            assert patched == (want if mode == "none" else 1), (model, patched)  # KEDA's to set in keda mode
+        if mode == "keda":
+            assert double.requests("PATCH") == []
+
+
+def test_pods_parked_asleep_stay_in_the_count_where_the_pods_can_sleep(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with KubeDouble() as double:
+        for dep in DEPLOYMENTS.values():
+            double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+        ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "none",
+                         PREWARM_KUBERNETES_POD_SLEEP_MODE="true")
+        publish_cluster_target(ctx, "b", 0, 1, now=time.time())  # the round parked b asleep
+        target = read_target(ctx.client, "b", now=time.time(), max_age_s=60.0)
+        assert (target.replicas, target.awake) == (1, 0) and double.replicas(NS, "dep-b") == 1
+        ctx.client.hset(keys.demand("b"), mapping={"count": "1", "last": repr(time.time())})  # a request waited
+        publish_cluster_target(ctx, "b", 0, 1, now=time.time())
+        target = read_target(ctx.client, "b", now=time.time(), max_age_s=60.0)
+        assert (target.replicas, target.awake) == (1, 1)  # fresh demand: the parked pod is woken, none added
+
+
+def test_the_planners_lead_is_its_revisions_then_its_models(redis_url: str, clean_env: pytest.MonkeyPatch) -> None:
+    """Issue 18: the lead was one list per model, mixing revisions and node classes."""
+    clean_env.setenv("PREWARM_REDIS_URL", redis_url)
+    ctx = WorkerContext.build(Settings.load(), registry=CollectorRegistry())
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    new = ModelSpec("llama", "r2")
+    assert inputs(ctx, new, PlannerState(), params, now=time.time()).cold_start_p95_s is None  # nothing measured
+    ctx.registry.record_load_time("llama", 40.0, revision="r1", node_class="a10")
+    ctx.registry.record_load_time("llama", 20.0, revision="r1", node_class="h100")
+    # r2 not measured yet: its model's lead (the slowest class), not the 8.7 s default
+    assert inputs(ctx, new, PlannerState(), params, now=time.time()).cold_start_p95_s == 40.0
+    ctx.registry.record_load_time("llama", 12.0, revision="r2", node_class="h100")
+    assert inputs(ctx, new, PlannerState(), params, now=time.time()).cold_start_p95_s == 12.0
