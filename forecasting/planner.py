@@ -48,7 +48,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from croniter import croniter
 
-from forecasting import budget
+from forecasting import budget, park
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
@@ -87,6 +87,7 @@ class PlannerParams:
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
     schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
     batch_jobs: tuple[BatchJob, ...] = ()
+    park_horizon_s: float = 0.0  # a replica released but needed again within this is parked asleep (0: retired)
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
@@ -98,7 +99,7 @@ class PlannerParams:
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            min_serving=int(s.min_serving),
+            min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s),
         )
 
     @property
@@ -116,6 +117,7 @@ class ReplicaCounts:
     # True where the warm pool is not told apart from the serving replicas (a Deployment's pods in a
     # cluster): `ready`/`loading` include it, and the step takes the pool out before it plans serving
     pooled: bool = False
+    asleep: int = 0  # parked asleep (level-1 sleep, not live): woken before any new load
 
     @property
     def live(self) -> int:
@@ -152,6 +154,7 @@ class StepInputs:
     cold_start_p95_s: float | None = None  # measured; None: params.default_cold_start_s
     profile_history: tuple[float, float, np.ndarray] | None = None  # (start, bucket_s, req/s): only when refit_due
     nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
+    wake_p95_s: float | None = None  # measured wake of a parked replica (None: none measured)
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,23 @@ def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
     return replace(state, profile=fit_profile(rates, start, bucket), profile_at=inp.now)
 
 
+def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Forecast, str]:
+    """The forecast over `lead` and the mode it puts the planner in. The mean load in flight is what a
+    replica's slots serve when the forecast of it is good; while it is not (bursts), the peaks are planned
+    and released only reactively."""
+    p, obs = inp.params, inp.observed
+    kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile,
+              window=int(p.score_window_s // obs.bucket_s), level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
+              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
+              phase_quantile=p.phase_quantile)
+    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    mode = _mode(fc, p)
+    if mode == REACTIVE:
+        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
+        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    return fc, mode
+
+
 def _mode(fc: Forecast, p: PlannerParams) -> str:
     """The forecast-quality gate: predictive scale-downs only while recent forecasts were good."""
     return PREDICTIVE if fc.error is not None and fc.error <= p.error_threshold else REACTIVE
@@ -335,6 +355,33 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
                    else "reactive: less history than the stabilization window")
         target = min(live, floor)
     return target, why
+
+
+def _parked(inp: StepInputs, events: list[ScaleEvent], state: PlannerState, target: int, lead: float,
+            margin: Any) -> list[ScaleEvent]:
+    """A serving scale-down whose ready replicas the profile needs again within `park_horizon_s` parks them
+    asleep (PARK) instead; its loading ones are still cancelled. What the horizon does not need is released
+    by the next step (the parked ones then count as asleep), so PARK and SCALE_DOWN never pick the same."""
+    p, obs, counts = inp.params, inp.observed, inp.replicas
+    down = next((e for e in events if e.kind is ScaleEventKind.SCALE_DOWN and e.pool is Pool.SERVING), None)
+    if down is None or not obs.busy.size:
+        return events
+    level = float(obs.inflight[-max(1, int(p.level_s // obs.bucket_s)):].mean())
+    expected = park.need_within(state.profile, level, inp.now, lead, p.park_horizon_s)
+    if expected is None:
+        return events
+    need = replicas_needed(margin(expected), inp.model.slots, p.headroom)
+    k = park.park_count(down.replicas, counts.loading, target, counts.asleep, need)
+    if k <= 0:
+        return events
+    bucket = math.floor(inp.now / p.fine_bucket_s) * p.fine_bucket_s
+    parked = replace(down, event_id=event_id(inp.model, ScaleEventKind.PARK, bucket, Pool.SERVING),
+                     kind=ScaleEventKind.PARK, replicas=k,
+                     reason=f"{need} needed again within {p.park_horizon_s:.0f} s: parked asleep, not retired")
+    out = [e for e in events if e is not down] + [parked]
+    if counts.loading > 0:  # the loading ones are still cancelled (k > 0: the scale-down took them all)
+        out.append(replace(down, replicas=counts.loading))
+    return out
 
 
 def _split_pool(counts: ReplicaCounts, pool: int) -> ReplicaCounts:
@@ -423,18 +470,14 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     state = _learn(inp, state)
     lead = lead_of(p, inp.cold_start_p95_s)
     obs = inp.observed
-    h = lead_buckets(lead, obs.bucket_s)
-    kw = dict(horizon=h, quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
-              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
-              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
-              phase_quantile=p.phase_quantile)
-    # the mean load in flight is what a replica's slots serve when the forecast of it is good;
-    # while it is not (bursts), the peaks are planned and released only reactively
-    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
-    mode = _mode(fc, p)
-    if mode == REACTIVE:
-        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
-        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    fc, mode = _forecast(inp, state, lead)
+    if inp.replicas.asleep and inp.wake_p95_s is not None and inp.wake_p95_s + p.lead_margin_s < lead:
+        # parked replicas come back in their measured wake time: a rise they can cover is planned one wake
+        # (not one cold start) ahead of it
+        margin0 = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
+        if replicas_needed(margin0(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
+            lead = inp.wake_p95_s + p.lead_margin_s
+            fc, mode = _forecast(inp, state, lead)
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
@@ -464,6 +507,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
+    if p.park_horizon_s > 0:
+        events = _parked(inp, events, state, target, lead, margin)
     events, placement_dropped = _placed(inp, events)
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)

@@ -266,3 +266,50 @@ def test_scale_down_counts_loading_replicas_so_hold_keeps_only_ready_ones_left()
     assert kinds(d) == [("scale_down", "serving", 4), ("hold", "serving", 3)]
     d, _ = step(inputs([8.0] * buckets_until(-10.0), ready=2, loading=4, params=params), PlannerState())
     assert kinds(d) == [("scale_down", "serving", 1)]  # 5 kept, 2 of them ready: nothing ready to hold beyond need
+
+
+def _rising_profile(now: float, factor: float) -> "Profile":
+    """A daily profile flat at 1 except `factor` from 20 to 40 minutes after `now` (600 s bins)."""
+    from forecasting.forecast.nowcast import DAY_S, Profile
+
+    values = np.ones(int(DAY_S // 600))
+    first = int((now % DAY_S) // 600) + 2
+    values[np.arange(first, first + 3) % values.size] = factor
+    return Profile(600.0, tuple(float(v) for v in values), 3.0)
+
+
+@pytest.mark.parametrize("horizon,factor,asleep,expected", [
+    (3600.0, 2.0, 0, [("park", "serving", 5)]),  # 80 in flight in 20 min: 12 needed, 7 kept -> all 5 parked
+    (3600.0, 2.0, 3, [("park", "serving", 2)]),  # 3 already asleep: 2 more; the rest released next step
+    (600.0, 2.0, 0, [("scale_down", "serving", 5)]),  # the rise is beyond the horizon: retired
+    (3600.0, 1.0, 0, [("scale_down", "serving", 5)]),  # no rise expected: retired
+    (0.0, 2.0, 0, [("scale_down", "serving", 5)]),  # parking off (the default)
+])
+def test_a_replica_needed_again_within_the_park_horizon_is_parked_asleep(
+        horizon: float, factor: float, asleep: int, expected: list[tuple[str, str, int]]) -> None:
+    inp = inputs([40.0] * 400, ready=12, params=replace(BASE, park_horizon_s=horizon))
+    inp = replace(inp, replicas=ReplicaCounts(12, 0, 0, asleep=asleep))
+    state = PlannerState(profile=_rising_profile(inp.now, factor), profile_at=inp.now)
+    d, _ = step(inp, state)
+    assert d.target == 7 and kinds(d) == expected
+
+
+def test_parking_still_cancels_the_loading_replicas_and_needs_a_learned_profile() -> None:
+    inp = inputs([40.0] * 400, ready=10, loading=2, params=replace(BASE, park_horizon_s=3600.0))
+    d, _ = step(inp, PlannerState(profile=_rising_profile(inp.now, 2.0), profile_at=inp.now))
+    assert sorted(kinds(d)) == [("park", "serving", 3), ("scale_down", "serving", 2)]
+    d, _ = step(inp, PlannerState(profile=None, profile_at=inp.now))  # nothing learned: nothing is parked
+    assert kinds(d) == [("scale_down", "serving", 5)]
+
+
+def test_a_rise_parked_replicas_can_cover_is_planned_one_measured_wake_ahead() -> None:
+    """170 s cold starts, 2 s wakes: with 2 replicas parked and a rise of 2, the lead is the wake's (12 s),
+    not the load's (180 s); a rise the parked replicas cannot cover keeps the cold-start lead."""
+    params = replace(BASE, default_cold_start_s=170.0)
+    inp = inputs([40.0] * 400, ready=5, params=params)  # 7 needed
+    covered, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=2), wake_p95_s=2.0), PlannerState())
+    assert covered.lead_s == pytest.approx(12.0) and kinds(covered) == [("scale_up", "serving", 2)]
+    short, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=1), wake_p95_s=2.0), PlannerState())
+    assert short.lead_s == pytest.approx(180.0)
+    unmeasured, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=2)), PlannerState())
+    assert unmeasured.lead_s == pytest.approx(180.0)

@@ -20,7 +20,7 @@ from forecasting.fleet.catalog import Tier
 from forecasting.planner import BatchJob, PlannerParams, PlannerState, ReplicaCounts, StepInputs, \
     observed_from_counts, step
 from prewarm.core import keys
-from prewarm.core.domain import ModelSpec, Replica, ReplicaState
+from prewarm.core.domain import ModelSpec, Replica, ReplicaState, ScaleEvent, ScaleEventKind
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import RedisSettings, Settings
 from prewarm.policy.validation import Outcome, check_performance
@@ -29,10 +29,11 @@ from tests.celery_helpers import publish_node, queued_tasks
 from tests.k8s_double import KubeDouble
 from workers.app import make_app
 from workers.context import WorkerContext
-from workers.names import KEEP_WARM, RETIRE, node_queue
+from workers.names import KEEP_WARM, PREWARM, RETIRE, SLEEP, WAKE, node_queue
 from workers.planning.executor import apply_event, live_counts, submit_events
 from workers.planning.fleet import fleet_catalog
 from workers.planning.forecast import forecast_and_plan, history
+from workers.planning.forecast import inputs as inputs_of
 from workers.planning.kubernetes import actuator_for, apply_target
 
 T0 = 1_700_000_000.0
@@ -62,7 +63,7 @@ def test_scale_down_cancels_loading_replicas_and_never_retires_one_a_hold_keeps(
     ready = [_replica(ctx, "m", "n1", i, now - 100 + i, ReplicaState.READY) for i in range(5)]
     loading = [_replica(ctx, "m", "n1", 5 + i, now - 10 + i, ReplicaState.LOADING) for i in range(4)]
     counts = live_counts(ctx.registry.replicas_of("m"))
-    assert counts == {"ready": 5, "loading": 4, "warm": 0}
+    assert counts == {"ready": 5, "loading": 4, "warm": 0, "asleep": 0}
     params = PlannerParams(budget_share=1.0, batch_jobs=(BatchJob(cron="*/10 * * * *", model="m", replicas=3,
                                                                    duration_s=300.0),))
     t = float(int(now // 600) * 600 + 590)  # 10 s before a run of the job: a rise within the 18.7 s lead
@@ -243,3 +244,49 @@ def test_a_slow_first_replica_does_not_set_the_speed_baseline(ctx: WorkerContext
     assert ctx.registry.baseline("m", "cpu", "r1") == 0.051
     assert validate_one(0.25) is Outcome.FAILED
     assert validate_one(0.055) is Outcome.PASSED
+
+
+# --- parking: PARK sleeps the newest ready, a later SCALE_UP wakes parked replicas before it loads ----------
+
+def test_park_sleeps_the_newest_ready_and_a_scale_up_wakes_parked_replicas_first(ctx: WorkerContext) -> None:
+    publish_node(ctx.client, "n1", 8)
+    now = time.time()
+    ready = [_replica(ctx, "m", "n1", i, now - 100 + i, ReplicaState.READY) for i in range(4)]
+    park = ScaleEvent("park-1", ScaleEventKind.PARK, "m", "r1", at=now - 1, replicas=2)
+    assert submit_events(ctx, [park]) == ["park-1"]
+    app = make_app(ctx.settings)
+    try:
+        assert apply_event(ctx, app, "park-1").replica_ids == tuple(reversed(ready[2:]))
+        queued = queued_tasks(ctx.client, node_queue("n1"))
+        assert sorted((m["task"], m["args"][0]) for m in queued) == [(SLEEP, ready[2]), (SLEEP, ready[3])]
+        ctx.client.delete(node_queue("n1"))
+        for rid in ready[2:]:  # what the agent's sleep_replica does (workers/node/tiers.py)
+            ctx.registry.transition(rid, ReplicaState.DRAINING, now=time.time())
+            ctx.registry.transition(rid, ReplicaState.ASLEEP, now=time.time())
+        assert live_counts(ctx.registry.replicas_of("m")) == {"ready": 2, "loading": 0, "warm": 0, "asleep": 2}
+        up = ScaleEvent("up-1", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=3)
+        submit_events(ctx, [up])
+        chosen = apply_event(ctx, app, "up-1").replica_ids
+    finally:
+        app.close()
+    assert set(chosen[:2]) == set(ready[2:]) and len(chosen) == 3
+    queued = queued_tasks(ctx.client, node_queue("n1"))
+    assert sorted(m["args"][0] for m in queued if m["task"] == WAKE) == sorted(ready[2:])  # woken, not loaded
+    assert [m["args"][0] for m in queued if m["task"] == PREWARM] == [chosen[2]] and chosen[2] not in ready
+
+
+def test_the_live_inputs_count_parked_replicas_and_their_measured_wake(ctx: WorkerContext) -> None:
+    publish_node(ctx.client, "g1", 4)
+    ctx.client.hset(keys.node_info("g1"), "node_class", "h200")
+    now = time.time()
+    for i in range(3):
+        rid = _replica(ctx, "m", "g1", i, now - 50 + i, ReplicaState.READY)
+        if i:  # two of them parked, as sleep_replica leaves them
+            ctx.registry.transition(rid, ReplicaState.DRAINING, now=time.time())
+            ctx.registry.transition(rid, ReplicaState.ASLEEP, now=time.time())
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    inp = inputs_of(ctx, ModelSpec("m", "r1", slots=8), PlannerState(), params, now=now)
+    assert inp.replicas.asleep == 2 and inp.wake_p95_s is None  # no wake measured yet
+    ctx.registry.record_ready_time("m", "asleep", "h200", 0.8)  # the agent on g1 timed a wake
+    inp = inputs_of(ctx, ModelSpec("m", "r1", slots=8), PlannerState(), params, now=now)
+    assert (inp.replicas.ready, inp.replicas.asleep, inp.wake_p95_s) == (1, 2, 0.8)

@@ -185,7 +185,7 @@ def test_live_counts_a_loading_warm_replica_counts_as_warm() -> None:
             Replica("m", "r", "n", 2, state=ReplicaState.LOADING, pool=Pool.WARM),
             Replica("m", "r", "n", 3, state=ReplicaState.READY, pool=Pool.WARM),
             Replica("m", "r", "n", 4, state=ReplicaState.RETIRED, pool=Pool.WARM)]
-    assert live_counts(reps) == {"ready": 1, "loading": 1, "warm": 2}
+    assert live_counts(reps) == {"ready": 1, "loading": 1, "warm": 2, "asleep": 0}
 
 
 def test_placement_slots_follow_the_planners_rule_and_its_wish() -> None:

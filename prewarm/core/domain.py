@@ -210,6 +210,7 @@ class ScaleEventKind(str, Enum):
     SCALE_UP = "scale_up"  # start (prewarm) replicas before a rise
     SCALE_DOWN = "scale_down"  # drain and retire replicas after a fall
     HOLD = "hold"  # keep replicas through a dip and keep them warm (dynamic warmup trigger)
+    PARK = "park"  # drain and put to level-1 sleep instead of retiring: needed again within the park horizon
 
 
 @dataclass(frozen=True)

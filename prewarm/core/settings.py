@@ -380,6 +380,10 @@ class PlannerSettings(_Group):
     capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
     history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
     min_serving: int = Field(1, ge=0)  # serving replicas never planned below this; 0 lets a model scale to zero
+    # A replica a scale-down releases but the learned daily profile needs again within this many seconds is
+    # parked asleep (level-1 sleep: GPU freed, back in its wake time) instead of retired (a full cold start
+    # later); beyond it the host memory is better spent elsewhere. 0: never parked (every release retires).
+    park_horizon_s: float = Field(0.0, ge=0)
     # --- the fleet (many models on one GPU pool, workers/planning/fleet.py) ---
     fleet_budget_gb: float = Field(0.0, ge=0)  # > 0: one fleet round plans every model within this much GPU memory
     model_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU footprint of one replica, per model

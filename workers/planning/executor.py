@@ -12,7 +12,9 @@ The planner (`forecasting.planner.plan`) decides; this module only interprets it
    so an event whose apply task never ran is dispatched again instead of lost;
 3. `apply_event`: SCALE_UP prewarms new replicas on the chosen nodes (the event's
    placement, else the node with most free slots), SCALE_DOWN cancels replicas still
-   coming up, then retires ready ones (newest first each), HOLD keeps ready replicas warm until the event's hold ends. The replica
+   coming up, then retires ready ones (newest first each); PARK puts the newest ready to sleep
+   instead (drain, level-1 sleep) and a later SCALE_UP wakes parked replicas before it loads
+   new ones; HOLD keeps ready replicas warm until the event's hold ends. The replica
    ids chosen are written to the event record before any task is sent, so a redelivered
    apply re-sends the same (idempotent) prewarms instead of choosing new slots. Only an
    applied event leaves the queue.
@@ -143,6 +145,13 @@ def node_views(ctx: WorkerContext) -> tuple[NodeView, ...]:
 _COMING_UP = (ReplicaState.PENDING, ReplicaState.LOADING, ReplicaState.WARMING)
 
 
+def _asleep_of(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
+    """The event's model's parked (asleep) replicas, the most recently parked first."""
+    return sorted((r for r in ctx.registry.replicas_of(ev.model)
+                   if r.state is ReplicaState.ASLEEP and r.pool is ev.pool and r.revision == ev.revision),
+                  key=lambda r: r.updated_at, reverse=True)
+
+
 def _candidates(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
     """The replicas an event may pick, in its order. SCALE_DOWN cancels replicas still coming up first
     (newest first: they serve nothing yet), then retires the newest ready; HOLD keeps the oldest ready
@@ -150,6 +159,8 @@ def _candidates(ctx: WorkerContext, ev: ScaleEvent) -> list[Replica]:
     scale-down of one decision never pick the same replica."""
     recs = [r for r in ctx.registry.replicas_of(ev.model) if r.pool is ev.pool and r.revision == ev.revision]
     ready = [r for r in recs if r.state is ReplicaState.READY]
+    if ev.kind is ScaleEventKind.PARK:  # the newest ready, as a scale-down would retire them
+        return sorted(ready, key=lambda r: r.created_at, reverse=True)
     if ev.kind is not ScaleEventKind.SCALE_DOWN:
         return sorted(ready, key=lambda r: r.created_at)
     coming = [r for r in recs if r.state in _COMING_UP]
@@ -178,11 +189,16 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
     if not chosen:
         chosen = _choose(ctx, ev)
         ctx.client.hset(key, "replicas", json.dumps(chosen))
+    asleep = {r.id for r in _asleep_of(ctx, ev)} if ev.kind is ScaleEventKind.SCALE_UP else set()
     try:
         for rid in chosen:  # the same ids again on a re-apply: each task is idempotent
-            if ev.kind is ScaleEventKind.SCALE_UP:
+            if ev.kind is ScaleEventKind.SCALE_UP and rid in asleep:  # a parked replica: woken, not loaded
+                app.send_task(names.WAKE, args=[rid], task_id=task_id(event_id, names.WAKE, rid))
+            elif ev.kind is ScaleEventKind.SCALE_UP:
                 app.send_task(names.PREWARM, args=[rid, ev.pool.value, None],
                               task_id=task_id(event_id, names.PREWARM, rid))
+            elif ev.kind is ScaleEventKind.PARK:
+                app.send_task(names.SLEEP, args=[rid], task_id=task_id(event_id, names.SLEEP, rid))
             elif ev.kind is ScaleEventKind.SCALE_DOWN:
                 app.send_task(names.RETIRE, args=[rid, f"scale down ({event_id}): {ev.reason}"[:200]],
                               task_id=task_id(event_id, names.RETIRE, rid))
@@ -211,20 +227,25 @@ def apply_event(ctx: WorkerContext, app: Celery, event_id: str) -> Applied:
 def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
     if ev.replicas < 0:
         raise InvalidPayload(f"scale event {ev.event_id} asks for {ev.replicas} replicas")
-    if ev.kind is ScaleEventKind.SCALE_UP:
-        slots = pick_slots(live_nodes(ctx), ev.replicas, wanted=ev.nodes, model_key=f"{ev.model}@{ev.revision}")
-        return [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
+    if ev.kind is ScaleEventKind.SCALE_UP:  # parked replicas are woken first (a wake, not a load)
+        woken = [r.id for r in _asleep_of(ctx, ev)][: ev.replicas]
+        slots = pick_slots(live_nodes(ctx), ev.replicas - len(woken), wanted=ev.nodes,
+                           model_key=f"{ev.model}@{ev.revision}")
+        return woken + [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
     return [r.id for r in _candidates(ctx, ev)[: ev.replicas]]
 
 
 def live_counts(replicas: Iterable[Replica]) -> dict[str, int]:
-    """Ready / loading / warm counts of a model's replicas (the planner's `ReplicaCounts` fields).
+    """Ready / loading / warm / asleep counts of a model's replicas (the planner's `ReplicaCounts` fields).
 
     A warm-pool replica counts as warm while it is still loading too: otherwise each new
     plan would start another while the first one loads."""
-    out = {"ready": 0, "loading": 0, "warm": 0}
+    out = {"ready": 0, "loading": 0, "warm": 0, "asleep": 0}
     for r in replicas:
         if r.state not in LIVE_STATES:
+            continue
+        if r.state is ReplicaState.ASLEEP:  # parked: not live capacity, woken before any new load
+            out["asleep"] += r.pool.value != "warm"
             continue
         if r.pool.value == "warm":
             out["warm"] += r.state is ReplicaState.READY or r.state in _COMING_UP

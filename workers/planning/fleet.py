@@ -45,7 +45,7 @@ from workers import names
 from workers.context import WorkerContext
 from workers.planning.forecast import ModelPlan, planned_models, publish_cluster_target
 from workers.planning.kubernetes import owns_replicas
-from workers.planning.nodes import live_nodes
+from workers.planning.nodes import live_nodes, measured_ready_p95
 
 log = logging.getLogger("prewarm.planner.fleet")
 
@@ -64,8 +64,6 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
     plans with ("default") is the slowest class measured (a p95 the model meets on any node)."""
     p = ctx.settings.planner
     defaults = {c.name: c for c in default_catalog(models).cards}
-    classes = sorted({ctx.client.hget(keys.node_info(ns.node), "node_class") or ctx.settings.agent.node_class
-                      for ns in live_nodes(ctx)} | {ctx.settings.agent.node_class})
     cards = []
     for name in models:
         mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
@@ -76,8 +74,7 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
             ready[Tier.DISK] = max(ready[Tier.DISK], measured)
         per_class: dict[str, dict[Tier, float]] = {}
         for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
-            got = {cls: v for cls in classes
-                   if (v := ctx.registry.ready_time_p95(name, tier.value, cls)) is not None}
+            got = measured_ready_p95(ctx, name, tier.value)
             for cls, v in got.items():
                 per_class.setdefault(cls, {})[tier] = v
             if got:

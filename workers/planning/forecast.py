@@ -51,6 +51,7 @@ from prewarm.core.errors import InvalidPayload, PrewarmError
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
 from workers.planning.rollout import planned_revision
+from workers.planning.nodes import measured_ready_p95
 from prewarm.registry.targets import schedule_fields
 from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
     target_schedule, with_demand_floor
@@ -143,9 +144,12 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
     cluster = owns_replicas(ctx.settings.kubernetes)
     nodes = None if cluster else node_views(ctx) or None
+    # a parked replica's wake, the slowest node class measured (it may be woken on any node)
+    wakes = measured_ready_p95(ctx, spec.name, "asleep") if counts["asleep"] else {}
     # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
-                      ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes)
+                      ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
+                      max(wakes.values()) if wakes else None)
 
 
 def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:

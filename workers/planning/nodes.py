@@ -67,6 +67,18 @@ def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:
     return out
 
 
+def node_classes(ctx: WorkerContext) -> list[str]:
+    """The node classes of the live nodes (and this process's own `agent.node_class`): the classes agents
+    record their measured times under (`registry.record_ready_time`)."""
+    return sorted({ctx.client.hget(keys.node_info(ns.node), "node_class") or ctx.settings.agent.node_class
+                   for ns in live_nodes(ctx)} | {ctx.settings.agent.node_class})
+
+
+def measured_ready_p95(ctx: WorkerContext, model: str, tier: str) -> dict[str, float]:
+    """Node class -> the measured p95 time to ready of `model` from `tier` there, for the classes measured."""
+    return {cls: v for cls in node_classes(ctx) if (v := ctx.registry.ready_time_p95(model, tier, cls)) is not None}
+
+
 def _published_nodes(ctx: WorkerContext) -> set[str]:
     prefix = keys.node_info("")
     return {k[len(prefix):] for k in ctx.client.scan_iter(match=prefix + "*", count=200)}
