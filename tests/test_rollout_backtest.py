@@ -30,6 +30,10 @@ def test_prewarm_rollout_waits_for_capacity_the_timer_does_not(traces_dir: Path,
     assert timer["waited_during_shift"] > 0  # the timer shifts onto canary replicas still loading
     assert pre["waited_during_shift"] <= 0.1 * timer["waited_during_shift"]  # type: ignore[operator]
     assert pre["gpu_hours"] <= 1.1 * timer["gpu_hours"]  # type: ignore[operator]
+    # the ablation: the same planner sizing with the shift on the timer still waits; the gating removes it
+    planned = rows["rollout_timer_planned"]
+    assert planned["waited_during_shift"] > 0
+    assert pre["waited_during_shift"] <= 0.1 * planned["waited_during_shift"]  # type: ignore[operator]
     # the timer shifts on the clock; prewarm's shifts come no earlier, once the canary is ready
     t_shifts = [t for t, _ in timer["shifts"]]  # type: ignore[attr-defined]
     p_shifts = [t for t, _ in pre["shifts"]]  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from prewarm.runtime.manifest import Manifest, TensorEntry, load_manifest
 from prewarm.runtime.model import make_model
 from tests.runtime_server import RuntimeProcess, start_runtime, wait_loaded
 from workers.context import WorkerContext
-from workers.node.canary import NoStableToCompare, baseline_revision, compare_with_stable
+from workers.node.canary import NoStableToCompare, compare_with_stable, speed_rule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,7 @@ def ctx(redis_url: str) -> Iterator[WorkerContext]:
 
 def roll(ctx: WorkerContext, canary: str) -> None:
     spec = rp.RolloutSpec(model="tiny", stable="r1", canary=canary, steps=(50, 100), pause_s=60.0,
-                          logprob_tolerance=0.05, speed_ratio=1.2, error_rate_margin=0.01, latency_ratio=1.2,
+                          logprob_tolerance=0.05, speed_ratio=1.3, error_rate_margin=0.01, latency_ratio=1.2,
                           min_requests=20)
     RolloutStore(ctx.client).update("tiny", lambda running: rp.start(
         spec, now=time.time(), live_revisions=["r1"], known_revisions=["r2", "r3"],
@@ -95,7 +95,8 @@ def test_the_canary_is_compared_with_a_ready_stable_replica(ctx: WorkerContext,
     ctx.registry.register(stable, now=now)
     for st in (ReplicaState.LOADING, ReplicaState.WARMING, ReplicaState.READY):
         ctx.registry.transition(stable.id, st, now=now)
-    assert baseline_revision(ctx, "tiny", "r2") == "r1"  # the canary's speed is held to the stable's baseline
+    assert speed_rule(ctx, "tiny", "r2") == ("r1", 1.3)  # the canary's speed: the stable's baseline, the rollout's ratio
+    assert speed_rule(ctx, "tiny", "r1") == ("r1", ctx.settings.warmup.latency_factor)
 
     good = compare_with_stable(ctx, model="tiny", revision="r2", served_model="tiny", endpoint=runtimes["r2"].url)
     assert good is not None and good.outcome is Outcome.PASSED, good

@@ -13,6 +13,9 @@ replicas that may not be there yet. This replays a trace with a rollout starting
   model; the shipped rollout state machine (`prewarm.policy.rollout.advance`, the one the
   live planner runs) asks for each step's canary replicas a lead ahead, shifts only once
   they are ready and the pause has run, and shrinks the stable revision after the shift.
+- `rollout_timer_planned` (the ablation): the timer-driven shift with the planner's sizing
+  instead of the HPA's, so the difference to `rollout_prewarm` is the shift waiting for
+  capacity a lead ahead, and nothing else.
 
 Both run on a two-pool version of the replay's fluid engine (`simulate._replay_fluid`):
 each revision is its own per-second FIFO fluid queue over its share of the arrivals, with
@@ -36,6 +39,8 @@ from forecasting.sim.workload import SimParams, Workload
 from prewarm.policy import rollout as rp
 
 ROWS = ("rollout_prewarm", "rollout_timer")
+#: The ablation: the timer-driven shift on the planner's sizing, so what waiting for capacity adds shows alone.
+ABLATION = "rollout_timer_planned"
 
 
 @dataclass(frozen=True)
@@ -148,8 +153,9 @@ def _observation(t: float, pools: tuple[_Pool, _Pool], period: float, since: flo
 def replay_rollout(work: Workload, params: SimParams, scenario: RolloutScenario, mode: str,
                    planner_settings: Any = None) -> RolloutRun:
     """Replay `work` with a rollout at `scenario.at_s`; `mode` is `prewarm` or `timer` (see the module doc)."""
-    if mode not in ("prewarm", "timer"):
-        raise ValueError(f"rollout mode must be prewarm or timer, got {mode!r}")
+    if mode not in ("prewarm", "timer", "timer_planned"):
+        raise ValueError(f"rollout mode must be prewarm, timer or timer_planned, got {mode!r}")
+    timer = mode.startswith("timer")
     T = int(work.counts.size)
     if not 0 <= scenario.at_s < T:
         raise ValueError(f"--rollout-at {scenario.at_s:g} s is outside the trace (0 to {T} s)")
@@ -160,7 +166,7 @@ def replay_rollout(work: Workload, params: SimParams, scenario: RolloutScenario,
     pools = (stable, canary)
     env = PolicyEnv(work=work, params=params)
     policy: Prewarm | Reactive = (Prewarm(planner_settings=planner_settings) if planner_settings is not None
-                                  else Prewarm()) if mode == "prewarm" else Reactive()
+                                  else Prewarm()) if mode != "timer" else Reactive()
     for _ in range(policy.start(env)):
         stable.ready_starts.append(0.0)
     period = policy.period_s
@@ -178,7 +184,7 @@ def replay_rollout(work: Workload, params: SimParams, scenario: RolloutScenario,
     for t in range(T):
         for p in pools:
             p.arrive(t)
-        if mode == "timer" and t >= scenario.at_s and completed is None:
+        if timer and t >= scenario.at_s and completed is None:
             k = min(int((t - scenario.at_s) // scenario.pause_s), len(scenario.steps))
             w = scenario.steps[k] if k < len(scenario.steps) else 100
             if k == len(scenario.steps):
@@ -195,7 +201,7 @@ def replay_rollout(work: Workload, params: SimParams, scenario: RolloutScenario,
                 p.load_acc = 0.0
             arr_acc, last_tick = 0.0, float(t)
             want_total = max(0, int(policy.decide(obs)))
-            if mode == "timer":
+            if timer:
                 if completed is not None:
                     canary.scale_to(want_total, t)
                     stable.scale_to(0, t)
@@ -263,7 +269,7 @@ def rollout_rows(work: Workload, params: SimParams, scenario: RolloutScenario, *
     The window runs from the rollout's start to the later of the two completions (or the
     trace's end), so both are scored on the same requests."""
     runs = {name: replay_rollout(work, params, scenario, name.removeprefix("rollout_"), planner_settings)
-            for name in ROWS}
+            for name in (*ROWS, ABLATION)}
     T = float(work.counts.size)
     end = max((r.completed_at if r.completed_at is not None else T) for r in runs.values())
     window = (scenario.at_s, min(T, end + 1))
@@ -301,7 +307,7 @@ def print_rollout(result: dict[str, Any]) -> None:
     """The rollout rows as text: waits during the shift and GPU-hours, each against the timer-driven shift."""
     ro = result["params"]["rollout"]
     print(f"rollout at {ro['at_s']:g} s, steps {ro['steps']}, pause {ro['pause_s']:g} s ({ro['engine']}):")
-    for name in ROWS:
+    for name in (*ROWS, ABLATION):
         r = result["policies"][name]
         vs = r["cold_start_share_vs_rollout_timer"]
         vr = r["gpu_hours_vs_reactive"]

@@ -36,7 +36,7 @@ from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
 from prewarm.policy.validation import CheckName, Outcome, TensorSpec, ValidationReport, tensor_specs, validate
 from prewarm.policy.warmup import WarmupPlan, WarmupRequest, generate_requests
 from workers.context import WorkerContext
-from workers.node.canary import baseline_revision, compare_with_stable
+from workers.node.canary import compare_with_stable, speed_rule
 from workers.node.memory import CACHED, DISK, in_snapshot
 from workers.node.supervision import HostedRuntime, RuntimeExited
 from workers.node.tiers import TierOutcome, admit_load, wake_locked
@@ -201,12 +201,12 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     check()
     probe = server.validation_inputs()
     listed = spec.expected is not None
+    baseline_of, factor = speed_rule(ctx, spec.model, spec.revision)  # a rollout's canary: the stable's, its ratio
     expected = spec.expected if spec.expected is not None else (probe.expected or {})
     report = validate(expected=expected, live=probe.live,
                       logits=probe.logits, latencies_s=latencies,
-                      baseline_s=ctx.registry.baseline(spec.model, spec.node_class,
-                                                       baseline_revision(ctx, spec.model, spec.revision)),
-                      mean_bound=wcfg.logits_mean_bound, latency_factor=wcfg.latency_factor,
+                      baseline_s=ctx.registry.baseline(spec.model, spec.node_class, baseline_of),
+                      mean_bound=wcfg.logits_mean_bound, latency_factor=factor,
                       allow_unsupported=not listed)
     for c in report.checks:
         ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()

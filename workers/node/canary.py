@@ -6,7 +6,8 @@ corrupted file, a wrong export). While a rollout of the model to this revision r
 adds two things:
 
 - the speed check is made against the *stable* revision's recorded baseline on this node
-  class (the 1.2x rule of the seed), not a baseline the canary would record for itself;
+  class, within the rollout's `speed_ratio` (1.2x, the seed's rule, by default), not against a
+  baseline the canary would record for itself;
 - the seeded warmup prompts are sent greedily, with top logprobs, to this replica and to a
   ready replica of the stable revision, and `prewarm.policy.reference.compare_probes`
   compares them within the rollout's `logprob_tolerance` (a new quantisation may move
@@ -54,10 +55,13 @@ def rollout_for(ctx: WorkerContext, model: str, revision: str) -> rp.RolloutSpec
     return state.spec
 
 
-def baseline_revision(ctx: WorkerContext, model: str, revision: str) -> str:
-    """The revision whose warm-latency baseline a replica of `revision` is held to."""
+def speed_rule(ctx: WorkerContext, model: str, revision: str) -> tuple[str, float]:
+    """The revision whose warm-latency baseline a replica of `revision` is held to, and the factor:
+    a rollout's canary, to the stable revision's within the rollout's `speed_ratio`."""
     spec = rollout_for(ctx, model, revision)
-    return spec.stable if spec is not None else revision
+    if spec is None:
+        return revision, ctx.settings.warmup.latency_factor
+    return spec.stable, spec.speed_ratio
 
 
 def probe_from_completion(prompt: str, data: Any) -> Probe:

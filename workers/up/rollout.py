@@ -38,6 +38,7 @@ from workers.node.memory import models_on_disk
 from workers.up.traffic import TrafficStats
 
 KINDS = ("good", "corrupt")
+DEMO_SPEED_RATIO = 5.0  # = the demo's PREWARM_WARMUP_LATENCY_FACTOR (workers/up/run.py)
 #: A request that waited longer than this for a replica (not for its tokens) waited for a cold start.
 WAIT_THRESHOLD_S = 0.5
 
@@ -114,9 +115,11 @@ class RolloutWatch:
     samples: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, weight, canary, stable ready)
 
     def start(self, gateway_url: str, stats: TrafficStats, now: float) -> rp.RolloutState:
+        # the speed and live-latency ratios are the demo's warm-latency factor (run.py: on a shared CPU
+        # latency varies far more than on a dedicated GPU; production default 1.2)
         spec = rp.RolloutSpec(model=self.model, stable=self.stable, canary=self.canary, steps=self.steps,
-                              pause_s=self.pause_s, logprob_tolerance=0.05, speed_ratio=1.2, error_rate_margin=0.01,
-                              latency_ratio=1.2, min_requests=20)
+                              pause_s=self.pause_s, logprob_tolerance=0.05, speed_ratio=DEMO_SPEED_RATIO,
+                              error_rate_margin=0.01, latency_ratio=DEMO_SPEED_RATIO, min_requests=20)
         known = sorted(k.partition("@")[2] for k in models_on_disk(self.models_dir) if k.startswith(f"{self.model}@"))
         state = RolloutStore(self.client).update(self.model, lambda running: rp.start(
             spec, now=now, live_revisions=[self.stable], known_revisions=known, running=running))
