@@ -248,6 +248,13 @@ class PlannerSettings(_Group):
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
     warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
+    # --- the cold-start budget (forecasting/budget.py; reasons in docs/planner.md) ---
+    cold_start_budget: float = Field(0.0001, gt=0, le=1)  # share of requests that may wait for a load or a wake
+    budget_gain: float = Field(0.5, gt=0)  # margin (beta) moved per calibration window's budget overspent
+    budget_calibration_s: float = Field(3600.0, gt=0)  # the window the overspend is measured against
+    margin_max: float = Field(12.0, gt=0)  # the calibrated margin's ceiling (no integrator wind-up)
+    season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
+    profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
     dry_run: bool = False
     # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
