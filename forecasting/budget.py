@@ -34,7 +34,7 @@ class BudgetParams(Protocol):
     """The planner parameters the calibration reads (`forecasting.planner.PlannerParams`)."""
 
     @property
-    def queue_beta(self) -> float: ...
+    def margin_initial(self) -> float: ...
     @property
     def cold_start_budget(self) -> float: ...
     @property
@@ -50,7 +50,7 @@ def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: flo
     """The margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end after
     `counted_end`, and the new `counted_end`. The first call counts nothing (it only marks where
     counting starts): misses before the planner acted are not its own."""
-    beta = p.queue_beta if margin is None else float(margin)
+    beta = p.margin_initial if margin is None else float(margin)
     n = int(requests.size)
     end = start + n * bucket_s
     if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:

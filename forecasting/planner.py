@@ -80,11 +80,12 @@ class PlannerParams:
     fine_bucket_s: float = 10.0  # fine buckets: requests and peak in flight, what the nowcast reads
     interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
     min_serving: int = 1
-    queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a); the initial margin
+    queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a) (reactive_sized's)
     cold_start_budget: float = 0.0001  # share of requests that may wait for capacity (>= 1: no calibration)
-    budget_gain: float = 0.5  # how far the margin (beta) moves when one calibration window's budget is overspent
+    margin_initial: float = 6.0  # the calibrated margin's start: on the safe side until misses are measured
+    budget_gain: float = 0.1  # how far the margin (beta) moves when one calibration window's budget is overspent
     budget_calibration_s: float = 3600.0  # the window whose requests the budget's overspend is measured against
-    margin_max: float = 12.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
+    margin_max: float = 40.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
     error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
@@ -106,6 +107,7 @@ class PlannerParams:
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
             min_serving=int(s.min_serving), cold_start_budget=float(s.cold_start_budget),
+            margin_initial=float(s.margin_initial),
             budget_gain=float(s.budget_gain), budget_calibration_s=float(s.budget_calibration_s),
             margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
         )
@@ -171,7 +173,7 @@ class PlannerState:
     mode_since: float | None = None
     warm_avg: float | None = None  # planned warm share, averaged over `budget_window_s` (the budget's account)
     warm_at: float | None = None
-    margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: queue_beta)
+    margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: margin_initial)
     counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
 
     def to_json(self) -> str:

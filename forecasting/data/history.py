@@ -354,9 +354,10 @@ def _prometheus_error(body: bytes) -> str:
 
 
 def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
-                       resolution_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+                       resolution_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
-    request-seconds ended) per bucket whose start lies in [start, end); missing keys are 0.
+    request-seconds ended, requests that waited for capacity) per bucket whose start lies in
+    [start, end); missing keys are 0.
 
     What the planner reads every step (`forecasting.planner.observed_from_counts`); the
     simulator builds the same arrays from a trace. Unreadable values count as 0.
@@ -364,7 +365,7 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
     first = math.floor(start / resolution_s) * resolution_s
     starts = np.arange(first, end, resolution_s, dtype=np.int64) if end > first else np.empty(0, dtype=np.int64)
     out = []
-    for key_of in (keys.requests, keys.inflight_peak, keys.busy):
+    for key_of in (keys.requests, keys.inflight_peak, keys.busy, keys.waited):
         names = [key_of(model, resolution_s, int(b)) for b in starts]
         values = np.zeros(starts.size, dtype=np.float64)
         for lo in range(0, len(names), MGET_CHUNK):
@@ -377,4 +378,4 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
                 except ValueError:
                     continue
         out.append(values)
-    return float(first), out[0], out[1], out[2]
+    return float(first), out[0], out[1], out[2], out[3]

@@ -6,7 +6,8 @@ fine resolution (`keys.FINE_RESOLUTION_S`) it also records the peak of user requ
 flight per bucket (a max across gateways, by a small Lua script) and the request-seconds
 of the requests that ended in it: the planner's burst and mean-load signals. Counts
 that cannot be flushed (Redis down) are kept and retried: none is lost while the
-gateway lives.
+gateway lives. The requests that waited for capacity are counted per fine bucket too:
+what the planner's cold-start budget calibrates on (`forecasting.budget`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RequestCounter:
         self.inflight: Counter[str] = Counter()  # user requests in flight per model, now
         self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> peak in flight
         self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds ended
+        self._waited: Counter[tuple[str, int]] = Counter()  # (model, fine bucket) -> requests that waited for capacity
 
     def add(self, model: str, now: float, n: int = 1) -> None:
         for res in self.resolutions:
@@ -61,13 +63,18 @@ class RequestCounter:
         key = (model, b)
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
+    def waited(self, model: str, now: float) -> None:
+        """A user request waited for capacity (a load or a wake) past the threshold, or found none."""
+        self._waited[(model, bucket_start(now, keys.FINE_RESOLUTION_S))] += 1
+
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
-        if not self._pending and not self._peak and not self._busy:
+        if not self._pending and not self._peak and not self._busy and not self._waited:
             return 0
         batch, self._pending = self._pending, Counter()
         peaks, self._peak = self._peak, {}
         busy, self._busy = self._busy, {}
+        waited, self._waited = self._waited, Counter()
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
@@ -79,6 +86,10 @@ class RequestCounter:
         for (model, start), secs in busy.items():
             key = keys.busy(model, keys.FINE_RESOLUTION_S, start)
             pipe.incrbyfloat(key, round(secs, 6))
+            pipe.expire(key, ttl)
+        for (model, start), n in waited.items():
+            key = keys.waited(model, keys.FINE_RESOLUTION_S, start)
+            pipe.incrby(key, n)
             pipe.expire(key, ttl)
         first: dict[str, int] = {}
         for (model, res, start), n in batch.items():
@@ -94,6 +105,7 @@ class RequestCounter:
             await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             self._pending.update(batch)
+            self._waited.update(waited)
             for k, secs in busy.items():
                 self._busy[k] = self._busy.get(k, 0.0) + secs
             for k, v in peaks.items():

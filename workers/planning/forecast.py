@@ -100,7 +100,7 @@ def _state_save(ctx: WorkerContext, model: str, state: PlannerState) -> None:
 
 
 def history(ctx: WorkerContext, model: str, state: PlannerState, params: PlannerParams, *, now: float,
-            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray],
+            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                                                      tuple[float, float, np.ndarray] | None]:
     """1. The fine counters the step reads, and the coarse rate when the profile is due for a refit."""
     fb = int(params.fine_bucket_s)
@@ -111,7 +111,7 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
     if first is not None:
         start = max(start, math.floor(float(first) / fb) * fb)
     fine = load_fine_counters(ctx.client, model, start=start, end=end, resolution_s=fb) if start < end else \
-        (float(end), np.zeros(0), np.zeros(0), np.zeros(0))
+        (float(end), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
     coarse = None
     if refit_due(state, now, params):
         cb = int(params.bucket_s)
@@ -134,12 +134,12 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
            now: float) -> StepInputs:
     """2. The step's inputs, as the simulator builds them (`observed_from_counts`)."""
     p95 = ctx.registry.load_time_p95(spec.name)
-    (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
+    (start, requests, peak, busy, waited), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
     nodes = None if owns_replicas(ctx.settings.kubernetes) else node_views(ctx) or None
-    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
+    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy, waited),
                       ReplicaCounts(**counts), params, p95, coarse, nodes)
 
 
