@@ -8,7 +8,11 @@ seeded arrivals with the simulator's default charges (docs/simulator.md), and pr
 policy's GPU-hours vs reactive interpolated on its curve at prewarm's default cold-start
 share. These are ratios of the same run; nothing here depends on the machine's speed.
 
-Usage: python benchmarks/yardsticks.py TRACE [--cold-start 8.7] [--days 7] [--quick] [--json] [--out F.json]
+A fleet trace (per-client rates) runs the fleet backtest instead: every fleet policy, the
+sleep-enabled baselines included, their curves and `at_equal` (the planner's point read on
+each curve).
+
+Usage: python benchmarks/yardsticks.py TRACE [--cold-start 8.7] [--days 7] [--few] [--quick] [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -35,15 +39,23 @@ def main() -> None:
     p.add_argument("--days", type=float, default=0.0, help="replay only the first N days (0: all)")
     p.add_argument("--prewarm-curve", action="store_true", help="sweep prewarm over its quantile too")
     p.add_argument("--keepalive", action="store_true", help="add keep-alive at its default (a slow replay)")
+    p.add_argument("--few", action="store_true", help="fewer settings per curve")
     p.add_argument("--out", help="also write the JSON object to this file")
     args = p.parse_args()
     from prewarm.cli.backtest import _head
 
+    from forecasting.fleet.traces import is_fleet_trace
+
+    if is_fleet_trace(args.trace):
+        return _fleet(args)
     trace: Any = load_trace(args.trace)
     days = 0.25 if args.quick else args.days
     if days:
         trace = _head(trace, days * 86400.0)
     knobs = {k: SWEEP_KNOBS[k] for k in ("reactive", "reactive_sized", "fixed_pool")}
+    if args.few:  # a shorter curve per policy (a loaded machine): every other setting, the pool at its default
+        knobs = {k: (n, tuple(sorted({*v[::2], d})), d) for k, (n, v, d) in knobs.items()}
+        knobs["fixed_pool"] = (knobs["fixed_pool"][0], (knobs["fixed_pool"][2],), knobs["fixed_pool"][2])
     name, values, default = SWEEP_KNOBS["prewarm"]
     knobs["prewarm"] = (name, values if args.prewarm_curve else (default,), default)
     policies = ["reactive", "reactive_sized", "fixed_pool", "prewarm", "oracle"]
@@ -63,6 +75,34 @@ def main() -> None:
     for k, v in eq["policies"].items():
         print(f"  {k:<14} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
     text = json.dumps(out | {"cold_start_s": args.cold_start, "days": days or None}, default=float)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+
+
+def _fleet(args: Any) -> None:
+    """A fleet trace: every fleet policy (the sleep-enabled baselines too), curves, and `at_equal`."""
+    from dataclasses import replace
+
+    from forecasting.fleet.backtest import FleetSetup, resample, run_fleet_backtest
+    from forecasting.fleet.report import print_fleet
+    from forecasting.fleet.traces import load_fleet
+
+    trace = resample(load_fleet([args.trace]), 60.0)
+    days = 2.0 if args.quick else args.days
+    if days:
+        trace = replace(trace, counts=trace.counts[: int(days * 86400 / trace.step_s)],
+                        source=f"{trace.source} (first {days:g} days)")
+    knobs = None
+    if args.few:
+        knobs = {"keepalive": (60.0, 300.0, 600.0, 3600.0), "keepalive_sleep": (60.0, 300.0, 600.0, 3600.0),
+                 "hybrid_histogram": (75.0, 95.0, 99.0), "hybrid_histogram_sleep": (75.0, 95.0, 99.0),
+                 "fleet": (0.5, 1.0, 1.5)}
+    out = run_fleet_backtest(trace, setup=FleetSetup(), knobs=knobs,
+                             progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
+    print_fleet(out)
+    text = json.dumps(out, default=float)
     if args.out:
         Path(args.out).write_text(text + "\n")
     if args.json:

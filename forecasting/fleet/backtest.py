@@ -90,8 +90,12 @@ def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup:
 
 def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, setup: FleetSetup = FleetSetup(),
                        policies: Sequence[str] = FLEET_POLICIES, curve: bool = True,
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram."""
+                       progress: Callable[[str], None] | None = None,
+                       knobs: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram.
+
+    ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
+    hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`)."""
     trace = resample(trace, setup.step_s)
     if setup.poisson and trace.kind == "client_rates":
         rng = np.random.default_rng(setup.seed)
@@ -126,12 +130,13 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     if curve:
         reactive = rows.get("reactive") or _run(trace, env, "reactive", None, setup, progress)
         floor = reactive.avg_warm_gb
-        knobs: dict[str, Sequence[float]] = {
+        chosen: dict[str, Sequence[float]] = {
             "keepalive": KEEPALIVE_S, "hybrid_histogram": HH_TAIL_PCT,
-            "keepalive_sleep": KEEPALIVE_S, "hybrid_histogram_sleep": HH_TAIL_PCT,
-            "fleet": tuple(floor + s * max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb) for s in FLEET_BUDGET_SHARE),
-        }
-        for name, values in knobs.items():
+            "keepalive_sleep": KEEPALIVE_S, "hybrid_histogram_sleep": HH_TAIL_PCT, "fleet": FLEET_BUDGET_SHARE,
+        } | dict(knobs or {})
+        extra = max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb)
+        chosen["fleet"] = tuple(floor + s * extra for s in chosen["fleet"])
+        for name, values in chosen.items():
             if name in policies:
                 curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
     return {

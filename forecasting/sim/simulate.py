@@ -3,7 +3,7 @@
 A replica has C concurrent slots. A request waits (FIFO) for a free slot on a ready replica;
 its time to first token (TTFT) is that wait plus a prefill (a base + context tokens ÷
 prefill rate), and it holds its slot for the prefill plus generated tokens ÷ decode rate.
-A new replica takes a cold start (a constant, or a seeded lognormal draw) before it serves.
+A new replica takes a cold start (a seeded lognormal draw, or a measured one) before it serves.
 GPU time runs from the start of a replica's load to its retirement; a draining replica
 takes no new request and retires when its last one finishes.
 
@@ -17,8 +17,12 @@ Two engines, the same model:
   14 days at 2,000 req/s replay in seconds. The output says when it was used.
 
 Policies (`forecasting.sim.policies`) only choose how many replicas should be live; the engine
-carries that out identically for all: start replicas (they are ready a cold start later),
-cancel loading ones first, then drain the least busy ready ones.
+carries that out identically for all, `actuation_delay_s` after the decision (the live
+dispatch beat, queue and agent): start replicas (their loads are charged by
+`forecasting.sim.loads`: drawn cold starts, a node's load bandwidth shared by concurrent
+loads), cancel loading ones first, then drain the least busy ready ones. Each decision
+sees the p95 of the cold starts completed so far, as the live registry measures it.
+What is charged and why: docs/simulator.md.
 
 Workloads are built by `forecasting.sim.workload`; `forecasting.sim.scoring` runs this over policies.
 """
