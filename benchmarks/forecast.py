@@ -64,9 +64,8 @@ def evaluate(y: np.ndarray, rates: np.ndarray, epoch: float, fb: float, *, every
     h = lead_buckets(lead_of(p, None), fb)
     window = int(p.score_window_s // fb)
     level = int(p.level_s // fb)
-    period, span = int(p.phase_period_s // fb), int(p.phase_span_s // fb)
-    season = int(round(DAY_S / fb))
-    keep = max(window, span) + h + level + 2 + season
+    season = int(round(p.season_s / fb))
+    keep = window + h + level + 2 + season
     per_coarse = int(p.bucket_s // fb)
     profile, profile_at = None, -math.inf
     med, up, truth, pers, snaive, methods = [], [], [], [], [], {}
@@ -76,12 +75,13 @@ def evaluate(y: np.ndarray, rates: np.ndarray, epoch: float, fb: float, *, every
         if now_s - profile_at >= p.profile_refit_s:
             nc = min(rates.size, o // per_coarse)
             lc = max(0, nc - int(p.history_s // p.bucket_s))
-            profile = fit_profile(rates[lc:nc], epoch + lc * p.bucket_s, p.bucket_s)
+            profile = fit_profile(rates[lc:nc], epoch + lc * p.bucket_s, p.bucket_s, bin_s=p.profile_bin_s,
+                                  season_s=p.season_s)
             profile_at = now_s
         lo = max(0, o + 1 - keep)
         t0 = time.perf_counter()
         fc = forecast_peak(y[lo:o + 1], epoch + lo * fb, fb, horizon=h, quantile=p.quantile, window=window,
-                           level_buckets=level, profile=profile, phase_period=period, phase_span=span)
+                           level_buckets=level, profile=profile, season_s=p.season_s)
         elapsed += time.perf_counter() - t0
         methods[fc.method] = methods.get(fc.method, 0) + 1
         target = float(y[o + 1:o + 1 + h].max())

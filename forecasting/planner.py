@@ -8,15 +8,20 @@ records (requests and peak requests in flight per fine bucket; request rate per 
 bucket for the seasonal profile). A backtest therefore scores what ships.
 
 One decision per helper, in order (as Ray Serve's autoscaling policy reads):
+0. `calibrate_margin` (`forecasting.calibration`): the staffing margin moves with the requests that
+   waited for capacity since the last step against the operator's `cold_start_budget`
+   (a feedback term, as adaptive conformal inference moves its quantile on its misses);
 1. `lead_of`: the lead is the measured cold-start p95 (the default until one is
    measured) plus a margin;
-2. `forecast_peak` (`forecasting.nowcast`): the planning quantile of the peak in-flight
+2. `forecast_peak` (`forecasting.nowcast`; the season and profile resolution are settings,
+   nothing is keyed to a clock): the planning quantile of the peak in-flight
    demand over the next lead, and the quality of the forecaster's recent forecasts;
 3. `_mode`: the forecast-quality gate. While the forecaster's recent relative error is
    above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
    nothing observed within the last `stabilization_s` may be released. Scale-ups stay
    predictive either way;
-4. `_serving_target`: the replicas the forecast needs over the lead (plus any batch job
+4. `_serving_target`: the replicas the forecast needs over the lead (square-root staffing
+   a + margin x sqrt(a) of the forecast load, in both modes) (plus any batch job
    running within it), at least `min_serving`; in reactive mode never below the recent
    observed need. A predicted fall is released as soon as the forecast over the next lead
    stays below what is left: no window after the fact, no floor from another scaler, so
@@ -26,8 +31,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    a standing cost, sized against the plain budget (a stable size, no flapping); early
    scale-ups and holds before a predicted rise may, in predictive mode, spend what calm steps
    left unspent (the budget holds on average over `budget_window_s`, the state carries the
-   account), so a step may pre-warm a rise the forecaster learned to expect (a recurring
-   step, priced at `phase_quantile`); in reactive mode the budget holds at every step;
+   account), so a step may pre-warm a rise the forecaster learned to expect; in reactive
+   mode the budget holds at every step;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -50,7 +55,8 @@ from croniter import croniter
 
 from forecasting import budget, park
 from forecasting.batch import BatchJob, batch_replicas
-from forecasting.forecast.nowcast import DAY_S, Forecast, Profile, fit_profile, forecast_peak, lead_buckets
+from forecasting.calibration import calibrate_margin
+from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.settings import PlannerSettings
 
@@ -76,13 +82,17 @@ class PlannerParams:
     fine_bucket_s: float = 10.0  # fine buckets: requests and peak in flight, what the nowcast reads
     interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
     min_serving: int = 1
-    queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a)
+    queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a) (reactive_sized's)
+    cold_start_budget: float = 0.0001  # share of requests that may wait for capacity (>= 1: no calibration)
+    margin_initial: float = 6.0  # the calibrated margin's start: on the safe side until misses are measured
+    budget_gain: float = 0.1  # how far the margin (beta) moves when one calibration window's budget is overspent
+    budget_calibration_s: float = 3600.0  # the window whose requests the budget's overspend is measured against
+    margin_max: float = 40.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
     error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
-    phase_period_s: float = 600.0  # errors recurring at one phase of this period (on the clock) are calibrated apart
-    phase_span_s: float = 6 * 3600.0  # ... over this much history
-    phase_quantile: float | None = 0.99  # the quantile of those recurring errors (None: `quantile`); predictive mode only
+    season_s: float = 86400.0  # the period the traffic's shape repeats over (declared; a day unless told)
+    profile_bin_s: float = 1800.0  # resolution of the learned seasonal shape (the level of the last minute does the rest)
     profile_refit_s: float = 3600.0
     history_s: float = 3 * 86400.0  # coarse history the profile is learned from
     schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
@@ -99,7 +109,10 @@ class PlannerParams:
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s),
+            min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s), cold_start_budget=float(s.cold_start_budget),
+            margin_initial=float(s.margin_initial),
+            budget_gain=float(s.budget_gain), budget_calibration_s=float(s.budget_calibration_s),
+            margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
         )
 
     @property
@@ -133,6 +146,7 @@ class Observed:
     requests: np.ndarray  # requests per bucket
     peak: np.ndarray  # peak requests in flight per bucket
     busy: np.ndarray  # request-seconds of the requests that ended in the bucket (mean in flight x bucket_s)
+    waited: np.ndarray | None = None  # requests that waited for capacity (a load or a wake) per bucket; None: not counted
 
     @property
     def inflight(self) -> np.ndarray:
@@ -167,13 +181,16 @@ class PlannerState:
     mode_since: float | None = None
     warm_avg: float | None = None  # planned warm share, averaged over `budget_window_s` (the budget's account)
     warm_at: float | None = None
+    margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: margin_initial)
+    counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
 
     def to_json(self) -> str:
         return json.dumps({
             "profile": None if self.profile is None else
-            {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days},
+            {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days,
+             "season_s": self.profile.season_s},
             "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
-            "warm_avg": self.warm_avg, "warm_at": self.warm_at,
+            "warm_avg": self.warm_avg, "warm_at": self.warm_at, "margin": self.margin, "counted_end": self.counted_end,
         })
 
     @classmethod
@@ -182,9 +199,10 @@ class PlannerState:
             return cls()
         d = json.loads(raw)
         p = d.get("profile")
-        profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]))
+        profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]),
+                                                 float(p.get("season_s", 86400.0)))
         return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
-                   d.get("warm_avg"), d.get("warm_at"))
+                   d.get("warm_avg"), d.get("warm_at"), d.get("margin"), d.get("counted_end"))
 
 
 @dataclass(frozen=True)
@@ -275,15 +293,18 @@ def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
 def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> float:
     """How much fine history a step reads: the scored window (plus a day while no profile is learned,
     for the seasonal-naive candidate)."""
-    base = max(params.score_window_s, params.phase_span_s) + lead_s + params.level_s + 2 * params.fine_bucket_s
-    return base + (DAY_S if state.profile is None else 0.0)
+    base = max(params.score_window_s, params.budget_calibration_s) + lead_s + params.level_s + 2 * params.fine_bucket_s
+    return base + (params.season_s if state.profile is None else 0.0)
 
 
 def observed_from_counts(start: float, bucket_s: float, requests: Sequence[float] | np.ndarray,
-                         peak: Sequence[float] | np.ndarray, busy: Sequence[float] | np.ndarray) -> Observed:
-    """The planner's view of the gateway's fine counters (missing buckets are zero traffic)."""
+                         peak: Sequence[float] | np.ndarray, busy: Sequence[float] | np.ndarray,
+                         waited: Sequence[float] | np.ndarray | None = None) -> Observed:
+    """The planner's view of the gateway's fine counters (missing buckets are zero traffic; `waited`:
+    the requests that waited for capacity, which the cold-start budget calibrates on)."""
     return Observed(float(start), float(bucket_s), np.asarray(requests, dtype=np.float64),
-                    np.asarray(peak, dtype=np.float64), np.asarray(busy, dtype=np.float64))
+                    np.asarray(peak, dtype=np.float64), np.asarray(busy, dtype=np.float64),
+                    None if waited is None else np.asarray(waited, dtype=np.float64))
 
 
 def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
@@ -297,7 +318,8 @@ def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
     if not refit_due(state, inp.now, p) or inp.profile_history is None:
         return state
     start, bucket, rates = inp.profile_history
-    return replace(state, profile=fit_profile(rates, start, bucket), profile_at=inp.now)
+    return replace(state, profile=fit_profile(rates, start, bucket, bin_s=p.profile_bin_s, season_s=p.season_s),
+                   profile_at=inp.now)
 
 
 def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Forecast, str]:
@@ -305,14 +327,11 @@ def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Foreca
     replica's slots serve when the forecast of it is good; while it is not (bursts), the peaks are planned
     and released only reactively."""
     p, obs = inp.params, inp.observed
-    kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile,
-              window=int(p.score_window_s // obs.bucket_s), level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile,
-              phase_period=int(p.phase_period_s // obs.bucket_s), phase_span=int(p.phase_span_s // obs.bucket_s),
-              phase_quantile=p.phase_quantile)
+    kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
+              level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile, season_s=p.season_s)
     fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     mode = _mode(fc, p)
     if mode == REACTIVE:
-        kw["phase_quantile"] = None  # recurring errors at the upper quantile only where the forecast is trusted
         fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     return fc, mode
 
@@ -468,19 +487,22 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     """One planning step at `inp.now` (see the module docstring for the order of decisions)."""
     p, slots = inp.params, inp.model.slots
     state = _learn(inp, state)
-    lead = lead_of(p, inp.cold_start_p95_s)
     obs = inp.observed
+    margin_now, counted_end = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
+                                               state.counted_end, p)
+    state = replace(state, margin=margin_now, counted_end=counted_end)
+    # square-root staffing with the margin the cold-start budget calibrated (both modes: every miss counts)
+    margin = lambda a: a + margin_now * math.sqrt(max(a, 0.0))  # noqa: E731
+    lead = lead_of(p, inp.cold_start_p95_s)
     fc, mode = _forecast(inp, state, lead)
     if inp.replicas.asleep and inp.wake_p95_s is not None and inp.wake_p95_s + p.lead_margin_s < lead:
         # parked replicas come back in their measured wake time: a rise they can cover is planned one wake
         # (not one cold start) ahead of it
-        margin0 = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
-        if replicas_needed(margin0(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
+        if replicas_needed(margin(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
             lead = inp.wake_p95_s + p.lead_margin_s
             fc, mode = _forecast(inp, state, lead)
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
-    margin = (lambda a: a + p.queue_beta * math.sqrt(a)) if mode == PREDICTIVE else (lambda a: a)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
     fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
     # a batch job adds its replicas to the load before it starts (the next bucket's forecast),

@@ -26,7 +26,7 @@ from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import PlannerSettings
 
 MODEL = ModelSpec(name="m", revision="r1", slots=8)
-BASE = PlannerParams(budget_share=1.0, lead_margin_s=10.0, default_cold_start_s=8.7)
+BASE = PlannerParams(budget_share=1.0, lead_margin_s=10.0, default_cold_start_s=8.7, margin_initial=1.5)
 T0 = 1_700_000_000.0  # epoch of the first fine bucket (a multiple of 10 s)
 
 

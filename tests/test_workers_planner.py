@@ -42,7 +42,8 @@ def planner(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactor
     client.flushall()
     port = free_port()
     env = worker_env(redis_server.url, tmp, PREWARM_PLANNER_MODELS='["tiny@r1"]',
-                     PREWARM_REGISTRY_REAPER_INTERVAL_S="1")
+                     PREWARM_REGISTRY_REAPER_INTERVAL_S="1",
+                     PREWARM_PLANNER_MARGIN_INITIAL="1.5")  # the budget's margin starts at the staffing beta here
     proc = WorkerProcess(["planner", "--metrics-port", str(port)], env, tmp / "planner.log").start()
     settings = Settings(redis=RedisSettings(url=redis_server.url))
     app = make_app(settings)

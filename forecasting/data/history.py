@@ -364,9 +364,10 @@ def counter_resolution(bucket_s: float) -> int:
 
 
 def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: float,
-                       bucket_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+                       bucket_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
-    request-seconds ended) per `bucket_s` bucket whose start lies in [start, end); missing keys are 0.
+    request-seconds, requests that waited for capacity) per `bucket_s` bucket whose start lies in
+    [start, end); missing keys are 0.
 
     The gateway records them at `keys.FINE_RESOLUTION_S`; a coarser `bucket_s` (a whole multiple)
     sums the requests and request-seconds and takes the largest peak of the buckets it covers.
@@ -382,7 +383,7 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
     n = max(0, math.ceil((end - first) / bucket_s))
     starts = first + np.arange(n * k, dtype=np.int64) * res
     out = []
-    for key_of in (keys.requests, keys.inflight_peak, keys.busy):
+    for key_of in (keys.requests, keys.inflight_peak, keys.busy, keys.waited):
         names = [key_of(model, res, int(b)) for b in starts]
         values = np.zeros(starts.size, dtype=np.float64)
         for lo in range(0, len(names), MGET_CHUNK):
@@ -396,4 +397,4 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
                     continue
         per = values.reshape(n, k)
         out.append(per.max(axis=1) if key_of is keys.inflight_peak else per.sum(axis=1))
-    return float(first), out[0], out[1], out[2]
+    return float(first), out[0], out[1], out[2], out[3]

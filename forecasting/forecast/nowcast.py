@@ -21,13 +21,12 @@ outcomes whatever the traffic (calm, bursty, ramping), and adapts within the win
 the traffic changes. The score of the chosen method (relative MAE of the median) is the
 forecast-quality figure the planner's gate reads.
 
-Errors that recur on the clock (a rate that steps every ``phase_period`` buckets) are
-calibrated apart: the residuals of the origins at the same phase of the period (and their
-neighbours) give a second upper quantile, and with ``phase_quantile`` (the planner passes
-it in predictive mode only) that quantile is taken at the upper tail of those recurring
-changes, and the candidate forecaster is the one that scored best at that phase (after a
-step the last bucket beats the minute's mean). A trace with no recurring errors gets
-nothing from it: its phase residuals are its ordinary ones.
+Nothing here is keyed to a clock: the season (``season_s``, a day by default, a week or a
+batch job's cron period where the operator declares one) and the profile's resolution
+(``bin_s``) come from the planner's settings, and the profile interpolates between bin
+centres, so a rate that steps anywhere within a bin is not assumed to step on its edge.
+What the forecaster misses on steps the profile did not foresee is left to the planner's
+cold-start budget, which calibrates its margin on the misses it observes.
 
 Pure numpy: no I/O, no clock.
 """
@@ -49,19 +48,20 @@ class Profile:
 
     bin_s: float
     values: tuple[float, ...]
-    days: float
+    days: float  # seasons of history it was learned from
+    season_s: float = DAY_S  # the period the shape repeats over (declared by the operator; a day by default)
 
     def at(self, ts: np.ndarray) -> np.ndarray:
         """The profile at epoch seconds ``ts``, linearly interpolated between bin centres (circular)."""
         v = np.asarray(self.values, dtype=np.float64)
-        pos = np.mod(np.asarray(ts, dtype=np.float64), DAY_S) / self.bin_s - 0.5
+        pos = np.mod(np.asarray(ts, dtype=np.float64), self.season_s) / self.bin_s - 0.5
         lo = np.floor(pos).astype(np.int64)
         frac = pos - lo
         n = v.size
         return v[np.mod(lo, n)] * (1 - frac) + v[np.mod(lo + 1, n)] * frac
 
 
-def fit_profile(rates: np.ndarray, start: float, bucket_s: float, *, bin_s: float = 600.0,
+def fit_profile(rates: np.ndarray, start: float, bucket_s: float, *, bin_s: float, season_s: float = DAY_S,
                 min_days: float = 2.0) -> Profile | None:
     """Learn the daily profile from a regular rate series (req/s per bucket from epoch ``start``).
 
@@ -70,11 +70,14 @@ def fit_profile(rates: np.ndarray, start: float, bucket_s: float, *, bin_s: floa
     over the days that have it), smoothed over their two neighbours, and normalised to mean 1.
     """
     y = np.asarray(rates, dtype=np.float64)
-    if y.size * bucket_s < min_days * DAY_S or not np.any(y > 0):
+    if not (bin_s > 0 and season_s >= bin_s):
+        raise ValueError(f"profile bin_s must be > 0 and at most season_s, got bin_s={bin_s}, season_s={season_s}")
+    if y.size * bucket_s < min_days * season_s or not np.any(y > 0):
         return None
-    nbins = max(1, int(round(DAY_S / bin_s)))
+    nbins = max(1, int(round(season_s / bin_s)))
+    bin_s = season_s / nbins  # whole bins per season
     ts = start + np.arange(y.size) * bucket_s
-    idx = (np.mod(ts, DAY_S) // bin_s).astype(np.int64) % nbins
+    idx = (np.mod(ts, season_s) // bin_s).astype(np.int64) % nbins
     sums = np.bincount(idx, weights=y, minlength=nbins)
     counts = np.bincount(idx, minlength=nbins)
     mean = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
@@ -85,7 +88,8 @@ def fit_profile(rates: np.ndarray, start: float, bucket_s: float, *, bin_s: floa
     level = float(smooth.mean())
     if not level > 0:
         return None
-    return Profile(bin_s=bin_s, values=tuple(float(v) for v in smooth / level), days=y.size * bucket_s / DAY_S)
+    return Profile(bin_s=bin_s, values=tuple(float(v) for v in smooth / level), days=y.size * bucket_s / season_s,
+                   season_s=season_s)
 
 
 @dataclass(frozen=True)
@@ -127,47 +131,9 @@ def _q(x: np.ndarray, q: float) -> float:
     return float(np.partition(x, k)[k])
 
 
-def _phase_quantile(y: np.ndarray, h: int, start: float, bucket_s: float, method: str, level_buckets: int,
-                    profile: Profile | None, season: int, quantile: float, period: int, span: int) -> float | None:
-    """The planning quantile of the residuals of origins at the phase of the period the next origin is
-    at (and its neighbours), over the last `span` buckets: errors that recur on the clock."""
-    cand = _phase_origins(y.size, h, period, span)
-    if cand.size < 10:
-        return None
-    target = np.max(np.stack([y[cand + 1 + j] for j in range(h)]), axis=0)
-    pts = _points(y, cand, h, start, bucket_s, level_buckets, profile, season).get(method)
-    if pts is None:
-        return None
-    return _q(_fwd(target) - _fwd(pts), quantile)
-
-
-def _phase_origins(n: int, h: int, period: int, span: int) -> np.ndarray:
-    """The scored origins at the phase of `period` the next origin (n - 1) is at, and their neighbours,
-    within the last `span` buckets."""
-    first = max(0, n - h - span)
-    cand = np.arange(n - 1 - period, first - 1, -period, dtype=np.int64)
-    cand = np.concatenate([cand - 1, cand, cand + 1])
-    cand = cand[(cand >= first) & (cand < n - h)]
-    cand.sort()
-    return cand
-
-
-def _phase_best(y: np.ndarray, h: int, start: float, bucket_s: float, level_buckets: int, profile: Profile | None,
-                season: int, period: int, span: int, methods: set[str]) -> str | None:
-    """The candidate forecaster with the lowest MAE at the phase of the period the next origin is at."""
-    cand = _phase_origins(y.size, h, period, span)
-    if cand.size < 10:
-        return None
-    target = np.max(np.stack([y[cand + 1 + j] for j in range(h)]), axis=0)
-    pts = _points(y, cand, h, start, bucket_s, level_buckets, profile, season)
-    maes = {m: float(np.mean(np.abs(target - p))) for m, p in pts.items() if m in methods}
-    return min(maes, key=lambda m: (maes[m], m != "persistence")) if maes else None
-
-
 def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int, quantile: float,
                   window: int = 360, level_buckets: int = 6, profile: Profile | None = None,
-                  min_scored: int = 12, phase_period: int = 0, phase_span: int = 0,
-                  phase_quantile: float | None = None) -> Forecast:
+                  min_scored: int = 12, season_s: float = DAY_S) -> Forecast:
     """Forecast the peak of ``y`` (per fine bucket, from epoch ``start``) over the next ``horizon`` buckets.
 
     ``y`` holds complete buckets only, oldest first; the forecast is made at the end of its
@@ -178,7 +144,7 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     n = y.size
     if n == 0:
         return Forecast("none", 0.0, 0.0, 0.0, None, None, 0)
-    season = int(round(DAY_S / bucket_s))
+    season = int(round(season_s / bucket_s))
     usable = n - h  # origins whose target is fully observed
     k = min(window, max(0, usable))
     if k < min_scored:
@@ -198,20 +164,7 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
     # the gate's figure: the error of the forecaster that scored best over the whole window
     scale = float(np.mean(target))
     error = float(np.mean(np.abs(target - _inv(fp + z_med))) / scale) if scale > 0 else 0.0
-    if phase_period > 0 and phase_quantile is not None:
-        # errors that recur on the clock: at this phase, the forecaster that scored best at it
-        pb = _phase_best(y, h, start, bucket_s, level_buckets, profile, season, phase_period, phase_span, set(maes))
-        if pb is not None and pb != best:
-            best = pb
-            fp = _fwd(pts[best])
-            z = _fwd(target) - fp
-            z_med = _median_shift(target, fp, z, maes[best])
     z_up = _q(z, quantile)
-    if phase_period > 0:
-        zp = _phase_quantile(y, h, start, bucket_s, best, level_buckets, profile, season,
-                             quantile if phase_quantile is None else phase_quantile, phase_period, phase_span)
-        if zp is not None:
-            z_up = max(z_up, zp)
     base = float(_fwd(now_pts[best][0]))
     median = float(_inv(base + z_med))
     upper = float(_inv(base + z_up))

@@ -26,6 +26,7 @@ class Observation:
     arrivals: float  # requests that arrived since the last decision
     period_s: float
     cold_start_p95_s: float | None = None  # p95 of the cold starts completed so far (None: none yet), as measured live
+    waited: float = 0.0  # requests that waited for capacity longer than the wait threshold since the last decision
 
 
 @dataclass(frozen=True, eq=False)

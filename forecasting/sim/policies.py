@@ -304,6 +304,7 @@ class Prewarm(Policy):
         # busy seconds per fine bucket: estimated from the arrivals until the replay has observed the bucket
         busy = w.busy if w.busy is not None else w.counts * w.mean_service_s
         self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1).astype(np.float64)
+        self.fine_waited = np.zeros(nf)  # requests that waited for capacity: filled as the replay observes them
         nc = w.counts.size // cb
         self.coarse_rate = w.counts[: nc * cb].reshape(nc, cb).sum(axis=1) / cb
         self.epoch = w.start_epoch
@@ -337,6 +338,10 @@ class Prewarm(Policy):
             self.fine_busy[k] = 0.0  # the first span of this bucket: the replay's figures replace the estimate
             self._replayed_bucket = k
         self.fine_busy[k] += obs.load_mean * per
+        # the waits seen since the last decision, in the bucket that just ended (any cadence)
+        kw = int(math.ceil(round(obs.now / fb, 9))) - 1
+        if 0 <= kw < self.fine_waited.size:
+            self.fine_waited[kw] += obs.waited
 
     def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
         """The step's inputs at `now` (trace seconds), from the past only: what the live task reads from Redis."""
@@ -346,7 +351,7 @@ class Prewarm(Policy):
         nb = min(int(now // fb), self.fine_req.size)
         lo = max(0, nb - int(math.ceil(recent_span_s(self.state, p, lead) / fb)))
         observed = observed_from_counts(self.epoch + lo * fb, fb, self.fine_req[lo:nb], self.fine_peak[lo:nb],
-                                        self.fine_busy[lo:nb])
+                                        self.fine_busy[lo:nb], self.fine_waited[lo:nb])
         history = None
         if refit_due(self.state, self.epoch + now, p):
             nc = min(int(now // cb), self.coarse_rate.size)

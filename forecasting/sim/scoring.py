@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
-from forecasting.planner import warm_cost
+from forecasting.planner import PlannerParams, warm_cost
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 
@@ -95,7 +95,8 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
         runs[name] = run
         scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
         if isinstance(policy, Prewarm):
-            scores[name] |= {"planner_modes": dict(policy.modes)}
+            scores[name] |= {"planner_modes": dict(policy.modes), "cold_start_budget": policy.params.cold_start_budget,
+                             "margin_final": policy.state.margin}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
@@ -103,7 +104,7 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
     rows = []
     for name, s in scores.items():
         knob, value = default_knob(name)
-        r = row(name, s, knob, value, True)
+        r = row(name, s, knob, s.get("cold_start_budget", value) if knob == "cold_start_budget" else value, True)
         r["gpu_hours_vs_reactive"] = s["gpu_hours_vs_reactive"]
         rows.append(r)
     out = {
@@ -123,21 +124,24 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
 
 
 #: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
-#: prewarm's is its quantile until the planner has a cold-start budget (issue 17); reactive_sized's its
-#: square-root staffing margin (the planner's queue_beta: 1.5).
+#: prewarm's is its cold-start budget (the share of requests that may wait for capacity, which its margin
+#: calibrates on; the default is the planner setting's); reactive_sized's its square-root staffing margin
+#: (the planner's queue_beta: 1.5).
 SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
     "reactive": ("target", (0.3, 0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
     "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 6.0), 1.5),
     "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
     "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
-    "prewarm": ("quantile", (0.5, 0.75, 0.9, 0.97), 0.9),
+    "prewarm": ("cold_start_budget", (0.00003, 0.0001, 0.0003, 0.001, 0.003), PlannerParams().cold_start_budget),
 }
 
 
 def row(policy: str, s: Mapping[str, Any], knob: str, value: float, default: bool) -> dict[str, Any]:
     """One row of the output contract: {policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
-    cold_start_share, ttft_p99_s, starts} (gpu_hours_vs_reactive filled in once reactive's default is known)."""
-    return {"policy": policy, "knob": knob, "value": value, "default": default, "gpu_hours": s["gpu_hours"],
+    cold_start_share, ttft_p99_s, starts} (gpu_hours_vs_reactive filled in once reactive's default is known);
+    a policy swept over its cold-start budget also carries `cold_start_budget` (the budget in force)."""
+    extra = {"cold_start_budget": value} if knob == "cold_start_budget" else {}
+    return extra | {"policy": policy, "knob": knob, "value": value, "default": default, "gpu_hours": s["gpu_hours"],
             "gpu_hours_vs_reactive": None, "cold_start_share": s["cold_start_share"], "ttft_p99_s": s["ttft_p99_s"],
             "starts": int(s["cold_starts"])}
 

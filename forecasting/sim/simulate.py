@@ -138,6 +138,8 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     area = 0.0
     last_t = 0.0
     arrivals_since = 0
+    waited_since = 0  # served after waiting longer than the threshold: what the gateway counts as waited
+    theta = params.wait_threshold_s
     last_tick = 0.0
     i = 0
     inf = math.inf
@@ -145,7 +147,9 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     next_report = report_every
 
     def assign(req: int, rid: int, t: float) -> None:
-        nonlocal busy
+        nonlocal busy, waited_since
+        if t - arr[req] > theta:
+            waited_since += 1
         active[rid] += 1
         busy += 1
         start_t[req] = t
@@ -223,8 +227,8 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
         else:
             span = t - last_tick
             obs = Observation(t, len(serving), len(reps.loading), area / span if span > 0 else float(busy + len(queue)),
-                              float(arrivals_since), period, bank.observed_p95())
-            area, arrivals_since, last_tick = 0.0, 0, t
+                              float(arrivals_since), period, bank.observed_p95(), float(waited_since))
+            area, arrivals_since, waited_since, last_tick = 0.0, 0, 0, t
             want = max(0, int(policy.decide(obs)))
             if delay > 0:
                 acts.append((t + delay, want))
@@ -277,6 +281,8 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
     backlog = 0.0
     load_acc = 0.0
     arr_acc = 0.0
+    waited_acc = 0.0  # arrivals still queued past what the threshold's capacity drains: they wait longer than it
+    theta = params.wait_threshold_s
     last_tick = 0.0
     report_every = max(1, T // 100)
 
@@ -308,8 +314,8 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
         if t >= next_tick:
             span = t - last_tick
             obs = Observation(float(t), len(ready), len(loading), load_acc / span if span > 0 else backlog,
-                              arr_acc, period, bank.observed_p95())
-            load_acc, arr_acc, last_tick = 0.0, 0.0, float(t)
+                              arr_acc, period, bank.observed_p95(), waited_acc)
+            load_acc, arr_acc, waited_acc, last_tick = 0.0, 0.0, 0.0, float(t)
             want = max(0, int(policy.decide(obs)))
             if delay > 0:
                 acts.append((t + delay, want))
@@ -326,6 +332,8 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
         q = backlog + counts[t]
         served = q if q < cap else cap
         backlog = q - served
+        if backlog > cap * theta:
+            waited_acc += min(float(counts[t]), backlog - cap * theta)
         dep[t] = served
         load_acc += served * S + backlog
         arr_acc += counts[t]

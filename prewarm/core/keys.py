@@ -74,6 +74,12 @@ def busy(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:busy:{model}:{resolution_s}:{bucket_start}"
 
 
+#: User requests of a model in one fine bucket that waited for capacity (held for a load or a wake past the
+#: gateway's wait threshold, or refused for want of a ready replica): what the cold-start budget calibrates on.
+def waited(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:waited:{model}:{resolution_s}:{bucket_start}"
+
+
 #: The resolution (seconds) of the in-flight peak and busy-time counters: the planner's fine buckets.
 FINE_RESOLUTION_S = 10
 

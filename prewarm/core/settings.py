@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from typing import Annotated
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
@@ -97,6 +97,9 @@ class GatewaySettings(_Group):
     port: int = Field(8080, ge=0, le=65535)
     warm_threshold: float = Field(0.7, ge=0, le=1)  # loading progress under which requests go to the warm pool
     hold_timeout_s: float = Field(0.0, ge=0)  # hold a request this long for a replica to become ready; 0: 503 at once
+    # a held request that waited longer than this counts as waited for capacity (the cold-start budget's
+    # observation); the simulator's wait_threshold_s, so live and replayed misses are the same thing
+    wait_threshold_s: float = Field(0.5, ge=0)
     retry_after_s: int = Field(5, ge=1)  # Retry-After on 503
     max_body_bytes: int = Field(1_048_576, gt=0)
     upstream_timeout_s: float = Field(120.0, gt=0)  # idle timeout: longest wait for the next bytes of an answer
@@ -326,6 +329,21 @@ class PlannerSettings(_Group):
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
     warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
+    # --- the cold-start budget (forecasting/calibration.py; reasons in docs/operating.md) ---
+    cold_start_budget: float = Field(0.0001, gt=0, le=1)  # share of requests that may wait for a load or a wake
+    margin_initial: float = Field(6.0, ge=0)  # the margin's start, on the safe side until misses are measured
+    budget_gain: float = Field(0.1, gt=0)  # margin (beta) moved per calibration window's budget overspent
+    budget_calibration_s: float = Field(3600.0, gt=0)  # the window the overspend is measured against
+    margin_max: float = Field(40.0, gt=0)  # the calibrated margin's ceiling (no integrator wind-up)
+    season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
+    profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
+
+    @model_validator(mode="after")
+    def _bin_within_season(self) -> "PlannerSettings":
+        if self.profile_bin_s > self.season_s:
+            raise ValueError(f"PREWARM_PLANNER_PROFILE_BIN_S ({self.profile_bin_s:g}) must be at most "
+                             f"PREWARM_PLANNER_SEASON_S ({self.season_s:g}): a profile bin within one season")
+        return self
     dry_run: bool = False
     # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -330,6 +330,8 @@ class Gateway:
                 decision = self._route(narrow(await self._view(model, fresh=True), rev), warmup)
                 if decision.outcome is RouteOutcome.SATURATED:
                     return self._saturated(model)
+            if not warmup and (decision.replica is None or time.monotonic() - started > self.cfg.wait_threshold_s):
+                self.counter.waited(model, time.time())  # the cold-start budget's observation
         self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
         if decision.replica is None:
             return self._unavailable(f"no replica of {model!r} is ready; one is being started")

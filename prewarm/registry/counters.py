@@ -15,6 +15,8 @@ burst and mean-load signals, with the semantics the simulator replays:
 
 Counts that cannot be flushed (Redis down) are kept and retried: none is lost while the
 gateway lives.
+The requests that waited for capacity are counted per fine bucket too: what the
+planner's cold-start budget calibrates on (`forecasting.calibration`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class RequestCounter:
         self._since: dict[str, float] = {}  # model -> when its busy time was last credited
         self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> this gateway's peak in flight
         self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds not yet flushed
+        self._waited: Counter[tuple[str, int]] = Counter()  # (model, fine bucket) -> requests that waited for capacity
 
     def add(self, model: str, now: float, n: int = 1) -> None:
         for res in self.resolutions:
@@ -108,9 +111,14 @@ class RequestCounter:
         key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
+    def waited(self, model: str, now: float) -> None:
+        """A user request waited for capacity (a load or a wake) past the threshold, or found none."""
+        self._waited[(model, bucket_start(now, keys.FINE_RESOLUTION_S))] += 1
+
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
-        if not self._pending and not self._peak and not self._busy and not any(self.inflight.values()):
+        if not self._pending and not self._peak and not self._busy and not self._waited \
+                and not any(self.inflight.values()):
             return 0
         now = time.time()
         for model in [m for m, n in self.inflight.items() if n]:
@@ -118,6 +126,7 @@ class RequestCounter:
         batch, self._pending = self._pending, Counter()
         peaks, self._peak = self._peak, {}
         busy, self._busy = self._busy, {}
+        waited, self._waited = self._waited, Counter()
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
@@ -135,6 +144,10 @@ class RequestCounter:
             key = keys.busy(model, fine, start)
             pipe.incrbyfloat(key, round(secs, 6))
             pipe.expire(key, ttl)
+        for (model, start), n in waited.items():
+            key = keys.waited(model, keys.FINE_RESOLUTION_S, start)
+            pipe.incrby(key, n)
+            pipe.expire(key, ttl)
         first: dict[str, int] = {}
         for (model, res, start), n in batch.items():
             key = keys.requests(model, res, start)
@@ -149,6 +162,7 @@ class RequestCounter:
             await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             self._pending.update(batch)
+            self._waited.update(waited)
             for k, secs in busy.items():
                 self._busy[k] = self._busy.get(k, 0.0) + secs
             for k, v in peaks.items():

@@ -102,7 +102,7 @@ def _state_save(ctx: WorkerContext, model: str, state: PlannerState) -> None:
 
 
 def history(ctx: WorkerContext, model: str, state: PlannerState, params: PlannerParams, *, now: float,
-            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray],
+            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                                                      tuple[float, float, np.ndarray] | None]:
     """1. The fine counters the step reads, and the coarse rate when the profile is due for a refit."""
     fb = int(params.fine_bucket_s)
@@ -113,7 +113,7 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
     if first is not None:
         start = max(start, math.floor(float(first) / fb) * fb)
     fine = load_fine_counters(ctx.client, model, start=start, end=end, bucket_s=fb) if start < end else \
-        (float(end), np.zeros(0), np.zeros(0), np.zeros(0))
+        (float(end), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
     coarse = None
     if refit_due(state, now, params):
         cb = int(params.bucket_s)
@@ -138,7 +138,7 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     p95 = ctx.registry.load_time_p95(spec.name, spec.revision)  # the lead of this revision, on its slowest class
     if p95 is None:  # a revision not measured yet: its model's other revisions (their weights are alike), else the default
         p95 = ctx.registry.load_time_p95(spec.name)
-    (start, requests, peak, busy), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
+    (start, requests, peak, busy, waited), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
@@ -147,7 +147,7 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     # a parked replica's wake, the slowest node class measured (it may be woken on any node)
     wakes = measured_ready_p95(ctx, spec.name, "asleep") if counts["asleep"] else {}
     # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
-    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy),
+    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy, waited),
                       ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
                       max(wakes.values()) if wakes else None)
 

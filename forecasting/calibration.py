@@ -1,0 +1,69 @@
+"""The cold-start budget's calibration: the planner's margin calibrated online on the misses the gateway observes.
+
+The operator's goal is a share of requests that may wait for capacity (a load or a wake),
+`cold_start_budget`. No forecast knob maps to that share on every trace (a planning quantile
+barely moves it: the misses come from changes the recent residuals never showed), so the
+planner steers to it by feedback, as adaptive conformal inference (Gibbs & Candes, 2021)
+steers its quantile from its own misses: every step the staffing margin beta (slots for a
+load a are a + beta sqrt(a)) moves by
+
+    beta += gain x (waited - budget x requests) / (budget x requests per calibration window)
+
+over the fine buckets counted since the last step. Requests that waited push it up in
+proportion to how much of a window's budget they spent; calm buckets bring it down by `gain`
+per window. It is an integrator of the overspend, so over a long run the realised share is
+the budget whatever the trace, as long as the margin stays within its bounds (the clip at
+[0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
+
+`waited` is what the gateway counts per fine bucket (requests held for capacity longer than
+the wait threshold), the same counter the simulator fills from its replay; `None` (a
+history without the counter) leaves the margin where it is.
+
+Pure: no I/O, no clock (bucket times come with the counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import numpy as np
+
+
+class BudgetParams(Protocol):
+    """The planner parameters the calibration reads (`forecasting.planner.PlannerParams`)."""
+
+    @property
+    def margin_initial(self) -> float: ...
+    @property
+    def cold_start_budget(self) -> float: ...
+    @property
+    def budget_gain(self) -> float: ...
+    @property
+    def budget_calibration_s(self) -> float: ...
+    @property
+    def margin_max(self) -> float: ...
+
+
+def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
+                     margin: float | None, counted_end: float | None, p: BudgetParams) -> tuple[float, float | None]:
+    """The margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end after
+    `counted_end`, and the new `counted_end`. The first call counts nothing (it only marks where
+    counting starts): misses before the planner acted are not its own."""
+    beta = p.margin_initial if margin is None else float(margin)
+    n = int(requests.size)
+    end = start + n * bucket_s
+    if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:
+        return beta, end if n else counted_end
+    if counted_end is None:
+        return beta, end
+    first = max(0, int(math.ceil(round((counted_end - start) / bucket_s, 9))))
+    if first >= n:
+        return beta, counted_end
+    req = float(np.sum(requests[first:]))
+    miss = float(np.sum(waited[first:]))
+    per_window = float(np.mean(requests)) * p.budget_calibration_s / bucket_s
+    if not per_window > 0:
+        return beta, end
+    beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
+    return min(p.margin_max, max(0.0, beta)), end

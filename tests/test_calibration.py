@@ -1,0 +1,180 @@
+"""The cold-start budget: the margin's feedback (pure), the gateway's observation of it (real Redis, real
+HTTP), and the planner steering to it in the replay on traffic whose steps fall on no grid."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from forecasting.calibration import calibrate_margin
+from forecasting.data.history import load_fine_counters
+from forecasting.data.traces import RateTrace
+from forecasting.forecast.nowcast import fit_profile
+from forecasting.planner import PlannerParams, PlannerState
+from forecasting.sim.scoring import run_backtest
+from forecasting.sim.workload import SimParams
+from prewarm.core import keys
+from prewarm.core.domain import LoadPhase, ReplicaState
+from tests.httpservers import Upstream
+from tests.test_gateway import Harness, served_by
+
+P = PlannerParams(cold_start_budget=0.001, budget_gain=0.1, margin_initial=2.0, margin_max=10.0,
+                  budget_calibration_s=3600.0)
+
+
+def _counts(n: int, per_bucket: float = 100.0) -> np.ndarray:
+    return np.full(n, per_bucket)
+
+
+def test_the_first_count_only_marks_where_counting_starts() -> None:
+    beta, end = calibrate_margin(_counts(6), np.full(6, 50.0), 1000.0, 10.0, None, None, P)
+    assert (beta, end) == (2.0, 1060.0)  # misses before the planner acted are not its own
+
+
+def test_misses_over_the_budget_raise_the_margin_in_proportion_to_the_window_budget_spent() -> None:
+    req, waited = _counts(360), np.zeros(360)
+    waited[-1] = 36.0  # one hour at 100 per bucket: the window's budget is 36 waits; this spends it once more
+    beta, end = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 3590.0, P)
+    assert end == 3600.0
+    assert beta == pytest.approx(2.0 + 0.1 * (36.0 - 0.001 * 100.0) / 36.0)
+
+
+def test_a_calm_window_lowers_the_margin_by_the_gain_and_the_bounds_hold() -> None:
+    req, waited = _counts(360), np.zeros(360)
+    beta, _ = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 0.0, P)
+    assert beta == pytest.approx(2.0 - 0.1)
+    assert calibrate_margin(req, waited, 0.0, 10.0, 0.01, 0.0, P)[0] == 0.0
+    waited[-10:] = 1000.0
+    assert calibrate_margin(req, waited, 0.0, 10.0, 9.0, 0.0, P)[0] == 10.0  # no wind-up past the ceiling
+
+
+def test_buckets_already_counted_are_not_counted_twice_and_no_counter_leaves_the_margin() -> None:
+    req, waited = _counts(10), np.full(10, 5.0)
+    assert calibrate_margin(req, waited, 0.0, 10.0, 3.0, 100.0, P) == (3.0, 100.0)
+    assert calibrate_margin(req, None, 0.0, 10.0, 3.0, 50.0, P) == (3.0, 100.0)
+    beta, _ = calibrate_margin(req, waited, 0.0, 10.0, 3.0, 90.0, P)  # only the last bucket is new
+    per_window = 100.0 * 360
+    assert beta == pytest.approx(3.0 + 0.1 * (5.0 - 0.1) / (0.001 * per_window))
+
+
+def test_planner_state_carries_the_margin_through_json() -> None:
+    s = PlannerState(margin=4.25, counted_end=1234.0)
+    assert PlannerState.from_json(s.to_json()) == s
+
+
+def test_the_profile_resolution_and_season_are_declared_not_fixed() -> None:
+    day = np.r_[np.full(431, 1.0), np.full(1009, 3.0)]  # a step at 07:11 (minute 431): on no 10-minute grid
+    rates = np.tile(day, 3)
+    prof = fit_profile(rates, 0.0, 60.0, bin_s=900.0)
+    assert prof is not None and prof.bin_s == 900.0 and len(prof.values) == 96
+    assert prof.at(np.array([3 * 3600.0]))[0] < 0.5 < 1.0 < prof.at(np.array([12 * 3600.0]))[0]
+    week = fit_profile(np.tile(day, 15), 0.0, 60.0, bin_s=3600.0, season_s=7 * 86400.0)
+    assert week is not None and len(week.values) == 168 and week.season_s == 7 * 86400.0
+    assert fit_profile(rates, 0.0, 60.0, bin_s=900.0, season_s=7 * 86400.0) is None  # three days are no week
+    with pytest.raises(ValueError, match="bin_s"):
+        fit_profile(rates, 0.0, 60.0, bin_s=2 * 86400.0)
+
+
+def test_settings_name_a_profile_bin_longer_than_its_season(clean_env: pytest.MonkeyPatch) -> None:
+    from prewarm.core.errors import SettingsError
+    from prewarm.core.settings import Settings
+
+    clean_env.setenv("PREWARM_PLANNER_SEASON_S", "3600")
+    clean_env.setenv("PREWARM_PLANNER_PROFILE_BIN_S", "7200")
+    with pytest.raises(SettingsError, match="PREWARM_PLANNER_PROFILE_BIN_S"):
+        Settings.load()
+    clean_env.setenv("PREWARM_PLANNER_COLD_START_BUDGET", "0.002")
+    clean_env.setenv("PREWARM_PLANNER_PROFILE_BIN_S", "600")
+    p = PlannerParams.from_settings(Settings.load().planner)
+    assert (p.cold_start_budget, p.season_s, p.profile_bin_s) == (0.002, 3600.0, 600.0)
+
+
+def _off_grid_trace(hours: float, seed: int) -> RateTrace:
+    """A daily-ish rate whose steps fall at random seconds (no window grid), with a slow wave under them."""
+    rng = np.random.default_rng(seed)
+    t, starts, rates = 0.0, [], []
+    while t < hours * 3600:
+        starts.append(t)
+        wave = 1.0 + 0.5 * math.sin(2 * math.pi * t / 86400.0)
+        rates.append(120.0 * wave * rng.uniform(0.75, 1.3))
+        t += float(rng.uniform(200.0, 1100.0))
+    secs = np.arange(0, int(hours * 3600), 60.0)
+    idx = np.searchsorted(np.asarray(starts), secs, side="right") - 1
+    # written per minute (the trace format is regular): steps inside a minute land on its start, never on a 600 s grid
+    return RateTrace(window_start_s=secs, rate=np.asarray(rates)[idx], window_s=60.0, source=f"off-grid seed {seed}")
+
+
+def test_the_budget_moves_the_hits_on_off_grid_traffic() -> None:
+    """The operator's knob buys cold starts back: a tighter budget gives fewer hits for more GPU."""
+    tr = _off_grid_trace(10.0, seed=3)
+    shares, gpu = [], []
+    for budget in (0.01, 0.0003):
+        out = run_backtest(tr, SimParams(), ["prewarm"],
+                           policy_kwargs={"prewarm": {"cold_start_budget": budget, "margin_initial": 1.5}})["result"]
+        row = out["rows"][0]
+        assert row["cold_start_budget"] == budget
+        shares.append(row["cold_start_share"])
+        gpu.append(row["gpu_hours"])
+    assert shares[1] < shares[0] and gpu[1] > gpu[0]
+
+
+# -- the live observation: what the gateway counts is what the planner reads --------------------------------------
+
+def _totals(h: Harness, since: float) -> tuple[float, float]:
+    """(requests, waited) the gateway has flushed for model m since `since`: what the planner reads."""
+    end = math.floor(time.time() / keys.FINE_RESOLUTION_S) * keys.FINE_RESOLUTION_S + keys.FINE_RESOLUTION_S
+    _, requests, _, _, waited = load_fine_counters(h.reg.client, "m", start=since, end=end,
+                                                   resolution_s=keys.FINE_RESOLUTION_S)
+    return float(requests.sum()), float(waited.sum())
+
+
+def _waited_total(h: Harness, since: float) -> float:
+    return _totals(h, since)[1]
+
+
+def _until(pred: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10.0
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.05)
+
+
+def test_the_gateway_counts_requests_that_waited_for_capacity(redis_url: str) -> None:
+    h = Harness(redis_url, hold_timeout_s=5.0, wait_threshold_s=0.2)
+    since = time.time() - keys.FINE_RESOLUTION_S
+    try:
+        r = h.add(0, Upstream("late"), state=ReplicaState.LOADING, progress=0.2, phase=LoadPhase.FIRST_LAYERS)
+        ready = threading.Event()
+
+        def finish() -> None:
+            ready.wait(5.0)
+            h.reg.transition(r.id, ReplicaState.WARMING, now=time.time())
+            h.reg.transition(r.id, ReplicaState.READY, now=time.time())
+
+        threading.Thread(target=finish).start()
+        threading.Timer(0.5, ready.set).start()
+        assert served_by(h.complete()) == "late"  # held until the load finished: one request waited
+        _until(lambda: _waited_total(h, since) == 1.0, "the held request counted as waited")
+        assert served_by(h.complete()) == "late"  # a ready replica: no wait
+        _until(lambda: _totals(h, since)[0] == 2.0, "the second request flushed")
+        assert _totals(h, since) == (2.0, 1.0)
+    finally:
+        h.close()
+
+
+def test_a_request_refused_for_want_of_a_replica_counts_as_waited(redis_url: str) -> None:
+    h = Harness(redis_url)  # hold_timeout_s 0: 503 at once
+    since = time.time() - keys.FINE_RESOLUTION_S
+    try:
+        h.add(0, Upstream("x"), state=ReplicaState.LOADING, progress=0.1, phase=LoadPhase.EMBEDDINGS)
+        status, headers, _ = h.complete()
+        assert status == 503 and int(headers["retry-after"]) >= 1
+        _until(lambda: _waited_total(h, since) == 1.0, "the refused request counted as waited")
+    finally:
+        h.close()
