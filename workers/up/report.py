@@ -133,6 +133,8 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
         cold_starts_s=got.cold_starts_s,
         # the measured starts already ran beside each other on this machine: no further load-bandwidth charge
         load_share=0.0,
+        # the live executor's scale-down retires ready replicas only: a load in progress runs to ready
+        cancel_loads=False,
         actuation_delay_s=measured_delay if measured_delay is not None else SimParams.actuation_delay_s,
         # a request's service is its "generated tokens" at 1000 tokens/s: each keeps the time it was counted with
         prefill_base_s=0.0, prefill_tokens_per_s=1e12, decode_tokens_per_s=1000.0,
