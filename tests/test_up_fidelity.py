@@ -144,3 +144,10 @@ def test_a_load_the_live_executor_cannot_cancel_is_charged_to_ready() -> None:
     assert gpu[True] == pytest.approx(60.0 + 2 * 5.0)  # cancelled at 5 s
     assert gpu[False] == pytest.approx(5.0 + 20.0 + 60.0, abs=0.05)  # the ready one drained at 5 s; one of the
     # loads retired by the decision at 20 s, when it is ready; the other kept to the end
+
+
+def test_each_replayed_request_keeps_its_own_measured_latency() -> None:
+    from workers.up.fidelity import request_services
+
+    got = request_services(np.array([0.5, 1.25, 2.0]), [2.0, 0.5], [0.9, 0.1], 0.2)
+    assert got.tolist() == [0.1, 0.2, 0.9]

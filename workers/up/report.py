@@ -29,7 +29,7 @@ from forecasting.data.traces import RequestTrace, TraceFormat
 from prewarm.core.settings import PlannerSettings, Settings
 from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.fidelity import (Measured, counted_since, gateway_waits_over, judge, measure, planner_view,
-                                 replica_seconds, service_s, summary)
+                                 replica_seconds, request_services, service_s, summary)
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
@@ -122,9 +122,10 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     simulator's clock starts at (its first request) and the replay's start on that clock (scored after it)."""
     # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency)
     slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
-    # a request holds its slot for the run's measured service time (the latency of the requests that did not
-    # wait), so the simulated gateway counts the requests in flight the real one counted; the declared capacity
-    # (slots / capacity s a request) is the fallback when nothing was answered
+    # each replayed request holds its slot for its own measured latency (on a shared CPU answer times swing with
+    # load, and the gateway's peak in flight with them), so the simulated gateway counts the requests in flight
+    # the real one counted; one not answered, the mean latency of those that did not wait (or the declared
+    # capacity's slots / capacity s when nothing was answered)
     capacity = float(run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS") or run.settings.planner.capacity_rps)
     service = service_s(run.stats.latencies, SimParams.wait_threshold_s) or slots / capacity
     measured_delay = float(np.mean(got.actuation_delays_s)) if got.actuation_delays_s else None
@@ -147,7 +148,8 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     t = np.concatenate([hist, win])
     epoch0 = float(t.min())  # the simulator counts time from the first request
     t = t - epoch0
-    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s), np.full(win.size, service)])
+    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s),
+                          request_services(wl.arrivals, run.stats.offsets, run.stats.latencies, service)])
     trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=svc * 1000.0,
                          source=wl.description, start_epoch=epoch0, format=TraceFormat.REQUEST_CSV)
     # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
