@@ -164,6 +164,13 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     return out["result"], out, params, epoch0, after
 
 
+def _mean_service(work: Any, after_s: float) -> float:
+    """The mean service time of the replayed requests (those arriving after `after_s`) in the simulator."""
+    if work.service is None or work.arrivals is None or not (work.arrivals >= after_s).any():
+        return float("nan")
+    return float(work.service[work.arrivals >= after_s].mean())
+
+
 def _waited(run: Any, work: Any, params: SimParams, after_s: float) -> int:
     """Requests of a simulated run arriving after `after_s` that waited longer than the threshold for a start."""
     late = run.wait > params.wait_threshold_s
@@ -237,9 +244,8 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     run.console.print(table)
     run.console.print(
         f"simulated on the same arrivals with this run's planner settings: cold start {cold:.1f} s (this run's "
-        f"measured p95), {sim['params']['slots']} requests at a time per replica for "
-        f"{full['work'].service[-1] if full['work'].service is not None else float('nan'):.3f} s each (this run's mean "
-        f"latency of the requests that did not wait)"
+        f"measured p95), {sim['params']['slots']} requests at a time per replica, each for its own measured latency "
+        f"(mean {_mean_service(full['work'], after):.3f} s)"
     )
     _print_fidelity(run.console, fidelity, measured)
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
