@@ -113,3 +113,41 @@ def test_simulated_planner_runs_the_batch_job_of_the_model_it_plans() -> None:
         "prewarm": {"planner_settings": planner, "model_name": name}})["result"]["policies"]["prewarm"]["cold_starts"]
         for name in ("demo", "other")}
     assert starts["demo"] > starts["other"], starts
+
+
+def test_a_load_the_live_executor_cannot_cancel_is_charged_to_ready() -> None:
+    """The live scale-down retires ready replicas only; with `cancel_loads=False` the simulator does the same:
+    two loads the policy no longer wants run their whole cold start, and the scale-down takes the one ready
+    replica instead (as the live executor's `partial` scale-down does); one of the two goes at the next decision."""
+    from forecasting.data.traces import RequestTrace, TraceFormat
+    from forecasting.sim.interface import Observation, Policy, PolicyEnv
+    from forecasting.sim.simulate import SimParams, build_workload, replay
+
+    class Drop(Policy):
+        name = "drop"
+        period_s = 5.0
+
+        def start(self, env: PolicyEnv) -> int:
+            return 1
+
+        def decide(self, obs: Observation) -> int:
+            return 3 if obs.now < 5 else 1
+
+    t = np.arange(0.0, 60.0, 1.0)
+    trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=np.full(t.size, 10.0), source="s",
+                         start_epoch=0.0, format=TraceFormat.REQUEST_CSV)
+    gpu = {}
+    for cancel in (True, False):
+        params = SimParams(cold_start_s=20.0, cold_start_cv=0.0, actuation_delay_s=0.0, load_share=0.0, prefill_base_s=0.0,
+                           decode_tokens_per_s=1000.0, cancel_loads=cancel)
+        gpu[cancel] = replay(build_workload(trace, params), Drop(), params).gpu_s
+    assert gpu[True] == pytest.approx(60.0 + 2 * 5.0)  # cancelled at 5 s
+    assert gpu[False] == pytest.approx(5.0 + 20.0 + 60.0, abs=0.05)  # the ready one drained at 5 s; one of the
+    # loads retired by the decision at 20 s, when it is ready; the other kept to the end
+
+
+def test_each_replayed_request_keeps_its_own_measured_latency() -> None:
+    from workers.up.fidelity import request_services
+
+    got = request_services(np.array([0.5, 1.25, 2.0]), [2.0, 0.5], [0.9, 0.1], 0.2)
+    assert got.tolist() == [0.1, 0.2, 0.9]

@@ -161,8 +161,8 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
             for _ in range(want - live):
                 reps.new(t, False)
         elif want < live:
-            remove = live - want
-            while remove and reps.loading:
+            remove = live - want if params.cancel_loads else min(live - want, len(serving))
+            while remove and reps.loading and params.cancel_loads:
                 rid = reps.loading.pop()
                 reps.retire(rid, t)  # a cancelled load has held its GPU (and its share of the node) until now
                 remove -= 1
@@ -295,8 +295,8 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
                 bank.begin(next_rid, float(t))
                 next_rid += 1
         elif want < live:
-            remove = live - want
-            while remove and loading:
+            remove = live - want if params.cancel_loads else min(live - want, len(ready))
+            while remove and loading and params.cancel_loads:
                 rid, s0 = loading.popitem()
                 bank.release(rid, float(t))  # a cancelled load has held its GPU (and its share of the node)
                 gpu += t - s0

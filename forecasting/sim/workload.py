@@ -51,6 +51,9 @@ class SimParams:
     # loads transferring on the node (the rest, process start, warmup and validation, is not shared)
     gpus_per_node: int = 8
     load_share: float = 0.5
+    # whether a scale-down cancels replicas still loading (first) or, as the live executor does (it retires ready
+    # replicas only), lets them finish their load, to be retired by a later decision once ready
+    cancel_loads: bool = True
     mean_context_tokens: float = AZURE_CODE_MEAN_CONTEXT
     mean_generated_tokens: float = AZURE_CODE_MEAN_GENERATED
     wait_threshold_s: float = 0.5  # a request that waited longer for capacity is a cold-start hit

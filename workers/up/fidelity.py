@@ -120,6 +120,15 @@ def service_s(latencies: Sequence[float], threshold_s: float) -> float | None:
     return float(np.mean(fast)) if fast else None
 
 
+def request_services(arrivals: np.ndarray, offsets: Sequence[float], latencies: Sequence[float],
+                     default_s: float) -> np.ndarray:
+    """Each replayed request's service time: its own measured latency (`offsets[i]` answered in
+    `latencies[i]`), `default_s` for one without an answer. A request held for a start has that wait in
+    its latency too; the fidelity check counts such holds apart (none in a run whose starts are ahead)."""
+    by_offset = dict(zip((float(o) for o in offsets), (float(x) for x in latencies)))
+    return np.asarray([by_offset.get(float(a), default_s) for a in arrivals], dtype=np.float64)
+
+
 def replica_seconds(t: Sequence[float], live: Sequence[int], start: float, end: float) -> float:
     """Replicas live integrated over [start, end) of a sampled timeline (each sample holds until the next)."""
     ts = np.asarray(t, dtype=np.float64)

@@ -29,7 +29,7 @@ from forecasting.data.traces import RequestTrace, TraceFormat
 from prewarm.core.settings import PlannerSettings, Settings
 from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.fidelity import (Measured, counted_since, gateway_waits_over, judge, measure, planner_view,
-                                 replica_seconds, service_s, summary)
+                                 replica_seconds, request_services, service_s, summary)
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
@@ -122,9 +122,10 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     simulator's clock starts at (its first request) and the replay's start on that clock (scored after it)."""
     # the planner sizes a replica by the requests in flight that saturate it (gateway.replica_concurrency)
     slots = int(run.sup.env.get("PREWARM_GATEWAY_REPLICA_CONCURRENCY") or run.settings.gateway.replica_concurrency)
-    # a request holds its slot for the run's measured service time (the latency of the requests that did not
-    # wait), so the simulated gateway counts the requests in flight the real one counted; the declared capacity
-    # (slots / capacity s a request) is the fallback when nothing was answered
+    # each replayed request holds its slot for its own measured latency (on a shared CPU answer times swing with
+    # load, and the gateway's peak in flight with them), so the simulated gateway counts the requests in flight
+    # the real one counted; one not answered, the mean latency of those that did not wait (or the declared
+    # capacity's slots / capacity s when nothing was answered)
     capacity = float(run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS") or run.settings.planner.capacity_rps)
     service = service_s(run.stats.latencies, SimParams.wait_threshold_s) or slots / capacity
     measured_delay = float(np.mean(got.actuation_delays_s)) if got.actuation_delays_s else None
@@ -133,6 +134,8 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
         cold_starts_s=got.cold_starts_s,
         # the measured starts already ran beside each other on this machine: no further load-bandwidth charge
         load_share=0.0,
+        # the live executor's scale-down retires ready replicas only: a load in progress runs to ready
+        cancel_loads=False,
         actuation_delay_s=measured_delay if measured_delay is not None else SimParams.actuation_delay_s,
         # a request's service is its "generated tokens" at 1000 tokens/s: each keeps the time it was counted with
         prefill_base_s=0.0, prefill_tokens_per_s=1e12, decode_tokens_per_s=1000.0,
@@ -145,7 +148,8 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     t = np.concatenate([hist, win])
     epoch0 = float(t.min())  # the simulator counts time from the first request
     t = t - epoch0
-    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s), np.full(win.size, service)])
+    svc = np.concatenate([np.full(hist.size, run.opts.history_service_s),
+                          request_services(wl.arrivals, run.stats.offsets, run.stats.latencies, service)])
     trace = RequestTrace(t=t, context_tokens=np.zeros(t.size), generated_tokens=svc * 1000.0,
                          source=wl.description, start_epoch=epoch0, format=TraceFormat.REQUEST_CSV)
     # the run's own planner settings (the demo's), not the defaults: the simulated column is what ran
@@ -158,6 +162,13 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
                        policy_kwargs={"prewarm": {"planner_settings": planner, "plan_from_s": plan_from,
                                                   "model_name": "demo"}})  # the run's batch job names its model
     return out["result"], out, params, epoch0, after
+
+
+def _mean_service(work: Any, after_s: float) -> float:
+    """The mean service time of the replayed requests (those arriving after `after_s`) in the simulator."""
+    if work.service is None or work.arrivals is None or not (work.arrivals >= after_s).any():
+        return float("nan")
+    return float(work.service[work.arrivals >= after_s].mean())
 
 
 def _waited(run: Any, work: Any, params: SimParams, after_s: float) -> int:
@@ -238,9 +249,8 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     run.console.print(table)
     run.console.print(
         f"simulated on the same arrivals with this run's planner settings: cold start {cold:.1f} s (this run's "
-        f"measured p95), {sim['params']['slots']} requests at a time per replica for "
-        f"{full['work'].service[-1] if full['work'].service is not None else float('nan'):.3f} s each (this run's mean "
-        f"latency of the requests that did not wait)"
+        f"measured p95), {sim['params']['slots']} requests at a time per replica, each for its own measured latency "
+        f"(mean {_mean_service(full['work'], after):.3f} s)"
     )
     _print_fidelity(run.console, fidelity, measured)
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
