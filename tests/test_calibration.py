@@ -129,7 +129,7 @@ def _totals(h: Harness, since: float) -> tuple[float, float]:
     """(requests, waited) the gateway has flushed for model m since `since`: what the planner reads."""
     end = math.floor(time.time() / keys.FINE_RESOLUTION_S) * keys.FINE_RESOLUTION_S + keys.FINE_RESOLUTION_S
     _, requests, _, _, waited = load_fine_counters(h.reg.client, "m", start=since, end=end,
-                                                   resolution_s=keys.FINE_RESOLUTION_S)
+                                                   bucket_s=keys.FINE_RESOLUTION_S)
     return float(requests.sum()), float(waited.sum())
 
 

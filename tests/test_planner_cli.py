@@ -17,6 +17,7 @@ def test_plan_dry_run_prints_the_events_and_changes_nothing(redis_client: "redis
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     clean_env.setenv("PREWARM_REDIS_URL", redis_url)
     clean_env.setenv("PREWARM_PLANNER_MODELS", '["tiny@r1"]')
+    clean_env.setenv("PREWARM_PLANNER_MARGIN_INITIAL", "1.5")  # the staffing beta this arithmetic was written for
     fine = int(time.time() // 10) * 10
     for i in range(-3, 361):  # an hour of 20 requests in flight, and a few buckets ahead for a slow clock
         start = fine - 10 * i

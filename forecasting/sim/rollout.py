@@ -34,7 +34,8 @@ import numpy as np
 from forecasting.planner import lead_of
 from forecasting.sim.interface import Observation, PolicyEnv
 from forecasting.sim.policies import Prewarm, Reactive, cold_start_p95
-from forecasting.sim.simulate import _cold_sampler, _fluid_waits
+from forecasting.sim.loads import cold_sampler
+from forecasting.sim.simulate import _fluid_waits
 from forecasting.sim.workload import SimParams, Workload
 from prewarm.policy import rollout as rp
 
@@ -160,7 +161,7 @@ def replay_rollout(work: Workload, params: SimParams, scenario: RolloutScenario,
     if not 0 <= scenario.at_s < T:
         raise ValueError(f"--rollout-at {scenario.at_s:g} s is outside the trace (0 to {T} s)")
     rng = np.random.default_rng(params.seed + 1)
-    cold = _cold_sampler(params, rng)
+    cold = cold_sampler(params, rng)
     S = work.mean_service_s
     stable, canary = (_Pool(T, params.slots / S, S, cold) for _ in range(2))
     pools = (stable, canary)
