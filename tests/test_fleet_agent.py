@@ -259,7 +259,8 @@ def test_a_wake_that_hangs_fails_the_replica_and_a_replacement_serves_the_held_r
                                {"model": "b", "prompt": "hi", "max_tokens": 4}, timeout=120.0)
         assert status == 200, (status, body, fleet.logs())
         assert "outcome': 'wake_failed'" in fleet.agent.log()
-        assert f"demand claim for b was for {RID['b']}, which is failed" in fleet.planner.log()
+        # the wake's demand claim did not keep the replacement out (it used to, for 30 s)
+        assert "scale from zero: unmet demand for b -> prewarm b@r1/" in fleet.planner.log()
         # the replacement may take the freed slot (the same id, registered anew after the failure)
         fresh = [r for r in fleet.registry.replicas_of("b") if r.created_at > frozen_at]
         assert len(fresh) == 1, fresh  # (served once past the warm threshold: it may still be warming)

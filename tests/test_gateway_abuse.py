@@ -305,3 +305,26 @@ def test_past_the_replicas_concurrency_clients_take_turns(redis_url: str) -> Non
         assert order.index(4) <= 2, order  # after the one in flight and at most one greedy turn, not last
     finally:
         h.close()
+
+
+def test_one_client_never_holds_every_turn(redis_url: str) -> None:
+    """Major 3 (the benchmark's finding): turns are not preempted, so a greedy client holding every
+    turn made a newcomer wait for one of its long requests each time. One turn stays free."""
+    h = Harness(redis_url, replica_concurrency=3, max_queue_wait_s=1000.0)
+    try:
+        slow = Upstream("s", delay_s=1.0)
+        h.add(0, slow)
+        assert h.complete()[0] == 200  # the routing view is known: capacity 3
+        greedy = [threading.Thread(target=lambda: h.complete(headers=_bearer("greedy"), extra={"max_tokens": 100}))
+                  for _ in range(4)]
+        for t in greedy:
+            t.start()
+        wait_for(lambda: h.gateway.turns.waiting("m") == 2, 10, "greedy at its limit of 2 turns, 2 waiting")
+        before = len(slow.received)
+        polite = h.complete(headers=_bearer("polite"), extra={"max_tokens": 4})
+        assert polite[0] == 200
+        assert slow.received[before].get("max_tokens") == 4  # the free turn was the newcomer's, at once
+        for t in greedy:
+            t.join()
+    finally:
+        h.close()

@@ -246,3 +246,23 @@ def test_a_demand_flood_queues_one_task_per_model_and_the_periodic_tasks_go_firs
     sent = (proc.log().count("Task prewarm.handle_demand[") - before) // 2
     assert sent <= 10, f"{flood} announcements became {sent} demand tasks"
     assert client.ttl(keys.demand_pending("flooded")) <= keys.DEMAND_COALESCE_S
+
+
+def test_a_demand_claim_left_for_a_failed_replica_does_not_block_a_new_prewarm(
+        planner: dict[str, Any], redis_server: EmbeddedRedis) -> None:
+    """Issue 20, major 6: a per-model demand claim set for an earlier wake blocked a new one for 30 s,
+    though the replica it was taken for had failed. A claim whose replica failed is replaced."""
+    client, reg = planner["client"], planner["registry"]
+    publish_node(client, "n7", 3)
+    now = time.time()
+    dead = Replica("tiny", "r1", "n7", 2, state=ReplicaState.PENDING, created_at=now)
+    reg.register(dead, now=now)
+    reg.transition(dead.id, ReplicaState.FAILED, now=now, reason="wake: /wake_up failed")
+    client.delete(keys.demand_claim("tiny"))
+    client.set(keys.demand_claim("tiny"), dead.id, ex=30)  # what the failed wake's demand left
+    _record_demand(redis_server.url, "tiny")
+    wait_for(lambda: "scale from zero: unmet demand for tiny -> prewarm tiny@r1/n7/" in planner["proc"].log(), 20,
+             lambda: f"a prewarm despite the stale claim\n{planner['proc'].log()[-2000:]}")
+    assert f"demand claim for tiny was for {dead.id}, which is failed" in planner["proc"].log()
+    assert any(m["task"] == PREWARM and m["args"][0].startswith("tiny@r1/n7/")
+               for m in queued_tasks(client, node_queue("n7")))

@@ -254,6 +254,11 @@ def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
     def work(ctx: WorkerContext, req: payload.ReplicaOnlyRequest, deadline: float) -> dict[str, Any]:
         rid = req.replica.replica_id
         outcome, seconds = tiers.wake(ctx, rid, owner=owner_token(self.request.id or "?"), deadline=deadline)
+        if outcome in (tiers.TierOutcome.READY, tiers.TierOutcome.WAKE_FAILED):
+            # the wake the demand claim was taken for is over: the next unmet demand must not wait for its TTL
+            claim = keys.demand_claim(req.replica.model)
+            if ctx.client.get(claim) == rid:
+                ctx.client.delete(claim)
         if outcome is tiers.TierOutcome.NO_MEMORY:  # left asleep here: the planner places it on another node
             booking = ctx.runtimes.ledger.get(rid)
             _place_elsewhere(self.app, rid, booking.nbytes if booking else 0,
