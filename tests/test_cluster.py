@@ -75,7 +75,7 @@ def test_with_a_cluster_the_agents_get_only_keep_warm_events() -> None:
 
 def test_cluster_target_is_the_serving_target_plus_the_pool_and_goes_down_too() -> None:
     model = ModelSpec("m", "r1", slots=8)
-    params = PlannerParams(warm_pool_size=1, budget_share=1.0)
+    params = PlannerParams(warm_pool_size=1, budget_share=1.0, margin_initial=1.5)
     y = np.full(400, 40.0)
     inp = StepInputs(model, 1_700_004_000.0, observed_from_counts(1_700_000_000.0, 10.0, y, y, y * 10.0),
                      ReplicaCounts(ready=12), params)

@@ -56,7 +56,7 @@ MODEL = "tiny"
 SPEC = ModelSpec(MODEL, "r1", slots=8)
 #: One rise to 4 replicas between 120 s and 240 s past each hour (a batch job the planner knows of), nothing
 #: else; the schedule looks 10 minutes ahead.
-PARAMS = PlannerParams(warm_pool_size=0, budget_share=1.0, default_cold_start_s=20.0, lead_margin_s=10.0,
+PARAMS = PlannerParams(warm_pool_size=0, budget_share=1.0, margin_initial=1.5, default_cold_start_s=20.0, lead_margin_s=10.0,
                        min_serving=0, stabilization_s=0.0, schedule_horizon_s=600.0,
                        batch_jobs=(BatchJob(cron="2 * * * *", model=MODEL, replicas=4, duration_s=120.0),))
 

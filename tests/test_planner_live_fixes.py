@@ -64,7 +64,7 @@ def test_scale_down_cancels_loading_replicas_and_never_retires_one_a_hold_keeps(
     loading = [_replica(ctx, "m", "n1", 5 + i, now - 10 + i, ReplicaState.LOADING) for i in range(4)]
     counts = live_counts(ctx.registry.replicas_of("m"))
     assert counts == {"ready": 5, "loading": 4, "warm": 0, "asleep": 0}
-    params = PlannerParams(budget_share=1.0, batch_jobs=(BatchJob(cron="*/10 * * * *", model="m", replicas=3,
+    params = PlannerParams(budget_share=1.0, margin_initial=1.5, batch_jobs=(BatchJob(cron="*/10 * * * *", model="m", replicas=3,
                                                                    duration_s=300.0),))
     t = float(int(now // 600) * 600 + 590)  # 10 s before a run of the job: a rise within the 18.7 s lead
     y = np.full(400, 8.0)
@@ -161,12 +161,12 @@ def test_the_scale_subresource_is_capped_at_max_replicas(
 # --- bucket sizes: the planner reads what the gateway records, summed to its buckets ----------------------
 
 def _count(redis_url: str, model: str, t0: float, seconds: int) -> None:
-    """One request a second for `seconds`, each 2 s in flight, counted and flushed by the gateway's counter."""
+    """One request a second for `seconds`, each 0.5 s in flight, counted and flushed by the gateway's counter."""
     counter = RequestCounter()
     for i in range(seconds):
         counter.add(model, t0 + i)
         counter.begin(model, t0 + i)
-        counter.end(model, t0 + i + 0.5, 2.0)
+        counter.end(model, t0 + i + 0.5, t0 + i)
 
     async def flush() -> None:
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)
@@ -188,10 +188,10 @@ def test_the_planner_reads_the_gateways_counters_at_any_counted_bucket_size(
     ctx = _cluster_ctx(clean_env, redis_url, Path("/nonexistent"), PREWARM_KUBERNETES_ENABLED="false",
                        PREWARM_PLANNER_FINE_BUCKET_S=str(fine), PREWARM_PLANNER_BUCKET_S=str(coarse))
     params = PlannerParams.from_settings(ctx.settings.planner)
-    (start, requests, peak, busy), profile = history(ctx, "m", PlannerState(), params, now=t0 + 600.0,
+    (start, requests, peak, busy, _waited), profile = history(ctx, "m", PlannerState(), params, now=t0 + 600.0,
                                                      cold_start_p95_s=None)
     assert start == t0 and requests.size == 600 // fine
-    assert np.all(requests == fine) and np.all(busy == 2.0 * fine) and np.all(peak == 1.0)
+    assert np.all(requests == fine) and np.all(busy == 0.5 * fine) and np.all(peak == 1.0)
     assert profile is not None
     _, bucket, rates = profile
     assert bucket == coarse and rates.size == 600 // coarse and np.allclose(rates, 1.0)
