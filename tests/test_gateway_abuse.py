@@ -286,9 +286,7 @@ def test_past_the_replicas_concurrency_clients_take_turns(redis_url: str) -> Non
     concurrency the gateway now keeps them, one queue per client, served round robin."""
     h = Harness(redis_url, replica_concurrency=1, max_queue_wait_s=1000.0)
     try:
-        # each answer takes long enough that the four greedy requests are all in before the first ends,
-        # however slowly a busy machine starts their threads (an order of events, not a duration)
-        slow = Upstream("s", delay_s=3.0)
+        slow = Upstream("s", delay_s=0.5)
         h.add(0, slow)
         assert h.complete()[0] == 200  # the routing view is known: its capacity is one request at a time
         results: list[Any] = []
@@ -296,13 +294,13 @@ def test_past_the_replicas_concurrency_clients_take_turns(redis_url: str) -> Non
             h.complete(headers=_bearer("greedy"), extra={"max_tokens": 100}))) for _ in range(4)]
         for t in greedy:
             t.start()
-        wait_for(lambda: h.gateway.turns.waiting("m") == 3, 30, "three greedy requests waiting their turn")
+        wait_for(lambda: h.gateway.turns.waiting("m") == 3, 10, "three greedy requests waiting their turn")
         polite = threading.Thread(target=lambda: results.append(
             h.complete(headers=_bearer("polite"), extra={"max_tokens": 4})))
         polite.start()
         for t in [*greedy, polite]:
             t.join()
-        assert [r[0] for r in results] == [200] * 5
+        assert [r[0] for r in results] == [200] * 5, results
         order = [b.get("max_tokens") for b in slow.received[1:]]
         assert order.index(4) <= 2, order  # after the one in flight and at most one greedy turn, not last
     finally:
