@@ -59,6 +59,8 @@ from kubernetes import client as k8s_client
 from prewarm.adapters.k8s import call
 from prewarm.adapters.k8s_watch import PodWatcher, ReadyPod, WatchStats, pod_is_ready
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter
+from prewarm.adapters.vllm import VllmAdapter
+from prewarm.policy.engine_checks import EngineFacts
 from prewarm.core import keys
 from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_name, replica_id
 from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
@@ -103,6 +105,7 @@ class PodTarget:
     api_key: str | None = None
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
+    vllm: bool = False  # the pods run vLLM (engine.models): validated by probes against the revision's reference
 
     def __post_init__(self) -> None:
         check_name(self.model, "model")
@@ -155,6 +158,8 @@ class PodPrewarmer:
 
     def _adapter(self, endpoint: str) -> OpenAICompatibleAdapter:
         t = self.target
+        if t.vllm:
+            return VllmAdapter(endpoint, api_key=t.api_key, model=t.served_model, timeout_s=t.request_timeout_s)
         return OpenAICompatibleAdapter(endpoint, token=t.api_key, timeout_s=t.request_timeout_s,
                                        model=t.served_model, has_sleep_mode=t.sleep_mode)
 
@@ -221,7 +226,8 @@ class PodPrewarmer:
                            expected=None,  # such servers do not list their tensors: structural is "unsupported"
                            started_at=pod.created_at if first_time and pod.created_at is not None else now,
                            require_logprobs=t.require_logprobs, load_timeout_s=t.ready_timeout_s,
-                           label=f"pod={pod.name}", revision=t.revision)
+                           label=f"pod={pod.name}", revision=t.revision,
+                           engine_expect=EngineFacts(t.served_model, None, None) if t.vllm else None)
         adapter = self.adapter_factory(pod.endpoint)
         done = bring_up(ctx, fresh, spec, connect=lambda _rec: adapter,
                         transition=lambda to, expected, reason: self._step(rid, to, expected, reason),
@@ -427,7 +433,7 @@ def target_from(settings: Settings, *, model: str, revision: str, served_model: 
         model=model, revision=revision, served_model=served_model or model, pool=Pool(pool),
         node_class=node_class or settings.agent.node_class, require_logprobs=kube.pod_require_logprobs,
         sleep_mode=kube.pod_sleep_mode, api_key=kube.pod_api_key.get_secret_value() if kube.pod_api_key else None,
-        ready_timeout_s=kube.pod_ready_timeout_s,
+        ready_timeout_s=kube.pod_ready_timeout_s, vllm=settings.engine.engine_of(model) == "vllm",
     )
 
 

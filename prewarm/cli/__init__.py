@@ -41,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=".prewarm/up", help="where logs, plots and the report go")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: the agents serve the model with a real vLLM (the .venv-vllm environment, "
+                        "`make vllm-env`) instead of prewarm's runtime")
     p.add_argument("--models", type=int, default=1,
                    help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
                         "that cannot hold them all, planned as a fleet")
@@ -176,10 +179,15 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     opts = up.UpOptions(
         out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
+        engine=args.engine,
     )
     with _redis_for(settings):
         if args.models and args.models > 1:
             from workers.up import fleet
+
+            if args.engine != "builtin":
+                print("prewarm up: --models > 1 runs the built-in engine only", file=sys.stderr)
+                return 2
 
             return fleet.run(settings, opts, args.models)
         return up.run(settings, opts)

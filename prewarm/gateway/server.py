@@ -38,6 +38,7 @@ from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
 from prewarm.registry.replicas import AsyncRegistryReader, ReplicaRegistry, RoutingView
 from prewarm.gateway.guard import ConnectionGate, serve
+from prewarm.policy.engine_load import merged_inflight, model_level
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -199,6 +200,7 @@ class Gateway:
             async def fetch() -> RoutingView:
                 mono = time.monotonic()
                 view = await self.reader.view(model, now=time.time())
+                self.counter.observe(model, time.time(), model_level(view.engine_load))  # engines count every gateway's
                 cache.view, cache.at = view, mono
                 return view
 
@@ -219,7 +221,7 @@ class Gateway:
 
     def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
-            view.serving, view.warm, view.loading, self.state.inflight,
+            view.serving, view.warm, view.loading, merged_inflight(self.state.inflight, view.engine_load),
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
             exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
             replica_limit=self.cfg.replica_queue_limit,

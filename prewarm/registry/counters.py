@@ -61,6 +61,12 @@ class RequestCounter:
         key = (model, b)
         self._peak[key] = max(self._peak.get(key, 0), self.inflight[model])
 
+    def observe(self, model: str, now: float, level: int) -> None:
+        """A level of requests in flight seen elsewhere (the engines' own counts): the bucket's peak follows it."""
+        if level > 0:
+            key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
+            self._peak[key] = max(self._peak.get(key, 0), level)
+
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
         if not self._pending and not self._peak and not self._busy:

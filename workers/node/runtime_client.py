@@ -10,15 +10,19 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
 from prewarm.core import http
+from prewarm.core.domain import Replica
 from prewarm.core.settings import Settings
 from prewarm.policy.validation import ValidationReport
 from prewarm.policy.warmup import WarmupRequest
+
+if TYPE_CHECKING:
+    from workers.node.vllm_client import VllmClient
 
 
 def control_token(settings: Settings) -> str | None:
@@ -121,3 +125,20 @@ class RuntimeClient:
 
 def make_client(settings: Settings, endpoint: str) -> RuntimeClient:
     return RuntimeClient(settings, endpoint)
+
+
+class _Hosted(Protocol):
+    endpoint: str
+    engine: str
+
+    @property
+    def replica(self) -> Replica: ...
+
+
+def client_for(settings: Settings, hosted: _Hosted) -> "RuntimeClient | VllmClient":
+    """The client of a hosted runtime, by its engine (`workers/node/engines.py`)."""
+    if hosted.engine == "vllm":
+        from workers.node.vllm_client import VllmClient
+
+        return VllmClient(settings, hosted.endpoint, model=hosted.replica.model)
+    return RuntimeClient(settings, hosted.endpoint)

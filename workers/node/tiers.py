@@ -34,7 +34,7 @@ from prewarm.core.errors import IllegalTransition, ReplicaNotFound, TemporaryErr
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.node.memory import ASLEEP, GPU, InsufficientMemory, footprint_bytes
-from workers.node.runtime_client import make_client
+from workers.node.runtime_client import client_for
 
 log = logging.getLogger("prewarm.agent.tiers")
 
@@ -79,7 +79,7 @@ def drain_idle(ctx: WorkerContext, rec: Replica, reason: str, deadline: float) -
     hosted = ctx.runtimes.get(rec.id)
     if hosted is None or hosted.exit_code() is not None:
         return True
-    client = make_client(ctx.settings, hosted.endpoint)
+    client = client_for(ctx.settings, hosted)
     idle_polls = 0
     while True:
         try:
@@ -119,7 +119,7 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
         if not drain_idle(ctx, rec, "sleep: going to sleep", deadline):
             return TierOutcome.STILL_DRAINING
         started = time.monotonic()
-        client = make_client(ctx.settings, hosted.endpoint)
+        client = client_for(ctx.settings, hosted)
         if not client.sleep(1):
             raise TemporaryError(f"the runtime of {rid} did not enter sleep mode", retry_after=1.0)
         ctx.runtimes.ledger.move(rid, ASLEEP, what="sleep of", force=True)
@@ -152,7 +152,7 @@ def wake_locked(ctx: WorkerContext, rid: str) -> tuple[TierOutcome, float | None
         log.error("%s; the replica stays asleep until the planner frees memory", exc)
         return TierOutcome.NO_MEMORY, None
     try:
-        awake = make_client(ctx.settings, hosted.endpoint).wake_up()
+        awake = client_for(ctx.settings, hosted).wake_up()
     except Exception:
         ctx.runtimes.ledger.move(rid, ASLEEP, what="wake of", force=True)
         raise

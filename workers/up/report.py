@@ -26,13 +26,15 @@ from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
-from workers.up.workload import Timeline, Workload
+from workers.up import vllm as up_vllm
+from workers.up.workload import Timeline, UpOptions, Workload
 
 
 class UpRun(Protocol):
     """What the report reads of a finished run (`workers.up.run.UpRun`)."""
 
     settings: Settings
+    opts: UpOptions
     console: Console
     run_dir: Path
     sup: Supervisor
@@ -144,8 +146,10 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     timeline_png = _plot_timeline(run, plots / "timeline.png")
     sim_png = plot_policies(full["work"], full["runs"], plots / "simulated_policies.png",
                             title="same arrivals, simulated: reactive vs prewarm")
-    result = {"workload": wl.description, "measured": measured, "simulated": sim,
+    result = {"workload": wl.description, "engine": run.opts.engine, "measured": measured, "simulated": sim,
               "plots": [str(timeline_png), str(sim_png)]}
+    if run.opts.engine == "vllm":
+        result.update(up_vllm.report_fields(run.settings, run.registry, "demo"))
     (run.run_dir / "report.json").write_text(json.dumps(result, indent=2, default=str))
 
     table = Table(title="prewarm up — report")
@@ -170,5 +174,11 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
         f"measured p95), {sim['params']['slots']} requests at a time per replica for "
         f"{sim['params']['prefill_base_s']:.2f} s each (the declared capacity, PREWARM_PLANNER_CAPACITY_RPS)"
     )
+    if result.get("engine") == "vllm":
+        ratio = result.get("warm_validate_over_server_start")
+        run.console.print(
+            f"engine vllm: time to a validated replica per tier {result['time_to_validated_s']}; vLLM's own start "
+            f"{result['engine_server_start_s']}, warmup + validation {result['engine_warm_validate_s']}"
+            + (f" ({ratio:.1%} of the start)" if ratio is not None else ""))
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
     return result

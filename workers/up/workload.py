@@ -23,6 +23,7 @@ class UpOptions:
     day_s: float = 120.0
     seed: int = 0
     flower: bool = True
+    engine: str = "builtin"  # "vllm": the agents run a real vLLM per replica (workers/up/vllm.py)
 
 
 @dataclass
