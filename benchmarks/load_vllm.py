@@ -52,7 +52,8 @@ def start_servers(tmp: Path, model: str, ports: list[int], key: str, settings: S
                              gpu_memory_utilization=ecfg.vllm_gpu_memory_utilization,
                              enforce_eager=ecfg.vllm_enforce_eager, sleep_mode=False, dtype=expected_dtype(model_dir))
         with open(tmp / f"vllm-{slot}.log", "ab") as out:
-            procs.append(subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV}, stdout=out, stderr=subprocess.STDOUT,
+            env = {**os.environ, **SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": ecfg.vllm_cpu_threads_bind}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     return model_dir, procs
 

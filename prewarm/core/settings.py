@@ -303,6 +303,10 @@ class EngineSettings(_Group):
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # used when vllm_kv_cache_bytes is None
     vllm_enforce_eager: bool = True  # no graph capture / torch.compile: minutes less to start, on CPU a must
     vllm_extra_args: list[str] = Field(default_factory=list)  # appended to the server's command line
+    # VLLM_CPU_OMP_THREADS_BIND of a CPU vLLM: its "auto" pins every server on a node to the same cores
+    # (each one alone, it cannot know of the others: two replicas on 2 cores shared core 0); "nobind"
+    # leaves placement to the OS. A core list per server would need a per-slot plan.
+    vllm_cpu_threads_bind: str = "nobind"
     vllm_start_timeout_s: float = Field(300.0, gt=0)  # /health must answer within this (imports + profiling: 30-60 s on CPU)
     # --- validation of an external engine (prewarm.policy.reference, prewarm.policy.engine_checks) ---
     probe_prompts: int = Field(4, ge=1)  # seeded prompts whose greedy tokens and logprobs are compared

@@ -19,6 +19,7 @@ outliers, which the caller fails (the one being validated included).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -52,8 +53,11 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     ecfg = ctx.settings.engine
     adapter = server
     prompts = seeded_prompts(ecfg.probe_seed, ecfg.probe_prompts)
+    t0 = time.monotonic()
     run = adapter.probes(prompts, tokens=ecfg.probe_tokens, logprobs=ecfg.probe_logprobs)
     probes = run.probes
+    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests)", model, revision,
+             sum(ttft_latencies_s), len(ttft_latencies_s), time.monotonic() - t0, len(prompts))
     facts = adapter.facts()
     adapter.sleep_supported()  # what the engine itself says; the tiers read it
     structural = check_engine_structure(expected, facts)

@@ -100,4 +100,4 @@ def server_spec(settings: Settings, replica: Replica, model_dir: str, port: int)
         kv_cache_bytes=ecfg.vllm_kv_cache_bytes, gpu_memory_utilization=ecfg.vllm_gpu_memory_utilization,
         enforce_eager=ecfg.vllm_enforce_eager, sleep_mode=sleep_mode_available(python),
         dtype=expected_dtype(model_dir), extra=ecfg.vllm_extra_args)
-    return ServerSpec(VLLM, argv, SERVER_ENV)
+    return ServerSpec(VLLM, argv, {**SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": ecfg.vllm_cpu_threads_bind})
