@@ -39,7 +39,7 @@ from prewarm.runtime.hf_checkpoint import make_tiny_llama
 from tests.celery_helpers import WorkerProcess, settings_from_env, wait_for, worker_env
 from workers.app import make_app
 from workers.context import WorkerContext
-from workers.names import PREWARM, RETIRE
+from workers.names import PREWARM, RETIRE, SLEEP
 from workers.pods import PodOutcome, PodPrewarmer, pod_slot, target_from
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -177,7 +177,8 @@ def world(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
         PREWARM_AGENT_DRAIN_TIMEOUT_S="5",
         PREWARM_WARMUP_KEEPALIVE_INTERVAL_S="5",
     )
-    agent = WorkerProcess(["agent", "--node", NODE], env, tmp / "agent.log").start()
+    # the agent asks vLLM about sleep mode before it takes tasks (an import of vLLM: minutes on a loaded machine)
+    agent = WorkerProcess(["agent", "--node", NODE], env, tmp / "agent.log").start(timeout=START_S)
     settings = settings_from_env(env)
     app = make_app(settings)
     w = World(tmp, env, agent, app, client, ReplicaRegistry(client, settings.registry), settings, Path(corrupt))
@@ -333,6 +334,17 @@ def test_a_corrupted_copy_of_the_revision_fails_against_its_reference(world: Wor
     port = world.settings.agent.port_base + 1
     wait_for(lambda: vllm_pids(port) == [], 60, "the failed replica's vLLM to stop")
     assert world.state(RID) == "ready"
+
+
+def test_sleep_is_refused_where_the_engine_reports_no_sleep_mode(world: World) -> None:
+    """vLLM on CPU runs without sleep mode (its platform says so); the server says so in /server_info, and
+    a sleep task leaves the replica ready, undrained, instead of pausing a server that frees nothing."""
+    status, info = call(world.endpoint(0) + "/server_info")
+    assert status == 200 and "enable_sleep_mode=False" in json.dumps(info)
+    task = world.app.send_task(SLEEP, args=[RID])
+    wait_for(lambda: f"{task.id}] succeeded" in world.agent.log(), 60, "the sleep task to finish")
+    assert "no_sleep_mode" in world.agent.log()
+    assert world.state(RID) == "ready" and ("ready", "draining") not in world.transitions(RID)
 
 
 def test_retire_stops_the_server(world: World) -> None:

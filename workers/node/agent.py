@@ -46,7 +46,7 @@ from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
 from workers.node.engine_load import publish_engine_load
-from workers.node.engines import prefetch_sleep_mode
+from workers.node.engines import probe_sleep_mode
 from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
@@ -318,7 +318,7 @@ def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int |
             "-n", f"agent@{agent.node}", f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:
         agent.start()
-        prefetch_sleep_mode(settings)
+        probe_sleep_mode(settings)
         app = make_app(settings)
         agent.resume_adopted(app)
         app.worker_main(argv)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import subprocess
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -67,18 +66,21 @@ def sleep_mode_available(python: str) -> bool:
     return out.stdout.strip().splitlines()[-1:] == ["True"]
 
 
-def prefetch_sleep_mode(settings: Settings) -> None:
-    """Ask vLLM about sleep mode in the background at agent start (importing vLLM takes 10-60 s), so that
-    the first vLLM replica does not wait for the answer; a no-op where no model runs on vLLM."""
+def probe_sleep_mode(settings: Settings) -> bool | None:
+    """Ask vLLM about sleep mode once, at agent start, before any task is taken (importing vLLM takes
+    10-60 s): asked inside a bring-up, the registered replica would wait that long with no runtime to
+    heartbeat for it, and be reaped. None where no model runs on vLLM."""
     ecfg = settings.engine
     if ecfg.default != VLLM and VLLM not in ecfg.models.values():
-        return
+        return None
     try:
         python = vllm_python(settings)
     except PermanentError as exc:
         log.warning("%s", exc)
-        return
-    threading.Thread(target=sleep_mode_available, args=(python,), name="vllm-sleep-mode", daemon=True).start()
+        return None
+    available = sleep_mode_available(python)
+    log.info("vLLM (%s) says sleep mode is %savailable on this platform", python, "" if available else "not ")
+    return available
 
 
 def _base_env() -> dict[str, str]:

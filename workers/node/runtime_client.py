@@ -102,6 +102,9 @@ class RuntimeClient:
         value = mem.get("cuda_reserved") if isinstance(mem, dict) else None
         return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
+    def sleep_supported(self) -> bool:
+        return True  # the built-in runtime always has level-1 sleep
+
     def sleep(self, level: int = 1) -> bool:
         return self.adapter.sleep(level)
 

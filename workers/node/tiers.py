@@ -47,6 +47,7 @@ class TierOutcome(str, Enum):
     STILL_DRAINING = "still_draining"  # requests still in flight at the task's deadline: sent again to go on
     NOT_READY = "not_ready"  # still loading: left alone (the next planning round decides again)
     NO_MEMORY = "insufficient_memory"  # the destination memory is full: left where it was
+    NO_SLEEP = "no_sleep_mode"  # the engine reports no sleep mode (vLLM off CUDA): the tier is absent, left ready
     GONE = "gone"  # retired, failed, never registered, or its runtime is gone
 
 
@@ -116,10 +117,13 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
         except InsufficientMemory as exc:
             log.warning("%s; not put to sleep", exc)
             return TierOutcome.NO_MEMORY
+        client = client_for(ctx.settings, hosted)
+        if not client.sleep_supported():  # asked of the engine before draining: nothing is disturbed
+            log.warning("replica %s: its engine reports no sleep mode; the asleep tier is absent, left ready", rid)
+            return TierOutcome.NO_SLEEP
         if not drain_idle(ctx, rec, "sleep: going to sleep", deadline):
             return TierOutcome.STILL_DRAINING
         started = time.monotonic()
-        client = client_for(ctx.settings, hosted)
         if not client.sleep(1):
             raise TemporaryError(f"the runtime of {rid} did not enter sleep mode", retry_after=1.0)
         ctx.runtimes.ledger.move(rid, ASLEEP, what="sleep of", force=True)

@@ -37,7 +37,7 @@ def model_dir(settings: Settings, model: str, seed: int) -> str:
 
 
 def python_path(settings: Settings) -> str:
-    path = Path(settings.engine.vllm_python).resolve()
+    path = Path(settings.engine.vllm_python).absolute()  # not resolve(): a venv interpreter is a symlink
     if not path.is_file():
         raise RuntimeError(f"no vLLM environment at {path}: run `make vllm-env` (or set PREWARM_ENGINE_VLLM_PYTHON)")
     return str(path)
