@@ -339,8 +339,8 @@ def test_a_corrupted_copy_of_the_revision_fails_against_its_reference(world: Wor
 def test_sleep_is_refused_where_the_engine_reports_no_sleep_mode(world: World) -> None:
     """vLLM on CPU runs without sleep mode (its platform says so); the server says so in /server_info, and
     a sleep task leaves the replica ready, undrained, instead of pausing a server that frees nothing."""
-    status, info = call(world.endpoint(0) + "/server_info")
-    assert status == 200 and "enable_sleep_mode=False" in json.dumps(info)
+    status, info = call(world.endpoint(0) + "/server_info?config_format=json")
+    assert status == 200 and info["vllm_config"]["model_config"]["enable_sleep_mode"] is False
     task = world.app.send_task(SLEEP, args=[RID])
     wait_for(lambda: f"{task.id}] succeeded" in world.agent.log(), 60, "the sleep task to finish")
     assert "no_sleep_mode" in world.agent.log()

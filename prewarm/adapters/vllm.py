@@ -20,7 +20,6 @@ Thin: it decides nothing; validation is the pure checks' job.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +78,6 @@ class ProbeRun:
         return [max(0.0, t - f) / (tokens - 1) for t, f in zip(self.total_s, self.first_token_s)]
 
 
-_DTYPE_RE = re.compile(r"\bdtype=(?:torch\.)?([a-z0-9_]+)")
-_SLEEP_RE = re.compile(r"\benable_sleep_mode=(True|False)")
 
 
 class VllmAdapter(OpenAICompatibleAdapter):
@@ -89,23 +86,28 @@ class VllmAdapter(OpenAICompatibleAdapter):
     def __init__(self, base_url: str, *, api_key: str | None, model: str, timeout_s: float = 30.0) -> None:
         super().__init__(base_url, token=api_key, timeout_s=timeout_s, model=model, has_sleep_mode=False,
                          health_paths=("/health",))
-        self._server_info: str | None = None
+        self._server_info: Mapping[str, Any] | None = None
 
     # --- what the server says about itself ---------------------------------------------
-    def server_info(self) -> str | None:
-        """vLLM's config as text (`/server_info`, dev mode only); None where not served."""
+    def server_info(self) -> Mapping[str, Any] | None:
+        """vLLM's model config (`/server_info?config_format=json`, dev mode only); None where not served.
+        Its first call is slow (vLLM collects its system environment then: 10-20 s on a loaded CPU)."""
         if self._server_info is None:
-            resp = self._request("GET", "/server_info", accept=(404,))
+            resp = self._request("GET", "/server_info?config_format=json", accept=(404,))
             if resp.status == 404:
                 return None
             data = resp.json()
-            self._server_info = json.dumps(data) if not isinstance(data, str) else data
+            cfg = data.get("vllm_config") if isinstance(data, dict) else None
+            model = cfg.get("model_config") if isinstance(cfg, dict) else None
+            if not isinstance(model, dict):
+                raise RuntimeServerError(f"/server_info has no model_config: {str(data)[:200]}")
+            self._server_info = model
         return self._server_info
 
     def sleep_supported(self) -> bool:
-        info = self.server_info()
-        m = _SLEEP_RE.search(info or "")
-        self.has_sleep_mode = bool(m and m.group(1) == "True")
+        """Whether the server runs with sleep mode, as it says (`enable_sleep_mode`); False where it says nothing."""
+        info = self.server_info() or {}
+        self.has_sleep_mode = info.get("enable_sleep_mode") is True
         return self.has_sleep_mode
 
     def facts(self) -> EngineFacts:
@@ -116,8 +118,8 @@ class VllmAdapter(OpenAICompatibleAdapter):
             ctx = entry.get("max_model_len")
         except (KeyError, IndexError, TypeError, StopIteration) as exc:
             raise RuntimeServerError(f"/v1/models answered {str(data)[:200]}: {exc!r}") from exc
-        m = _DTYPE_RE.search(self.server_info() or "")
-        return EngineFacts(name, int(ctx) if isinstance(ctx, int) else None, m.group(1) if m else None)
+        dtype = (self.server_info() or {}).get("dtype")
+        return EngineFacts(name, int(ctx) if isinstance(ctx, int) else None, str(dtype) if dtype else None)
 
     def engine_load(self) -> int | None:
         """Requests running + waiting as the engine counts them; None where /metrics lacks them."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -54,12 +55,15 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     adapter = server
     prompts = seeded_prompts(ecfg.probe_seed, ecfg.probe_prompts)
     t0 = time.monotonic()
-    run = adapter.probes(prompts, tokens=ecfg.probe_tokens, logprobs=ecfg.probe_logprobs)
-    probes = run.probes
-    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests)", model, revision,
-             sum(ttft_latencies_s), len(ttft_latencies_s), time.monotonic() - t0, len(prompts))
-    facts = adapter.facts()
-    adapter.sleep_supported()  # what the engine itself says; the tiers read it
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-facts") as pool:
+        # its first /server_info is slow (vLLM collects its environment): asked while the probes run
+        asked = pool.submit(lambda: (adapter.facts(), adapter.sleep_supported()))
+        run = adapter.probes(prompts, tokens=ecfg.probe_tokens, logprobs=ecfg.probe_logprobs)
+        probes = run.probes
+        probed = time.monotonic() - t0
+        facts, _sleep = asked.result()
+    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests), facts %.3fs", model,
+             revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts), time.monotonic() - t0)
     structural = check_engine_structure(expected, facts)
     tol = tolerance_for(expected.dtype or facts.dtype or "float32", ecfg.logprob_tolerance)
     store = ReferenceStore(ctx.client)
