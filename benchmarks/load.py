@@ -67,6 +67,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from benchmarks import load_vllm
 from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
 from prewarm.core.domain import Replica, ReplicaState
@@ -87,6 +88,7 @@ CONNECTIONS = 200
 LUA = Path(__file__).with_name("wrk_post.lua")
 PHASES = 5  # hey processes per URL, started a fraction of a tick apart (see run_hey)
 BODY = json.dumps({"model": MODEL, "prompt": "Hello, how are you today?", "max_tokens": 1})
+AUTH: list[str] = []  # -H arguments of wrk and hey: the replicas' API key (--engine vllm), for the direct paths
 
 
 # --- bringing replicas up the agent's way ------------------------------------------------------
@@ -192,7 +194,7 @@ def parse_wrk(text: str) -> WrkResult:
 def run_wrk(url: str, seconds: int, connections: int = CONNECTIONS) -> WrkResult:
     threads = 2
     cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
-           "-s", str(LUA), url, "--", MODEL]
+           *AUTH, "-s", str(LUA), url, "--", MODEL]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -261,7 +263,7 @@ def run_hey(urls: list[str], seconds: int, workers: int, q: float, phases: int =
         if delay > 0:
             time.sleep(delay)
         for url in urls:
-            cmd = ["hey", "-z", f"{seconds}s", "-c", str(group), "-q", f"{q:.4f}", "-t", "10", "-m", "POST",
+            cmd = ["hey", "-z", f"{seconds}s", "-c", str(group), "-q", f"{q:.4f}", "-t", "10", "-m", "POST", *AUTH,
                    "-T", "application/json", "-d", BODY, "-o", "csv", url]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     latencies: list[float] = []
@@ -341,7 +343,7 @@ def _stop_all(procs: list[tuple[str, subprocess.Popen[bytes]]], say: Callable[[s
         say(f"{', '.join(n for n, _ in procs)} took {time.monotonic() - began:.1f}s to stop")
 
 
-def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str, Any]:
+def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str = "builtin") -> dict[str, Any]:
     sat_s = 10 if quick else 60
     lat_s, rounds = (3, 1) if quick else (5, 6)
     secret = secrets.token_hex(16)
@@ -358,14 +360,23 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         ports = [free_port() for _ in range(replicas)]
         procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         stack.callback(_stop_all, procs, say)
-        for slot, port in enumerate(ports):
+        served_by = user_requests
+        if engine == "vllm":  # real vLLM servers, with a key the gateway sends and the direct paths too
+            key = secrets.token_hex(8)
+            AUTH[:] = ["-H", f"Authorization: Bearer {key}"]
+            env["PREWARM_RUNTIME_API_KEY"] = key
+            vllm_dir, vllm_procs = load_vllm.start_servers(tmp, MODEL, ports, key, settings)
+            procs += [(f"vllm {slot}", p) for slot, p in enumerate(vllm_procs)]
+            served_by = load_vllm.served_requests
+        for slot, port in enumerate(ports if engine == "builtin" else []):
             procs.append((f"runtime {slot}", prewarm_process(
                 ["serve-model", "--model-dir", str(model_dir), "--port", str(port), "--model-name", MODEL,
                  "--node", NODE, "--no-autoload"], env, log=tmp / f"runtime-{slot}.log")))
         gw_port = free_port()
         procs.insert(0, ("gateway", prewarm_process(["gateway", "--port", str(gw_port)], env, log=tmp / "gateway.log")))
         for port in ports:
-            wait_http(f"http://127.0.0.1:{port}/healthz", timeout=120)
+            wait_http(f"http://127.0.0.1:{port}/{'healthz' if engine == 'builtin' else 'health'}",
+                      timeout=120 if engine == "builtin" else 900)
         wait_http(f"http://127.0.0.1:{gw_port}/healthz", timeout=60)
         say(f"redis, {replicas} runtimes and the gateway answer")
 
@@ -377,9 +388,12 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         t0 = time.monotonic()
         for slot, port in enumerate(ports):
             endpoint = f"http://127.0.0.1:{port}"
+            replica = Replica(MODEL, revision, NODE, slot, endpoint=endpoint)
+            if engine == "vllm":
+                ready.append(load_vllm.bring_up_vllm(reg, replica, vllm_dir, key, settings, settings.agent.node_class))
+                continue
             adapter = BuiltinRuntimeAdapter(endpoint, token=secret, model=MODEL)
-            ready.append(bring_up(reg, adapter, Replica(MODEL, revision, NODE, slot, endpoint=endpoint),
-                                  model_dir, settings))
+            ready.append(bring_up(reg, adapter, replica, model_dir, settings))
         say(f"{len(ready)} replicas ready in {time.monotonic() - t0:.1f}s (registry: "
             f"{', '.join(r.id for r in ready)})")
         beats = Heartbeats(reg, ready, settings.registry.heartbeat_interval_s)
@@ -394,10 +408,10 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         say(f"saturation: {CONNECTIONS} connections for {sat_s}s, direct then through the gateway")
         direct = run_wrk(direct_url, sat_s)
         codes_before = gateway_counts(gw_port)
-        served_before = [user_requests(p) for p in ports]
+        served_before = [served_by(p) for p in ports]
         via = run_wrk(gw_url, sat_s)
         codes = _diff(gateway_counts(gw_port), codes_before)
-        served = [user_requests(p) - b for p, b in zip(ports, served_before)]
+        served = [served_by(p) - b for p, b in zip(ports, served_before)]
 
         rate = direct.rps / 2
         workers, q = rate_plan(rate, len(ready))
@@ -454,6 +468,7 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
         "latency_samples": len(v_lat),
         "direct_latency_samples": len(d_lat),
         "replicas": replicas,
+        "engine": engine,
         "saturation_s": sat_s,
         "latency_s": lat_s * rounds,
         "quick": quick,
@@ -464,6 +479,8 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None]) -> dict[str,
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2, help="runtime replicas behind the gateway (default 2)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: the replicas are real vLLM servers (benchmarks/load_vllm.py; `make vllm-env`)")
     args = p.parse_args()
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
@@ -473,7 +490,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     began = time.monotonic()
     result = measure(args.quick, args.replicas,
-                     lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True))
+                     lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True),
+                     args.engine)
     print(f"load [{time.monotonic() - began:5.1f}s] everything stopped", file=sys.stderr, flush=True)
     share = ", ".join(f"{x:.0%}" for x in result["replica_share"])
     rows = [

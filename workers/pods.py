@@ -60,6 +60,8 @@ from kubernetes import client as k8s_client
 from prewarm.adapters.k8s import call
 from prewarm.adapters.k8s_watch import ImagePull, PodWatcher, ReadyPod, WatchStats, image_pulls, pod_is_ready
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter
+from prewarm.adapters.vllm import VllmAdapter
+from prewarm.policy.engine_checks import EngineFacts
 from prewarm.core import keys
 from prewarm.core.domain import TERMINAL_STATES, Pool, Replica, ReplicaState, check_key_ref, check_name, replica_id
 from prewarm.core.errors import IllegalTransition, InvalidPayload, PermanentError, PrewarmError, ReplicaNotFound, \
@@ -106,6 +108,7 @@ class PodTarget:
     api_key_ref: str = ""  # registered with each replica: the name under which the gateway holds `api_key`
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 30.0
+    vllm: bool = False  # the pods run vLLM (engine.models): validated by probes against the revision's reference
 
     def __post_init__(self) -> None:
         check_name(self.model, "model")
@@ -161,6 +164,8 @@ class PodPrewarmer:
 
     def _adapter(self, endpoint: str) -> OpenAICompatibleAdapter:
         t = self.target
+        if t.vllm:
+            return VllmAdapter(endpoint, api_key=t.api_key, model=t.served_model, timeout_s=t.request_timeout_s)
         return OpenAICompatibleAdapter(endpoint, token=t.api_key, timeout_s=t.request_timeout_s,
                                        model=t.served_model, has_sleep_mode=t.sleep_mode)
 
@@ -229,7 +234,8 @@ class PodPrewarmer:
                            expected=None,  # such servers do not list their tensors: structural is "unsupported"
                            started_at=pod.created_at if first_time and pod.created_at is not None else now,
                            require_logprobs=t.require_logprobs, load_timeout_s=t.ready_timeout_s,
-                           label=f"pod={pod.name}", revision=t.revision, excluded_s=pulled)
+                           label=f"pod={pod.name}", revision=t.revision, excluded_s=pulled,
+                           engine_expect=EngineFacts(t.served_model, None, None) if t.vllm else None)
         adapter = self.adapter_factory(pod.endpoint)
         done = bring_up(ctx, fresh, spec, connect=lambda _rec: adapter,
                         transition=lambda to, expected, reason: self._step(rid, to, expected, reason),
@@ -476,7 +482,7 @@ def target_from(settings: Settings, *, model: str, revision: str, served_model: 
         node_class=node_class or settings.agent.node_class, require_logprobs=kube.pod_require_logprobs,
         sleep_mode=kube.pod_sleep_mode, api_key=kube.pod_api_key.get_secret_value() if kube.pod_api_key else None,
         api_key_ref=kube.pod_api_key_ref,
-        ready_timeout_s=kube.pod_ready_timeout_s,
+        ready_timeout_s=kube.pod_ready_timeout_s, vllm=settings.engine.engine_of(model) == "vllm",
     )
 
 

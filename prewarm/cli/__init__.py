@@ -44,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--history", type=float, default=0.0, dest="history_s",
                    help="with --trace: count the trace's first SECONDS into the gateway's counters as history (the "
                         "planner starts with its daily profile), then replay the next --duration seconds uncompressed")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: the agents serve the model with a real vLLM (the .venv-vllm environment, "
+                        "`make vllm-env`) instead of prewarm's runtime")
     p.add_argument("--models", type=int, default=1,
                    help="N > 1: N models of different sizes (one dense, the others sparse) under a GPU budget "
                         "that cannot hold them all, planned as a fleet")
@@ -184,10 +187,15 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         day_s=args.day_seconds, model_size=args.model_size, seed=args.seed, flower=not args.no_flower,
         history_s=args.history_s,
         rollout=args.rollout,
+        engine=args.engine,
     )
     with _redis_for(settings):
         if args.models and args.models > 1:
             from workers.up import fleet
+
+            if args.engine != "builtin":
+                print("prewarm up: --models > 1 runs the built-in engine only", file=sys.stderr)
+                return 2
 
             return fleet.run(settings, opts, args.models)
         return up.run(settings, opts)

@@ -142,6 +142,29 @@ def image_pulls(model: str, revision: str, node_class: str) -> str:
     return f"{PREFIX}:imagepulls:{model}@{revision}:{node_class}"
 
 
+#: String: the reference probes (JSON) of a revision, built from its first validated replicas
+#: (prewarm.policy.reference); kept BASELINE_TTL_S, like the speed it was measured beside.
+def reference(model: str, revision: str) -> str:
+    return f"{PREFIX}:reference:{model}@{revision}"
+
+
+#: Hash replica id -> probes (JSON) of the validated replicas a revision's reference is built from.
+def reference_samples(model: str, revision: str) -> str:
+    return f"{PREFIX}:reference-samples:{model}@{revision}"
+
+
+#: Hash replica id -> requests running + waiting in its engine (vLLM's own gauges), written by the agent on
+#: each heartbeat, expiring a heartbeat TTL after the last: the gateway's routing load and in-flight peak.
+def engine_load(model: str) -> str:
+    return f"{PREFIX}:engine-load:{model}"
+
+
+#: List of recent durations (seconds, newest first, LOADTIMES_KEEP) of one bring-up phase of an external
+#: engine's replicas on a node class: "server_start" (spawn to /health) and "warm_validate" (to ready).
+def engine_phase_times(model: str, phase: str, node_class: str) -> str:
+    return f"{PREFIX}:engine-phase:{model}:{phase}:{node_class}"
+
+
 LOADTIMES_KEEP = 200
 
 

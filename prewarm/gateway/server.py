@@ -46,6 +46,7 @@ from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.stale_view import StalenessRule, may_serve_stale
 from prewarm.policy.revisions import RevisionChoiceKind
 from prewarm.gateway.limits import BodyTimeout, ClientStalled, Limits, read_body, write as write_client
+from prewarm.policy.engine_load import merged_inflight, model_level
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
 
@@ -180,7 +181,9 @@ class Gateway:
 
     # --- registry reads: cached, and the last good view while Redis is away (registry_view.py) ---
     async def _view(self, model: str, *, fresh: bool = False) -> RoutingView:
-        return await self.views.view(model, fresh=fresh)
+        view = await self.views.view(model, fresh=fresh)
+        self.counter.observe(model, time.time(), model_level(view.engine_load))  # engines count every gateway's
+        return view
 
     async def _known_models(self) -> set[str]:
         return await self.views.known_models()
@@ -194,7 +197,7 @@ class Gateway:
 
     def _route(self, view: RoutingView, warmup: bool, tried: frozenset[str] = frozenset()) -> RouteDecision:
         return choose_replica(
-            view.serving, view.warm, view.loading, self.state.inflight,
+            view.serving, view.warm, view.loading, merged_inflight(self.state.inflight, view.engine_load),
             warm_threshold=self.cfg.warm_threshold, warmup=warmup,
             exclude=self.state.exclusions(time.monotonic()) | tried, replica_concurrency=self.cfg.replica_concurrency,
             replica_limit=self.cfg.replica_queue_limit,

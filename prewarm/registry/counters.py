@@ -115,6 +115,12 @@ class RequestCounter:
         """A user request waited for capacity (a load or a wake) past the threshold, or found none."""
         self._waited[(model, bucket_start(now, keys.FINE_RESOLUTION_S))] += 1
 
+    def observe(self, model: str, now: float, level: int) -> None:
+        """A level of requests in flight seen elsewhere (the engines' own counts): the bucket's peak follows it."""
+        if level > 0:
+            key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
+            self._peak[key] = max(self._peak.get(key, 0), level)
+
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
         if not self._pending and not self._peak and not self._busy and not self._waited \

@@ -13,8 +13,8 @@ import functools
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -70,9 +70,17 @@ def _parse_row(row: str) -> Replica:
     return Replica.from_fields({**fields, "model": model, "revision": revision, "node": node, "slot": str(slot)})
 
 
-def _view_rows(raw: list[list[str]]) -> RoutingView:
+def _view_rows(raw: list[list[str]], loads: Mapping[str, str] | None = None) -> RoutingView:
     groups = [tuple(_parse_row(row) for row in rows) for rows in raw]
-    return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2])
+    live = {r.id for g in groups for r in g}
+    engine: dict[str, int] = {}
+    for rid, n in (loads or {}).items():
+        try:
+            if rid in live:
+                engine[rid] = max(0, int(n))
+        except ValueError:
+            continue
+    return RoutingView(serving=groups[0], warm=groups[1], loading=groups[2], engine_load=engine)
 
 
 def _p95(raw: list[str]) -> float | None:
@@ -94,6 +102,7 @@ class RoutingView:
     serving: tuple[Replica, ...]
     warm: tuple[Replica, ...]
     loading: tuple[Replica, ...]
+    engine_load: Mapping[str, int] = field(default_factory=dict)  # replica id -> running + waiting its engine reports
 
 
 class ReplicaRegistry:
@@ -383,18 +392,25 @@ class AsyncRegistryReader:
         self._sha = hashlib.sha1(VIEW.encode()).hexdigest()
 
     async def view(self, model: str, *, now: float) -> RoutingView:
-        """One EVALSHA (the script is loaded again when Redis lost it, e.g. after a restart)."""
+        """One round trip: the EVALSHA (loaded again when Redis lost the script, e.g. after a restart) and
+        the engines' own load counts (`keys.engine_load`) in one pipeline."""
         args = (keys.ready(model, Pool.SERVING.value), keys.ready(model, Pool.WARM.value), keys.loading(model),
                 now, keys.replica(""))
         try:
-            try:
-                raw = await self.client.evalsha(self._sha, 3, *args)
-            except redis.exceptions.NoScriptError:
-                await self.client.script_load(VIEW)
-                raw = await self.client.evalsha(self._sha, 3, *args)
+            for attempt in (0, 1):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.evalsha(self._sha, 3, *args)
+                pipe.hgetall(keys.engine_load(model))
+                raw, loads = await pipe.execute(raise_on_error=False)
+                if isinstance(raw, redis.exceptions.NoScriptError) and attempt == 0:
+                    await self.client.script_load(VIEW)
+                    continue
+                if isinstance(raw, BaseException):
+                    raise raw
+                break
         except _REDIS_DOWN as exc:
             raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
-        return _view_rows(raw)
+        return _view_rows(raw, loads if isinstance(loads, dict) else None)
 
     async def models(self) -> set[str]:
         try:

@@ -45,6 +45,8 @@ from workers.node.memory import ASLEEP, GB, GPU, footprint_bytes, models_on_disk
 from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
+from workers.node.engine_load import publish_engine_load
+from workers.node.engines import probe_sleep_mode
 from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
@@ -195,6 +197,7 @@ class Agent:
                 log.warning("replica %s is %s in the registry (%s): stopping its runtime", rid, stored.state.value,
                             stored.reason)
                 self.ctx.runtimes.stop(rid)
+        publish_engine_load(self.ctx)
         self._publish_node(now)
 
     def _publish_node(self, now: float) -> None:
@@ -266,7 +269,7 @@ class Agent:
                     hosted.exit_code() is not None:
                 self._unhealthy.pop(rid, None)
                 continue
-            ok, why = readiness(hosted.replica.endpoint)
+            ok, why = readiness(hosted.replica.endpoint, path=hosted.ready_path)
             if ok:
                 self._unhealthy.pop(rid, None)
                 continue
@@ -315,6 +318,7 @@ def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int |
             "-n", f"agent@{agent.node}", f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:
         agent.start()
+        probe_sleep_mode(settings)
         app = make_app(settings)
         agent.resume_adopted(app)
         app.worker_main(argv)

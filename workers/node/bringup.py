@@ -27,9 +27,12 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence, cast
 
 from prewarm.adapters.runtimes import LoadStatus, ValidationInputs
+from prewarm.adapters.vllm import expected_dtype, expected_max_context
+from prewarm.policy.engine_checks import EngineFacts
+from prewarm.registry.references import EnginePhases
 from prewarm.core.domain import TERMINAL_STATES, LoadPhase, Replica, ReplicaState
 from prewarm.core.errors import InvalidPayload, PermanentError, TemporaryError, WeightsError
 from prewarm.runtime.manifest import MANIFEST_FILE, load_manifest
@@ -42,7 +45,9 @@ from workers.node.supervision import HostedRuntime, RuntimeExited
 from workers.node.tiers import TierOutcome, admit_load, wake_locked
 from workers.node.lock import ReplicaLock
 from workers.payload import PrewarmRequest
-from workers.node.runtime_client import RuntimeClient, make_client
+from workers.node.engine_validation import EngineServer, engine_report, record_engine
+from workers.node.engines import VLLM
+from workers.node.runtime_client import RuntimeClient, client_for
 
 log = logging.getLogger("prewarm.agent.pipeline")
 
@@ -105,6 +110,7 @@ class BringUpSpec:
     label: str = ""  # extra words for the log lines (e.g. "pod=<name>")
     revision: str = ""  # the baseline is per revision: new weights, new baseline
     excluded_s: float = 0.0  # time since started_at that is not the lead (a pod's image pull, recorded apart)
+    engine_expect: EngineFacts | None = None  # an external engine (vLLM): validated by workers/node/engine_validation.py
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,8 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     latencies = server.warmup(requests)
     ctx.metrics.warmup_requests.labels(spec.model, "prewarm").inc(len(requests))
     check()
+    if spec.engine_expect is not None:
+        return _validate_engine(ctx, rid, cast(EngineServer, server), spec, latencies)
     probe = server.validation_inputs()
     listed = spec.expected is not None
     baseline_of, factor = speed_rule(ctx, spec.model, spec.revision)  # a rollout's canary: the stable's, its ratio
@@ -228,6 +236,27 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     return report
 
 
+def _validate_engine(ctx: WorkerContext, rid: str, server: EngineServer, spec: BringUpSpec,
+                     latencies: list[float]) -> ValidationReport:
+    assert spec.engine_expect is not None
+    where = dict(model=spec.model, revision=spec.revision, node_class=spec.node_class)
+    verdict = engine_report(ctx, server, expected=spec.engine_expect, ttft_latencies_s=latencies, **where)
+    report = verdict.report
+    for c in report.checks:
+        ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()
+    problems = required_problems(report, spec)
+    if problems:
+        raise ValidationFailed(rid, report, problems)
+    outliers = record_engine(ctx, rid, verdict=verdict, **where)
+    for other in outliers:
+        if other != rid:
+            ctx.registry.transition(other, ReplicaState.FAILED, now=ctx.clock(),
+                                    reason=f"disagrees with the reference of {spec.model}@{spec.revision}")
+    if rid in outliers:
+        raise ValidationFailed(rid, report, "numeric: disagrees with the reference its revision's replicas agree on")
+    return report
+
+
 def resolve_model_dir(ctx: WorkerContext, model: str, revision: str, given: str | None) -> Path:
     """Where the weights are: the payload's path, else <models_dir>/<model>/<revision>, else <models_dir>/<model>."""
     root = Path(ctx.settings.runtime.models_dir)
@@ -250,6 +279,7 @@ class PrewarmJob:
         self.deadline = deadline  # time.monotonic() value
         self.poll_s = 0.05
         self._hosted: HostedRuntime | None = None  # the runtime process, once bring-up reached it
+        self._server_up: tuple[float, float] | None = None  # an external engine spawned here: (spawned, healthy)
 
     # --- helpers ----------------------------------------------------------------------
     def _check(self, lock: ReplicaLock, hosted: HostedRuntime | None = None) -> None:
@@ -329,23 +359,44 @@ class PrewarmJob:
 
         # Loading starts with the runtime process itself (interpreter, torch, CUDA context).
         def connect(rec: Replica) -> ServerDriver:
+            fresh = ctx.runtimes.get(self.rid) is None
             hosted = ctx.runtimes.ensure(rec, str(model_dir), now=ctx.clock())
+            spawned_at = ctx.clock()
             if rec.endpoint != hosted.endpoint:
                 ctx.registry.set_endpoint(self.rid, hosted.endpoint, now=ctx.clock())
             ctx.runtimes.wait_healthy(hosted, deadline=self.deadline, check=lambda: self._check(lock))
+            if fresh and hosted.engine == VLLM:  # the engine's own start: spawn to /health
+                self._server_up = (spawned_at, ctx.clock())
             self._hosted = hosted
-            return make_client(ctx.settings, hosted.endpoint)
+            return client_for(ctx.settings, hosted)
 
+        external = ctx.settings.engine.engine_of(ref.model) == VLLM
         spec = BringUpSpec(model=ref.model, node=ref.node, node_class=ctx.settings.agent.node_class,
-                           served_model=ref.model, expected=tensor_specs(load_manifest(model_dir).tensors),
-                           started_at=rec.created_at, revision=ref.revision)
+                           served_model=ref.model,
+                           expected=None if external else tensor_specs(load_manifest(model_dir).tensors),
+                           started_at=rec.created_at, revision=ref.revision,
+                           engine_expect=EngineFacts(ref.model, expected_max_context(
+                               model_dir, ctx.settings.engine.vllm_max_model_len), expected_dtype(model_dir))
+                           if external else None)
         done = bring_up(ctx, rec, spec, connect=connect,
                         transition=lambda to, expected, reason: self._transition(to, expected, reason),
                         check=lambda: self._check(lock, self._hosted), after_load=self._record_phases,
                         poll_s=self.poll_s)
         if done.cold_start_s is not None:  # the catalog's measured time to ready from this tier
             ctx.registry.record_ready_time(ref.model, tier, ctx.settings.agent.node_class, done.cold_start_s)
+        if self._server_up is not None and done.outcome is PrewarmOutcome.READY:
+            self._record_engine_phases(*self._server_up)
         return PrewarmResult(self.rid, done.outcome, done.cold_start_s)
+
+    def _record_engine_phases(self, spawned_at: float, healthy_at: float) -> None:
+        """An external engine's start (spawn to /health) and what warmup and validation added (to ready)."""
+        ref, cls = self.req.replica, self.ctx.settings.agent.node_class
+        start, added = healthy_at - spawned_at, self.ctx.clock() - healthy_at
+        phases = EnginePhases(self.ctx.client)
+        phases.record(ref.model, EnginePhases.SERVER_START, cls, start)
+        phases.record(ref.model, EnginePhases.WARM_VALIDATE, cls, added)
+        log.info("[COLDSTART] replica=%s model=%s node=%s engine=vllm server_start_s=%.3f warm_validate_s=%.3f "
+                 "ratio=%.3f", self.rid, ref.model, ref.node, start, added, added / start if start > 0 else 0.0)
 
     def _record_phases(self, server: ServerDriver) -> None:
         ref = self.req.replica

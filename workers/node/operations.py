@@ -21,7 +21,7 @@ from prewarm.policy.warmup import WarmupPlan, generate_requests
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.payload import KeepWarmRequest, RetireRequest
-from workers.node.runtime_client import make_client
+from workers.node.runtime_client import client_for
 
 log = logging.getLogger("prewarm.agent.operations")
 
@@ -83,7 +83,7 @@ def _drain(ctx: WorkerContext, rec: Replica, deadline: float) -> None:
     hosted = ctx.runtimes.get(rec.id)
     if hosted is None or hosted.exit_code() is not None:
         return
-    client = make_client(ctx.settings, hosted.endpoint)
+    client = client_for(ctx.settings, hosted)
     while time.monotonic() < deadline:
         try:
             inflight = client.inflight()
@@ -116,7 +116,7 @@ def send_keepalive(ctx: WorkerContext, rid: str) -> int:
     plan = WarmupPlan.from_settings(rec.model, wcfg, count=max(1, min(wcfg.requests, 2)),
                                     seed=wcfg.seed + int(ctx.clock()))
     requests = generate_requests(plan, secret=wcfg.require_secret(), now=ctx.clock())
-    make_client(ctx.settings, hosted.endpoint).warmup(requests)
+    client_for(ctx.settings, hosted).warmup(requests)
     ctx.metrics.warmup_requests.labels(rec.model, "keepalive").inc(len(requests))
     return len(requests)
 
@@ -128,7 +128,7 @@ def fragmentation_decision(ctx: WorkerContext, rid: str) -> RecycleDecision:
     hosted = ctx.runtimes.get(rid)
     if rec is None or rec.state is not ReplicaState.READY or hosted is None or hosted.exit_code() is not None:
         return RecycleDecision(rid, None, threshold, False)
-    frag = make_client(ctx.settings, hosted.endpoint).fragmentation()
+    frag = client_for(ctx.settings, hosted).fragmentation()
     if frag is not None:
         ctx.metrics.fragmentation.labels(ctx.node).set(frag)
     return RecycleDecision(rid, frag, threshold, frag is not None and frag > threshold)

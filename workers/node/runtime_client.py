@@ -10,15 +10,19 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
 from prewarm.core import http
+from prewarm.core.domain import Replica
 from prewarm.core.settings import Settings
 from prewarm.policy.validation import ValidationReport
 from prewarm.policy.warmup import WarmupRequest
+
+if TYPE_CHECKING:
+    from workers.node.vllm_client import VllmClient
 
 
 def control_token(settings: Settings) -> str | None:
@@ -98,6 +102,9 @@ class RuntimeClient:
         value = mem.get("cuda_reserved") if isinstance(mem, dict) else None
         return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
+    def sleep_supported(self) -> bool:
+        return True  # the built-in runtime always has level-1 sleep
+
     def sleep(self, level: int = 1) -> bool:
         return self.adapter.sleep(level)
 
@@ -119,5 +126,18 @@ class RuntimeClient:
         return max((v for _, _, v in samples), default=None)
 
 
-def make_client(settings: Settings, endpoint: str, *, timeout_s: float = 30.0) -> RuntimeClient:
-    return RuntimeClient(settings, endpoint, timeout_s=timeout_s)
+class _Hosted(Protocol):
+    endpoint: str
+    engine: str
+
+    @property
+    def replica(self) -> Replica: ...
+
+
+def client_for(settings: Settings, hosted: _Hosted, *, timeout_s: float = 30.0) -> "RuntimeClient | VllmClient":
+    """The client of a hosted runtime, by its engine (`workers/node/engines.py`)."""
+    if hosted.engine == "vllm":
+        from workers.node.vllm_client import VllmClient
+
+        return VllmClient(settings, hosted.endpoint, model=hosted.replica.model, timeout_s=timeout_s)
+    return RuntimeClient(settings, hosted.endpoint, timeout_s=timeout_s)

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from prewarm.adapters.vllm import is_vllm_command
 from prewarm.core import http
 from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError, TemporaryError
 from prewarm.core.settings import Settings
+from workers.node import engines
 from workers.node.memory import MemoryLedger
 
 log = logging.getLogger("prewarm.agent.host")
@@ -50,6 +52,15 @@ class HostedRuntime:
     endpoint: str
     adopted: bool = False
     proc: "subprocess.Popen[bytes] | None" = field(default=None, repr=False)
+    engine: str = engines.BUILTIN  # which server runs here (workers/node/engines.py)
+
+    @property
+    def health_path(self) -> str:
+        return engines.health_path(self.engine)
+
+    @property
+    def ready_path(self) -> str:
+        return engines.ready_path(self.engine)
 
     @property
     def slot(self) -> int:
@@ -82,7 +93,7 @@ def _is_our_runtime(pid: int, port: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\x00")
     except OSError:
         return _pid_alive(pid) and not Path("/proc").is_dir()
-    return b"serve-model" in cmdline and str(port).encode() in cmdline
+    return (b"serve-model" in cmdline or is_vllm_command(cmdline)) and str(port).encode() in cmdline
 
 
 def _runtime_pids_on(port: int) -> list[int]:
@@ -98,18 +109,18 @@ def _runtime_pids_on(port: int) -> list[int]:
     return found
 
 
-def _healthz(endpoint: str, timeout: float = 1.0) -> bool:
+def _healthz(endpoint: str, timeout: float = 1.0, path: str = "/healthz") -> bool:
     try:
-        return 200 <= http.fetch("GET", f"{endpoint}/healthz", timeout=timeout).status < 300
+        return 200 <= http.fetch("GET", f"{endpoint}{path}", timeout=timeout).status < 300
     except (OSError, ValueError):
         return False
 
 
-def readiness(endpoint: str, timeout: float = 2.0) -> tuple[bool, str]:
-    """The runtime's own verdict (`GET /readyz`): (ready, why). A refused connection or a
-    timeout is "not ready" too: the process is up (the caller checked) but does not answer."""
+def readiness(endpoint: str, timeout: float = 2.0, path: str = "/readyz") -> tuple[bool, str]:
+    """The runtime's own verdict (`GET /readyz`, a vLLM's `/health`): (ready, why). A refused connection or
+    a timeout is "not ready" too: the process is up (the caller checked) but does not answer."""
     try:
-        resp = http.fetch("GET", f"{endpoint}/readyz", timeout=timeout)
+        resp = http.fetch("GET", f"{endpoint}{path}", timeout=timeout)
     except (OSError, ValueError) as exc:
         return False, f"no answer: {exc}"
     if 200 <= resp.status < 300:
@@ -215,14 +226,15 @@ class RuntimeSupervisor:
         for pid in _runtime_pids_on(port):  # a runtime nobody recorded (its agent died before the pid file)
             log.warning("stopping an unrecorded runtime (pid %d) on port %d of slot %d", pid, port, replica.slot)
             _terminate(pid, None, 5.0)
-        if _healthz(f"http://127.0.0.1:{port}", timeout=0.5):
+        if any(_healthz(f"http://127.0.0.1:{port}", timeout=0.5, path=p) for p in ("/healthz", "/health")):
             raise TemporaryError(f"port {port} of slot {replica.slot} is taken by a process this agent does not know",
                                  retry_after=5.0)
         lease = self.lease(replica.slot)
         lease.touch()
-        cmd = [
-            sys.executable, "-m", "workers.node.guard", "--lease", str(lease),
-            "--grace-s", repr(self.settings.agent.orphan_grace_s), "--",
+        guard = [sys.executable, "-m", "workers.node.guard", "--lease", str(lease),
+                 "--grace-s", repr(self.settings.agent.orphan_grace_s), "--"]
+        server = engines.server_spec(self.settings, replica, model_dir, port)
+        cmd = guard + (server.argv if server is not None else [
             sys.executable, "-m", "prewarm.cli", "serve-model",
             "--model-dir", model_dir,
             "--host", self.settings.runtime.host,
@@ -231,22 +243,24 @@ class RuntimeSupervisor:
             "--revision", replica.revision,
             "--node", replica.node,
             "--no-autoload",
-        ]
+        ])
         with open(self.logfile(replica.slot), "ab") as logfh:
             logfh.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {replica.id}\n".encode())
             logfh.flush()
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **server.env} if server is not None else None,
             )
         hosted = HostedRuntime(replica=replica, port=port, pid=proc.pid, model_dir=model_dir, started_at=now,
-                               endpoint=endpoint, proc=proc)
+                               endpoint=endpoint, proc=proc, engine=server.engine if server else engines.BUILTIN)
         self._write_pidfile(hosted)
         log.info("started runtime for %s: pid %d on port %d", replica.id, proc.pid, port)
         return hosted
 
     def _write_pidfile(self, hosted: HostedRuntime) -> None:
         data = {"replica_id": hosted.replica.id, "replica": hosted.replica.to_fields(), "pid": hosted.pid,
-                "port": hosted.port, "model_dir": hosted.model_dir, "started_at": hosted.started_at}
+                "port": hosted.port, "model_dir": hosted.model_dir, "started_at": hosted.started_at,
+                "engine": hosted.engine}
         tmp = self._pidfile(hosted.slot).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self._pidfile(hosted.slot))
@@ -260,10 +274,10 @@ class RuntimeSupervisor:
             if code is not None:
                 raise RuntimeExited(f"runtime of {hosted.replica.id} exited with status {code}: "
                                     f"{self.log_tail(hosted.slot)}")
-            if _healthz(hosted.endpoint):
+            if _healthz(hosted.endpoint, path=hosted.health_path):
                 return
             if time.monotonic() > deadline:
-                raise TemporaryError(f"runtime of {hosted.replica.id} did not answer /healthz in time", 5.0)
+                raise TemporaryError(f"runtime of {hosted.replica.id} did not answer {hosted.health_path} in time", 5.0)
             time.sleep(0.1)
 
     # --- stop -------------------------------------------------------------------------
@@ -307,10 +321,11 @@ class RuntimeSupervisor:
                 continue
             alive = _pid_alive(pid) and _is_our_runtime(pid, port)
             current = keep(replica) if alive else None
-            if alive and current is not None and self._await_healthz(pid, replica.slot):
+            engine = str(data.get("engine", engines.BUILTIN))
+            if alive and current is not None and self._await_healthz(pid, replica.slot, engines.health_path(engine)):
                 hosted = HostedRuntime(replica=current, port=port, pid=pid, model_dir=str(data.get("model_dir", "")),
                                        started_at=float(data.get("started_at", 0.0)),
-                                       endpoint=self.endpoint_of(replica.slot), adopted=True)
+                                       endpoint=self.endpoint_of(replica.slot), adopted=True, engine=engine)
                 with self._lock:
                     self._slots[replica.slot] = hosted
                 self.lease(replica.slot).touch()
@@ -323,11 +338,11 @@ class RuntimeSupervisor:
             path.unlink(missing_ok=True)
         return adopted
 
-    def _await_healthz(self, pid: int, slot: int) -> bool:
+    def _await_healthz(self, pid: int, slot: int, path: str = "/healthz") -> bool:
         """An orphan may still be starting (importing torch): give it the runtime start timeout."""
         deadline = time.monotonic() + self.settings.agent.runtime_start_timeout_s
         while _pid_alive(pid):
-            if _healthz(self.endpoint_of(slot), timeout=1.0):
+            if _healthz(self.endpoint_of(slot), timeout=1.0, path=path):
                 return True
             if time.monotonic() > deadline:
                 return False

@@ -34,7 +34,7 @@ from prewarm.core.errors import IllegalTransition, PrewarmError, ReplicaNotFound
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.node.memory import ASLEEP, GPU, InsufficientMemory, footprint_bytes
-from workers.node.runtime_client import make_client
+from workers.node.runtime_client import client_for
 
 log = logging.getLogger("prewarm.agent.tiers")
 
@@ -51,6 +51,7 @@ class TierOutcome(str, Enum):
     STILL_DRAINING = "still_draining"  # requests still in flight at the task's deadline: sent again to go on
     NOT_READY = "not_ready"  # still loading: left alone (the next planning round decides again)
     NO_MEMORY = "insufficient_memory"  # the destination memory is full: left where it was
+    NO_SLEEP = "no_sleep_mode"  # the engine reports no sleep mode (vLLM off CUDA): the tier is absent, left ready
     GONE = "gone"  # retired, failed, never registered, or its runtime is gone
     WAKE_FAILED = "wake_failed"  # the runtime did not wake within agent.wake_timeout_s: failed, to be replaced
 
@@ -84,7 +85,7 @@ def drain_idle(ctx: WorkerContext, rec: Replica, reason: str, deadline: float) -
     hosted = ctx.runtimes.get(rec.id)
     if hosted is None or hosted.exit_code() is not None:
         return True
-    client = make_client(ctx.settings, hosted.endpoint)
+    client = client_for(ctx.settings, hosted)
     idle_polls = 0
     while True:
         try:
@@ -121,10 +122,13 @@ def sleep(ctx: WorkerContext, rid: str, *, owner: str, deadline: float) -> TierO
         except InsufficientMemory as exc:
             log.warning("%s; not put to sleep", exc)
             return TierOutcome.NO_MEMORY
+        client = client_for(ctx.settings, hosted)
+        if not client.sleep_supported():  # asked of the engine before draining: nothing is disturbed
+            log.warning("replica %s: its engine reports no sleep mode; the asleep tier is absent, left ready", rid)
+            return TierOutcome.NO_SLEEP
         if not drain_idle(ctx, rec, "sleep: going to sleep", deadline):
             return TierOutcome.STILL_DRAINING
         started = time.monotonic()
-        client = make_client(ctx.settings, hosted.endpoint)
         if not client.sleep(1):
             raise TemporaryError(f"the runtime of {rid} did not enter sleep mode", retry_after=1.0)
         ctx.runtimes.ledger.move(rid, ASLEEP, what="sleep of", force=True)
@@ -158,7 +162,7 @@ def wake_locked(ctx: WorkerContext, rid: str) -> tuple[TierOutcome, float | None
         return TierOutcome.NO_MEMORY, None
     timeout_s = ctx.settings.agent.wake_timeout_s
     try:
-        awake = make_client(ctx.settings, hosted.endpoint, timeout_s=timeout_s).wake_up()
+        awake = client_for(ctx.settings, hosted, timeout_s=timeout_s).wake_up()
         why = "" if awake else "its runtime is still asleep after /wake_up"
     except (OSError, PrewarmError) as exc:  # unreachable, frozen (no answer within the timeout), or broken
         why = f"/wake_up failed: {exc}"

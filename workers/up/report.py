@@ -33,6 +33,7 @@ from workers.up.fidelity import (Measured, counted_since, gateway_waits_over, ju
 from workers.up.supervisor import Supervisor
 from workers.up.traffic import TrafficStats
 
+from workers.up import vllm as up_vllm
 from workers.up.workload import Timeline, UpOptions, Workload
 
 
@@ -40,6 +41,7 @@ class UpRun(Protocol):
     """What the report reads of a finished run (`workers.up.run.UpRun`)."""
 
     settings: Settings
+    opts: UpOptions
     console: Console
     run_dir: Path
     sup: Supervisor
@@ -219,10 +221,12 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
     timeline_png = _plot_timeline(run, plots / "timeline.png")
     sim_png = plot_policies(full["work"], full["runs"], plots / "simulated_policies.png",
                             title="same arrivals, simulated: reactive vs prewarm")
-    result = {"workload": wl.description, "measured": measured, "simulated": sim, "sim_vs_measured": fidelity,
+    result = {"workload": wl.description, "engine": run.opts.engine, "measured": measured, "simulated": sim, "sim_vs_measured": fidelity,
               "planner": planner_view(run.client, "demo"), "history_epoch": run.history_epoch,
               "counted_by_gateway": counted_since(run.client, "demo", start, end, run.history_epoch + wl.history),
               "plots": [str(timeline_png), str(sim_png)]}
+    if run.opts.engine == "vllm":
+        result.update(up_vllm.report_fields(run.settings, run.registry, "demo"))
     watch = getattr(run, "rollout", None)
     if watch is not None:
         ro = result["rollout"] = watch.result()
@@ -253,6 +257,12 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
         f"(mean {_mean_service(full['work'], after):.3f} s)"
     )
     _print_fidelity(run.console, fidelity, measured)
+    if result.get("engine") == "vllm":
+        ratio = result.get("warm_validate_over_server_start")
+        run.console.print(
+            f"engine vllm: time to a validated replica per tier {result['time_to_validated_s']}; vLLM's own start "
+            f"{result['engine_server_start_s']}, warmup + validation {result['engine_warm_validate_s']}"
+            + (f" ({ratio:.1%} of the start)" if ratio is not None else ""))
     run.console.print(f"plots: {timeline_png}, {sim_png}\nreport: {run.run_dir / 'report.json'}")
     return result
 

@@ -36,6 +36,7 @@ from prewarm.runtime.model import load_manifest, make_model
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
 from workers.up.seed import seed_history
+from workers.up import vllm as up_vllm
 from workers.up.traffic import TrafficStats, drive
 from prewarm.core.settings import Settings
 from workers.up.report import report
@@ -75,6 +76,9 @@ class UpRun:
     # -- setup ---------------------------------------------------------------------------------
     def _model(self) -> str:
         """The demo model of the requested size, built once (random weights, nothing downloaded)."""
+        if self.opts.engine == "vllm":
+            self.console.print("the vLLM engine: a local tiny Llama checkpoint (random weights, nothing downloaded)")
+            return up_vllm.model_dir(self.settings, MODEL, self.opts.seed)
         models = Path(self.settings.runtime.models_dir)
         for marker in sorted((models / MODEL).glob("*/demo-size")):
             if marker.read_text().strip() == self.opts.model_size:
@@ -128,6 +132,8 @@ class UpRun:
             )
         for k, v in demo.items():
             env.setdefault(k, os.environ.get(k, v))
+        if self.opts.engine == "vllm":
+            env.update(up_vllm.env(self.settings, MODEL))
         return env
 
     def _start_stack(self, env: dict[str, str]) -> None:
@@ -303,7 +309,7 @@ class UpRun:
         self._start_stack(self._env(revision, wl))
         self.started = time.monotonic()
         with Live(console=self.console, refresh_per_second=2, transient=False) as live:
-            await self._wait_baseline(live)
+            await self._wait_baseline(live, 900.0 if self.opts.engine == "vllm" else 240.0)
             await self._replay(live, wl, max(start_epoch, time.time()))
         return self._report(wl)
 

@@ -31,6 +31,7 @@ class UpOptions:
     # how long each history request is counted in flight (its answer time; the replay's own are measured)
     history_service_s: float = 0.1
     rollout: str | None = None  # "good" | "corrupt": a rollout of a second revision midway (workers/up/rollout.py)
+    engine: str = "builtin"  # "vllm": the agents run a real vLLM per replica (workers/up/vllm.py)
 
 
 @dataclass

