@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-import json
 import os
 import socket
 import tomllib
@@ -20,32 +19,18 @@ from typing import Any, ClassVar, Literal
 import yaml
 from typing import Annotated
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
-from prewarm.core import keys, redis_url
-from prewarm.core.domain import check_key_ref, check_name
+from prewarm.core import redis_url
+from prewarm.core.domain import check_key_ref
 from prewarm.core.errors import InvalidPayload, SettingsError
+from prewarm.core.engine_settings import EngineName, EngineSettings
+from prewarm.core.planner_settings import PlannerSettings
+from prewarm.core.settings_base import _Group
 
-
-class _Group(BaseSettings):
-    """A settings group: environment first, then the config file, then defaults. No group accepts
-    NaN or infinity for a number (an infinite timeout is a hang, not a setting)."""
-
-    group: ClassVar[str] = ""
-    model_config = SettingsConfigDict(allow_inf_nan=False)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (env_settings, init_settings)
+__all__ = ["EngineName", "EngineSettings", "PlannerSettings"]  # re-exported: every group is read from here
 
 
 class RedisSettings(_Group):
@@ -312,102 +297,6 @@ class AgentSettings(_Group):
         return self.concurrency or self.replica_slots + 2
 
 
-class PlannerSettings(_Group):
-    model_config = SettingsConfigDict(env_prefix="PREWARM_PLANNER_", extra="forbid")
-    group: ClassVar[str] = "planner"
-
-    interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
-    bucket_s: int = Field(60, gt=0)  # coarse buckets (a multiple of 10 or 60 s): the seasonal profile's history
-    fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a multiple of the 10 s counters): what the nowcast reads
-    quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
-    headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
-    lead_margin_s: float = Field(10.0, ge=0)
-    default_cold_start_s: float = Field(8.7, gt=0)
-    stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
-    queue_beta: float = Field(1.5, ge=0)  # square-root staffing margin: slots for a mean load a are a + beta sqrt(a)
-    error_threshold: float = Field(0.1, gt=0)  # recent relative MAE above which scale-downs turn reactive
-    warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
-    warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
-    budget_share: float = Field(0.12, ge=0, le=1)
-    # --- the cold-start budget (forecasting/calibration.py; reasons in docs/operating.md) ---
-    cold_start_budget: float = Field(0.0001, gt=0, le=1)  # share of requests that may wait for a load or a wake
-    margin_initial: float = Field(6.0, ge=0)  # the margin's start, on the safe side until misses are measured
-    budget_gain: float = Field(0.1, gt=0)  # margin (beta) moved per calibration window's budget overspent
-    budget_calibration_s: float = Field(3600.0, gt=0)  # the window the overspend is measured against
-    margin_max: float = Field(40.0, gt=0)  # the calibrated margin's ceiling (no integrator wind-up)
-    season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
-    profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
-
-    @model_validator(mode="after")
-    def _bin_within_season(self) -> "PlannerSettings":
-        if self.profile_bin_s > self.season_s:
-            raise ValueError(f"PREWARM_PLANNER_PROFILE_BIN_S ({self.profile_bin_s:g}) must be at most "
-                             f"PREWARM_PLANNER_SEASON_S ({self.season_s:g}): a profile bin within one season")
-        return self
-    dry_run: bool = False
-    # model@revision to plan for; empty: every model seen. JSON (["a@r1","b@r2"]) or comma-separated (a@r1,b@r2)
-    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    batch_jobs: list[dict[str, Any]] = Field(default_factory=list)  # {cron, model, replicas, duration_s}
-
-    @field_validator("fine_bucket_s")
-    @classmethod
-    def _fine_bucket_is_counted(cls, v: int) -> int:
-        """The gateway counts peaks in flight and busy time at one resolution: a fine bucket sums whole ones."""
-        if v % keys.FINE_RESOLUTION_S:
-            raise ValueError(f"must be a whole multiple of the gateway's {keys.FINE_RESOLUTION_S} s in-flight "
-                             f"counters, got {v}")
-        return v
-
-    @field_validator("bucket_s")
-    @classmethod
-    def _bucket_is_counted(cls, v: int) -> int:
-        """Coarse buckets are summed from a resolution the gateway records."""
-        if not any(v % r == 0 for r in keys.REQUEST_RESOLUTIONS_S):
-            raise ValueError(f"must be a whole multiple of a request-counter resolution the gateway records "
-                             f"({sorted(keys.REQUEST_RESOLUTIONS_S)} s), got {v}")
-        return v
-
-    @field_validator("models", mode="before")
-    @classmethod
-    def _models_list(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            text = v.strip()
-            if text.startswith("["):
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"not a JSON list: {exc}") from None
-            return [m.strip() for m in text.split(",") if m.strip()]
-        return v
-
-    @field_validator("models")
-    @classmethod
-    def _models_named(cls, v: list[str]) -> list[str]:
-        """Each entry is model@revision with valid names: 'not json' is not a model, and a name a
-        gateway would serve becomes part of Redis keys and metric labels."""
-        for entry in v:
-            name, sep, rev = entry.partition("@")
-            if not sep:
-                raise ValueError(f"each entry must be model@revision (a JSON list or comma-separated), got {entry!r}")
-            try:
-                check_name(name, "model")
-                check_name(rev, "revision")
-            except InvalidPayload as exc:
-                raise ValueError(f"{entry!r}: {exc}") from None
-        return v
-    capacity_rps: float = Field(4.0, gt=0)  # sustained requests/s one replica serves within the SLA
-    history_s: int = Field(3 * 86400, gt=0)  # how much of the gateway's counters a forecast is fitted on
-    min_serving: int = Field(1, ge=0)  # serving replicas never planned below this; 0 lets a model scale to zero
-    # A replica a scale-down releases but the learned daily profile needs again within this many seconds is
-    # parked asleep (level-1 sleep: GPU freed, back in its wake time) instead of retired (a full cold start
-    # later); beyond it the host memory is better spent elsewhere. 0: never parked (every release retires).
-    park_horizon_s: float = Field(0.0, ge=0)
-    # --- the fleet (many models on one GPU pool, workers/planning/fleet.py) ---
-    fleet_budget_gb: float = Field(0.0, ge=0)  # > 0: one fleet round plans every model within this much GPU memory
-    model_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU footprint of one replica, per model
-    model_priority: dict[str, float] = Field(default_factory=dict)  # weight of a model's requests (default 1)
-
-
 class KedaSettings(_Group):
     """`prewarm keda-scaler` (issue 20: anyone in the cluster could open streams until IsActive starved)."""
 
@@ -451,61 +340,6 @@ class RolloutSettings(_Group):
     latency_ratio: float = Field(1.2, ge=1)  # canary mean live latency within this multiple of the stable one's
     min_requests: int = Field(20, ge=1)  # fewer canary requests in a window is no evidence either way
     pause_s: float = Field(600.0, gt=0)  # each step runs this long before the next (the default of --pause)
-
-
-EngineName = Literal["builtin", "vllm"]
-
-
-class EngineSettings(_Group):
-    """Which engine serves each model, and how an agent runs vLLM (one `vllm.entrypoints.openai.api_server`
-    per replica, from the vLLM environment, validated against its revision's reference probes)."""
-
-    model_config = SettingsConfigDict(env_prefix="PREWARM_ENGINE_", extra="forbid")
-    group: ClassVar[str] = "engine"
-
-    default: EngineName = "builtin"  # the engine of a model `models` does not name
-    models: dict[str, EngineName] = Field(default_factory=dict)  # model -> engine, e.g. {"chat": "vllm"}
-    # vLLM pins its own torch and transformers: it runs from its own environment (`make vllm-env`).
-    vllm_python: str = ".venv-vllm/bin/python"
-    vllm_max_model_len: int = Field(512, ge=16)  # context the server is started with; the structural check reads it back
-    # A fixed KV cache per replica (--kv-cache-memory-bytes): on a shared node the default (a share of all
-    # memory) would let one replica take what the others need. None: vLLM's --gpu-memory-utilization.
-    vllm_kv_cache_bytes: int | None = Field(64 * 1024**2, ge=1024**2)
-    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # used when vllm_kv_cache_bytes is None
-    vllm_enforce_eager: bool = True  # no graph capture / torch.compile: minutes less to start, on CPU a must
-    vllm_extra_args: list[str] = Field(default_factory=list)  # appended to the server's command line
-    # VLLM_CPU_OMP_THREADS_BIND of a CPU vLLM: its "auto" pins every server on a node to the same cores
-    # (each one alone, it cannot know of the others: two replicas on 2 cores shared core 0); "nobind"
-    # leaves placement to the OS. A core list per server would need a per-slot plan.
-    vllm_cpu_threads_bind: str = "nobind"
-    vllm_start_timeout_s: float = Field(300.0, gt=0)  # /health must answer within this (imports + profiling: 30-60 s on CPU)
-    # --- validation of an external engine (prewarm.policy.reference, prewarm.policy.engine_checks) ---
-    probe_prompts: int = Field(4, ge=1)  # seeded prompts whose greedy tokens and logprobs are compared
-    probe_tokens: int = Field(8, ge=2)  # greedy tokens per probe; also the decode-rate sample
-    probe_logprobs: int = Field(5, ge=1)  # top-k logprobs per position
-    probe_seed: int = 0  # the prompts are the same for every replica of every revision
-    # Validated replicas whose probes make a revision's reference (per-logprob median of the majority):
-    # 3 out-votes one bad early replica; 1 trusts the first (small fleets, tests).
-    reference_replicas: int = Field(3, ge=1)
-    # |logprob| disagreement allowed per weight dtype: same weights in float32 agree to ~1e-5 on one
-    # kernel set, bf16/fp16 accumulate differently across batch shapes and kernels.
-    logprob_tolerance: dict[str, float] = Field(
-        default_factory=lambda: {"float32": 0.02, "float16": 0.1, "bfloat16": 0.25})
-    # A replica slower than factor x its revision's baseline on the node class fails. Looser than the
-    # built-in's warmup.latency_factor: a millisecond-scale TTFT over HTTP on shared cores varies ~1.5x.
-    speed_factor: float = Field(2.0, gt=1)
-
-    @field_validator("logprob_tolerance")
-    @classmethod
-    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = {k: x for k, x in v.items() if not x > 0}
-        if bad:
-            raise ValueError(f"tolerances must be > 0, got {bad}")
-        return v
-
-    def engine_of(self, model: str) -> EngineName:
-        """The engine that serves `model` (a name, or model@revision)."""
-        return self.models.get(model.split("@", 1)[0], self.default)
 
 
 _GROUPS: dict[str, type[_Group]] = {
