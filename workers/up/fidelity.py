@@ -53,8 +53,13 @@ class Measured:
 
 
 def cold_starts(client: "redis.Redis[str]", model: str) -> tuple[float, ...]:
-    """The measured cold starts of `model` (registration to ready), oldest first."""
-    return tuple(float(v) for v in reversed(client.lrange(keys.load_times(model), 0, -1)))
+    """The measured cold starts of `model` (registration to ready), over every revision and node class it was
+    loaded at (`keys.load_time_classes`), oldest first within each."""
+    out: list[float] = []
+    for pair in sorted(client.smembers(keys.load_time_classes(model))):
+        revision, _, node_class = pair.partition("/")
+        out += [float(v) for v in reversed(client.lrange(keys.load_times(model, revision, node_class), 0, -1))]
+    return tuple(out)
 
 
 def actuation_delays(client: "redis.Redis[str]", registered: dict[str, float]) -> tuple[float, ...]:

@@ -54,7 +54,6 @@ class UpRun(Protocol):
     replay_epoch: float  # and on the wall clock
     history_epoch: float  # the epoch the workload's history offsets are from (the replay's planned start)
     stack_epoch: float  # when the planner (and the rest of the stack) started
-    opts: UpOptions
 
     client: "redis.Redis[str]"
     gateway_url: str
