@@ -93,4 +93,12 @@ def test_the_targets_split_by_weight_across_two_deployments(ctx: WorkerContext, 
     assert double.replicas(NS, "tiny-canary") == 0
     assert double.replicas(NS, "tiny-stable") == 4  # the whole demand back on the stable revision
     assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
+    tick(ctx, app, "tiny", now=time.time() + 2)
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]  # canary pods still registered: the split holds
+    for r in ctx.registry.replicas_of("tiny"):  # the pod warmer drains and retires the deleted canary pods
+        if r.revision == "r2" and r.state is ReplicaState.READY:
+            ctx.registry.transition(r.id, ReplicaState.DRAINING, now=time.time())
+            ctx.registry.transition(r.id, ReplicaState.RETIRED, now=time.time())
+    tick(ctx, app, "tiny", now=time.time() + 3)
+    assert store.weights("tiny") == []  # no split left: any ready revision is routed again
     app.close()

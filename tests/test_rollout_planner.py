@@ -18,8 +18,9 @@ import redis
 
 from prewarm.cli import main
 from prewarm.core import keys
-from prewarm.core.domain import Replica, ReplicaState
+from prewarm.core.domain import LIVE_STATES, Replica, ReplicaState
 from prewarm.core.settings import RedisSettings, RegistrySettings, Settings
+from prewarm.policy.rollout import share
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.registry.rollouts import RolloutStore
@@ -66,8 +67,23 @@ def agent_brings_up(reg: ReplicaRegistry, rid: str, *, fail: str | None = None) 
         reg.transition(rid, st, now=time.time())
 
 
+def agents_retire(reg: ReplicaRegistry, rev: str) -> None:
+    """What the node agents do with the retires: every live replica of `rev` drains, then is retired."""
+    for r in reg.replicas_of("tiny"):
+        if r.revision == rev and r.state in LIVE_STATES:
+            if r.state is not ReplicaState.DRAINING:
+                reg.transition(r.id, ReplicaState.DRAINING, now=time.time())
+            reg.transition(r.id, ReplicaState.RETIRED, now=time.time())
+
+
+def demand(client: "redis.Redis[str]") -> int:
+    """The planner's recorded target for tiny (serving + warm pool): what the rollout splits by weight."""
+    rec = client.hmget(keys.last_forecast("tiny"), ["serving_target", "pool_target"])
+    return int(rec[0] or 0) + int(rec[1] or 0)
+
+
 def steady_load(client: "redis.Redis[str]") -> None:
-    """An hour of 10 req/s, 20 in flight on average: the planner's target is 4 replicas."""
+    """An hour of steady load, 20 in flight on average: a target above the 4 stable replicas' slots."""
     fine = int(time.time() // 10) * 10
     for i in range(-30, 361):
         start = fine - 10 * i
@@ -80,8 +96,8 @@ def steady_load(client: "redis.Redis[str]") -> None:
 
 def setup_stable(p: dict[str, Any]) -> None:
     client, reg = p["client"], p["registry"]
-    for node in ("n1", "n2"):
-        publish_node(client, node, 4)
+    publish_node(client, "n1", 4)
+    publish_node(client, "n2", 8)  # room for the whole target on the canary's node
     for slot in range(4):
         agent_brings_up(reg, f"tiny@r1/n1/{slot}")
     client.hset(keys.node_info("n2"), "residency", json.dumps({"tiny@r2": "disk"}))
@@ -114,7 +130,7 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
     plan_tick(planner, tick)
     canary = wait_for(lambda: prewarms(client, "r2"), 30,
                       lambda: f"canary prewarms (planner log:\n{planner['proc'].log()[-3000:]})")
-    assert len(canary) == 2  # 50% of the planner's 4
+    assert len(canary) == share(demand(client), 50)  # the canary's half of the planner's target
     st = store.get("tiny")
     assert st is not None and st.weight == 0  # no weight before the canary is ready, whatever the clock says
     tick += 1
@@ -147,10 +163,21 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
         text = resp.read().decode()
     assert 'prewarm_rollout_weight{model="tiny",revision="r2"} 100.0' in text
     assert 'prewarm_rollout_phase{model="tiny",phase="completed"} 1.0' in text
+    # the split holds while a stable replica is still live, then is cleared: a revision deployed later
+    # without a rollout gets traffic (no weights = any ready revision)
+    tick += 1
+    plan_tick(planner, tick)
+    assert store.weights("tiny") == [("r2", 100.0)]
+    agents_retire(reg, "r1")
+    tick += 1
+    plan_tick(planner, tick)
+    wait_for(lambda: store.weights("tiny") == [], 30, lambda: f"the split cleared (planner log:\n{planner['proc'].log()[-3000:]})")
+    assert client.get(keys.revision_weights("tiny")) == "[]"
     assert "Traceback" not in planner["proc"].log()
 
 
-def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any]) -> None:
+def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     client, reg = planner["client"], planner["registry"]
     setup_stable(planner)
     store = RolloutStore(client)
@@ -169,3 +196,12 @@ def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any]) -> N
     with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     assert 'prewarm_rollout_rollbacks_total{cause="validation",model="tiny"} 1.0' in text
+    assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]  # the canary is still retiring
+    agents_retire(reg, "r2")
+    plan_tick(planner, 3)
+    wait_for(lambda: store.weights("tiny") == [], 30, "the split cleared once the canary is retired")
+    st = store.get("tiny")
+    assert st is not None and st.phase.value == "rolled_back" and st.settled
+    capsys.readouterr()
+    assert main(["rollout", "status", "tiny"]) == 0
+    assert "traffic: any ready revision (split cleared)" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from prewarm.policy.rollout import (
     advance,
     pause,
     resume,
+    settle,
     start,
     weights,
 )
@@ -148,6 +150,25 @@ def test_each_shift_waits_for_the_canary_capacity_and_the_pause() -> None:
     d, s = advance(s, obs(s.due_at(), 20))
     assert d.action is RolloutAction.COMPLETE and s.phase is RolloutPhase.COMPLETED
     assert weights(s) == [("r2", 100.0)]
+
+
+def test_a_finished_rollout_clears_its_split_once_the_retired_revision_is_gone() -> None:
+    """After completion (or a rollback) no weights are left behind: a revision deployed later
+    without a rollout is routed again (no weights = any ready revision). Not while a replica of
+    the retired revision is still live: the final split keeps traffic off it until it is gone."""
+    running = begin()
+    _, running = advance(running, obs(0.0, 1))
+    assert settle(running, retired_live=0, now=1.0) == running  # running: nothing to settle
+    completed = replace(running, phase=RolloutPhase.COMPLETED, weight=100)
+    rolled_back = abort(running, now=2.0)
+    for s, final in ((completed, [("r2", 100.0)]), (rolled_back, [("r2", 0.0), ("r1", 100.0)])):
+        held = settle(s, retired_live=1, now=3.0)
+        assert held == s and weights(held) == final
+        done = settle(s, retired_live=0, now=4.0)
+        assert done.settled and weights(done) == [] and "settled" in done.history[-1][1]
+        assert settle(done, retired_live=0, now=5.0) == done
+        assert RolloutState.from_json(done.to_json()) == done
+        assert choose_revision(weights(done), ["r1", "r3"], draw=0.5).kind is RevisionChoiceKind.ANY
 
 
 def test_a_failed_canary_replica_rolls_back_with_its_reason() -> None:

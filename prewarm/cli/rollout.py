@@ -134,10 +134,10 @@ def _print(state: Any, weights: list[tuple[str, float]], as_json: bool) -> None:
     if as_json:
         print(json.dumps({"model": spec.model, "stable": spec.stable, "canary": spec.canary, "steps": list(spec.steps),
                           "pause_s": spec.pause_s, "phase": state.phase.value, "weight": state.weight,
-                          "step": state.step, "reason": state.reason, "weights": weights,
+                          "step": state.step, "reason": state.reason, "weights": weights, "settled": state.settled,
                           "history": [list(h) for h in state.history]}))
         return
-    split = ", ".join(f"{r} {w:g}%" for r, w in weights)
+    split = ", ".join(f"{r} {w:g}%" for r, w in weights) or "any ready revision (split cleared)"
     print(f"{spec.model}: {spec.stable} -> {spec.canary} {state.phase.value} at {state.weight}% "
           f"(steps {','.join(map(str, spec.steps))}, pause {spec.pause_s:g} s); traffic: {split}"
           + (f"; reason: {state.reason}" if state.reason else ""))

@@ -90,6 +90,7 @@ class RolloutState:
     canary_asked: int = 0  # canary replicas asked for so far: never shrunk while running (a load cut short is waste)
     updated_at: float = 0.0
     history: tuple[tuple[float, str], ...] = field(default=())  # (time, what happened), oldest first
+    settled: bool = False  # finished and the revision it retired has no live replica: the split is cleared
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -320,9 +321,34 @@ def _previous_weight(state: RolloutState) -> int:
     return state.spec.steps[state.step - 1] if state.step >= 1 else 0
 
 
+def retired_revision(state: RolloutState) -> str | None:
+    """The revision a finished rollout retires (the stable one on completion, the canary on rollback)."""
+    if state.phase is RolloutPhase.COMPLETED:
+        return state.spec.stable
+    if state.phase is RolloutPhase.ROLLED_BACK:
+        return state.spec.canary
+    return None
+
+
+def settle(state: RolloutState, *, retired_live: int, now: float) -> RolloutState:
+    """A finished rollout, settled once the revision it retired has no live replica left.
+
+    Settled, it splits nothing (`weights` is []): the gateway routes to any ready revision again,
+    so a revision deployed later without a rollout gets traffic. Before that the final split holds,
+    so a retiring replica is never routed to. Anything else is returned as it is (a rollout started
+    in between, one already settled, or live replicas still retiring)."""
+    if state.settled or retired_revision(state) is None or retired_live > 0:
+        return state
+    return replace(state, settled=True, updated_at=now,
+                   history=_log(state, now, f"settled: {retired_revision(state)} retired, revision split cleared"))
+
+
 def weights(state: RolloutState) -> list[tuple[str, float]]:
-    """The gateway's revision weights for this state, canary first (what sticky route keys rely on)."""
+    """The gateway's revision weights for this state, canary first (what sticky route keys rely on);
+    [] once a finished rollout is settled (no split: any ready revision)."""
     spec = state.spec
+    if state.settled:
+        return []
     if state.phase is RolloutPhase.COMPLETED:
         return [(spec.canary, 100.0)]
     if state.phase is RolloutPhase.ROLLED_BACK:

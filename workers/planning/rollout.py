@@ -12,7 +12,8 @@ needs and carries out what it answers, nothing more:
 - act: scale events for each revision (`executor.submit_events`, deterministic ids so a
   re-tick never starts twice); the weights are written with the state (`RolloutStore.update`);
   a rollback retires every live canary replica at once, records the reason in the state and
-  the log, and counts it in `prewarm_rollout_rollbacks_total` (the alert's input).
+  the log, and counts it in `prewarm_rollout_rollbacks_total` (the alert's input); a finished
+  rollout is settled (its weights cleared, `rp.settle`) once the revision it retired is gone.
 
 While a rollout runs it owns the model's scaling: `planned_revision` tells the forecast loop
 which revision to plan for and that it must not submit its own events (the planner's target
@@ -159,6 +160,19 @@ def _retire_canary(ctx: WorkerContext, app: Celery, state: rp.RolloutState) -> N
                 log.warning("rollback of %s: retire %s not sent: %s", state.spec.model, r.id, exc)
 
 
+def _settle(ctx: WorkerContext, store: RolloutStore, model: str, *, now: float) -> None:
+    """Clear a finished rollout's split once the revision it retired has no live replica (`rp.settle`)."""
+
+    def change(current: rp.RolloutState | None) -> rp.RolloutState:
+        assert current is not None  # rollouts are never deleted
+        gone = rp.retired_revision(current)
+        live = sum(r.revision == gone and r.state in LIVE_STATES for r in ctx.registry.replicas_of(model))
+        return rp.settle(current, retired_live=live, now=now)
+
+    if store.update(model, change).settled:
+        log.info("rollout of %s settled: revision split cleared, any ready revision is routed", model)
+
+
 def _cause(reason: str) -> str:
     if "error rate" in reason:
         return "live_errors"
@@ -185,6 +199,8 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
         _export(ctx, before)
         if before.phase is rp.RolloutPhase.ROLLED_BACK:
             _retire_canary(ctx, app, before)
+        if not before.settled:
+            _settle(ctx, store, model, now=now)
         return None
     decided: list[rp.RolloutDecision] = []
 
