@@ -63,11 +63,13 @@ def _complete(url: str) -> int:
 
 
 def _retirements(client: "redis.Redis[str]") -> dict[str, int]:
-    """How many times each replica was moved to retired, from the registry's event stream: an effect
-    applied twice (a duplicated task) would show as two."""
+    """How many times each replica was ended, from the registry's event stream: an effect applied twice
+    (a duplicated task) would show as two. Ended is retired, or failed by the reaper: these replicas are
+    registered with no agent heartbeating them, so one whose retire waits past the heartbeat TTL behind
+    the failover is failed first and its retire then finds it gone (one end either way)."""
     out: dict[str, int] = {}
     for _, fields in client.xrange(keys.EVENTS):
-        if fields.get("to") == ReplicaState.RETIRED.value:
+        if fields.get("to") in (ReplicaState.RETIRED.value, ReplicaState.FAILED.value):
             out[fields["replica"]] = out.get(fields["replica"], 0) + 1
     return out
 
