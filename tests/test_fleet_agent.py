@@ -96,7 +96,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                      PREWARM_AGENT_WAKE_TIMEOUT_S="5",  # well under the gateway's hold (60 s)
                      PREWARM_AGENT_PORT_BASE=str(_port_block()),
                      PREWARM_AGENT_GPU_MEMORY_GB=repr(2.5 * footprint),  # two replicas fit, three do not
-                     PREWARM_AGENT_HOST_MEMORY_GB=repr(4 * footprint), **common)
+                     # host memory holds the snapshots of the three models (a little over a footprint
+                     # each) and the asleep replicas' weights
+                     PREWARM_AGENT_HOST_MEMORY_GB=repr(6 * footprint), **common)
     agent = WorkerProcess(["agent", "--node", NODE], env, tmp / "agent.log")
     planner = WorkerProcess(["planner", "--metrics-port", "0"], worker_env(server.url, tmp, **common),
                             tmp / "planner.log")
