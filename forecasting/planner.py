@@ -169,6 +169,9 @@ class StepInputs:
     profile_history: tuple[float, float, np.ndarray] | None = None  # (start, bucket_s, req/s): only when refit_due
     nodes: tuple[NodeView, ...] | None = None  # None: placement is left to the executor
     wake_p95_s: float | None = None  # measured wake of a parked replica (None: none measured)
+    # False: the engine reports no sleep mode on the nodes of its ready replicas (`prewarm.policy.sleep_tier`):
+    # no asleep tier, a scale-down retires (parked, the replica would be refused sleep and stay on GPU)
+    sleep_tier: bool = True
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,7 @@ def _parked(inp: StepInputs, events: list[ScaleEvent], state: PlannerState, targ
     by the next step (the parked ones then count as asleep), so PARK and SCALE_DOWN never pick the same."""
     p, obs, counts = inp.params, inp.observed, inp.replicas
     down = next((e for e in events if e.kind is ScaleEventKind.SCALE_DOWN and e.pool is Pool.SERVING), None)
-    if down is None or not obs.busy.size:
+    if down is None or not obs.busy.size or not inp.sleep_tier:
         return events
     level = float(obs.inflight[-max(1, int(p.level_s // obs.bucket_s)):].mean())
     expected = park.need_within(state.profile, level, inp.now, lead, p.park_horizon_s)

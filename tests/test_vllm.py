@@ -350,6 +350,13 @@ def test_sleep_is_refused_where_the_engine_reports_no_sleep_mode(world: World) -
     assert world.state(RID) == "ready" and ("ready", "draining") not in world.transitions(RID)
 
 
+def test_the_node_view_reports_the_engines_answer_on_sleep_mode(world: World) -> None:
+    """The agent asked vLLM at start (`current_platform.is_sleep_mode_available()`: False on CPU) and
+    publishes the answer per model beside the built-in engine's: the planner plans no asleep tier for it."""
+    report = json.loads(world.client.hget(keys.node_info(NODE), "sleep_mode") or "{}")
+    assert report == {"*": True, "tiny": False}, report
+
+
 def test_retire_stops_the_server(world: World) -> None:
     port = world.settings.agent.port_base
     assert vllm_pids(port)

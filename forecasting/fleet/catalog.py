@@ -57,6 +57,9 @@ class ModelCard:
     ttft_slo_s: float = 1.2
     ttft_warm_s: float = 0.25
     ready_s: Mapping[str, Mapping[Tier, float]] = field(default_factory=dict)
+    # False where the model's engine reports it cannot sleep on any node it may use (vLLM off CUDA,
+    # `prewarm.policy.sleep_tier`): the asleep tier is absent, a "wake" costs a load from the cache
+    sleeps: bool = True
 
     def __post_init__(self) -> None:
         if not self.mem_gb > 0:
@@ -65,9 +68,12 @@ class ModelCard:
             raise ValueError(f"{self.name}: capacity_rps and priority must be positive")
 
     def time_to_ready(self, tier: Tier, node_class: str = "default") -> float:
-        """Measured seconds to ready from ``tier`` on ``node_class`` (else any class, else the default)."""
+        """Measured seconds to ready from ``tier`` on ``node_class`` (else any class, else the default);
+        from ``asleep`` where the model cannot sleep, its time from the cache (the tier it falls back to)."""
         if tier == Tier.GPU:
             return 0.0
+        if tier == Tier.ASLEEP and not self.sleeps:
+            tier = Tier.CACHED
         for cls in (node_class, "default", *self.ready_s):
             got = self.ready_s.get(cls, {}).get(tier)
             if got is not None:

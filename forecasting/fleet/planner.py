@@ -15,7 +15,9 @@ and decides for all models together:
   which gives it a keep-alive window and a pre-warm from its own distribution);
 - a model with requests in flight is never evicted;
 - below GPU, the next best models are put to sleep (weights in pinned host memory, woken in
-  a fraction of a load) while host memory lasts; the rest stay in the page cache or on disk;
+  a fraction of a load) while host memory lasts, on a node where their engine can sleep (a
+  model whose engine reports no sleep mode has no asleep tier: `ModelCard.sleeps`,
+  `FleetNode.no_sleep`); the rest stay in the page cache or on disk;
 - placement is one pass over all models of the round: a model stays where it is resident,
   else goes where it is asleep or cached (the fastest wake), else to the best-fitting node.
 
@@ -53,6 +55,7 @@ class FleetNode:
     node_class: str = "default"
     resident: Mapping[str, Tier] = field(default_factory=dict)
     in_flight: Mapping[str, int] = field(default_factory=dict)
+    no_sleep: frozenset[str] = frozenset()  # models whose engine reports it cannot sleep here (no asleep tier)
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     free = {n.name: n.gpu_gb for n in ctx.nodes}
     total_gb = sum(free.values())
     host_free = {n.name: n.host_gb * params.sleep_share for n in ctx.nodes}
+    no_sleep = {n.name: n.no_sleep for n in ctx.nodes}
     by_model = _where(ctx.nodes)
     gpu: dict[str, list[str]] = {}
     actions: list[FleetAction] = []
@@ -208,14 +212,15 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     host_order = np.argsort(-host_dens, kind="stable")
     for i in host_order[(host_dens[host_order] >= host_lam) & (host_dens[host_order] > 0)]:
         name = cards[i].name
-        if name in gpu:
+        if name in gpu or not cards[i].sleeps:
             continue
         tiers = by_model.get(name, {})
-        cand = tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.GPU, [])
+        can = [n for n in host_free if name not in no_sleep[n]]  # nodes where its engine can sleep
+        cand = [n for n in tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.GPU, []) if n in can]
         host = next((n for n in cand if host_free[n] >= mem[i]), None)
         if host is None:
-            host = max(host_free, key=lambda n: host_free[n])
-            if host_free[host] < mem[i]:
+            host = max(can, key=lambda n: host_free[n], default=None)
+            if host is None or host_free[host] < mem[i]:
                 continue
         host_free[host] -= mem[i]
         asleep[name] = host

@@ -39,6 +39,7 @@ from prewarm.core import keys
 from prewarm.core.domain import TERMINAL_STATES, Replica, ReplicaState
 from prewarm.core.errors import PrewarmError
 from prewarm.core.settings import Settings
+from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, sleep_report
 from workers import context
 from workers.node import operations
 from workers.node.memory import ASLEEP, GB, GPU, footprint_bytes, models_on_disk, residency, warmest
@@ -46,7 +47,7 @@ from workers.app import make_app
 from workers.names import PREWARM, node_queue
 from workers.context import WorkerContext
 from workers.node.engine_load import publish_engine_load
-from workers.node.engines import probe_sleep_mode
+from workers.node.engines import BUILTIN, VLLM, probe_sleep_mode
 from workers.node.supervision import readiness
 from workers.process import serve_metrics, setup_logging
 
@@ -75,6 +76,9 @@ class Agent:
         self._loaded: set[str] = set()  # model@revision this agent brought to ready (snapshot hint)
         self._disk_scan: tuple[float, set[str]] = (-DISK_SCAN_S - 1.0, set())  # (when, model@revision on disk)
         self._unhealthy: dict[str, int] = {}  # replica id -> consecutive failed readiness checks
+        # engine -> whether it can sleep here, as the engine says (None: not asked yet); the built-in runtime
+        # always has level-1 sleep (runtime_client), vLLM answers at start (`record_sleep_mode`)
+        self._sleep_modes: dict[str, bool | None] = {BUILTIN: True}
 
     @property
     def node(self) -> str:
@@ -176,6 +180,11 @@ class Agent:
                 log.info("resuming the prewarm of adopted replica %s (it was %s)", rec.id, rec.state.value)
         return resumed
 
+    def record_sleep_mode(self, engine: str, available: bool | None) -> None:
+        """The engine's answer to "can you sleep on this node?", published in the node view from the next
+        heartbeat on (`prewarm.policy.sleep_tier`): the planner plans no asleep tier where it says no."""
+        self._sleep_modes[engine] = available
+
     # --- heartbeats -------------------------------------------------------------------
     def heartbeat_once(self) -> None:
         now = self.ctx.clock()
@@ -210,7 +219,9 @@ class Agent:
                 "replica_slots": str(self.settings.agent.replica_slots), "replicas": str(len(self.ctx.runtimes.all())),
                 "port_base": str(self.settings.agent.port_base), "ready": "1", "heartbeat_at": repr(now),
                 "gpu_memory_gb": repr(self.settings.agent.gpu_memory_gb),
-                "host_memory_gb": repr(self.settings.agent.host_memory_gb)}
+                "host_memory_gb": repr(self.settings.agent.host_memory_gb),
+                SLEEP_FIELD: json.dumps(sleep_report(self.settings.engine.default, self.settings.engine.models,
+                                                     self._sleep_modes), sort_keys=True)}
         pipe = self.ctx.client.pipeline(transaction=True)
         pipe.hset(keys.node_info(self.node), mapping=info)
         pipe.expire(keys.node_info(self.node), keys.NODE_INFO_TTL_S)
@@ -318,7 +329,7 @@ def run_agent(settings: Settings, *, loglevel: str = "INFO", metrics_port: int |
             "-n", f"agent@{agent.node}", f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
     try:
         agent.start()
-        probe_sleep_mode(settings)
+        agent.record_sleep_mode(VLLM, probe_sleep_mode(settings))
         app = make_app(settings)
         agent.resume_adopted(app)
         app.worker_main(argv)

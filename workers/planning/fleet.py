@@ -5,7 +5,8 @@ model alone:
 1. history: each model's complete buckets from the gateway's counters (`load_redis`),
    aligned into one ``counts[bucket, model]`` matrix;
 2. catalog: each model's footprint (`planner.model_memory_gb`) and priority, with the
-   registry's measured load time p95 as its time to ready from the node's cache;
+   registry's measured load time p95 as its time to ready from the node's cache, and no asleep
+   tier where its engine reports no sleep mode (the agents' `sleep_mode`, `prewarm.policy.sleep_tier`);
 3. nodes: what agents publish (`keys.node_info`: `gpu_memory_gb`, `host_memory_gb`) and
    which models are live on each (the registry); a model with a request in the last bucket
    counts as in flight there, so the planner never evicts it;
@@ -41,11 +42,12 @@ from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetS
 from forecasting.fleet.round import RoundParams, RoundState, fleet_round
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
+from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, can_sleep, parse_report, tier_absent
 from workers import names
 from workers.context import WorkerContext
 from workers.planning.forecast import ModelPlan, planned_models, publish_cluster_target
 from workers.planning.kubernetes import owns_replicas
-from workers.planning.nodes import live_nodes, measured_ready_p95
+from workers.planning.nodes import live_nodes, measured_ready_p95, sleep_reports
 
 log = logging.getLogger("prewarm.planner.fleet")
 
@@ -61,8 +63,10 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
 
     Agents record their per-tier times (wakes, loads) under their own `agent.node_class`, which the
     live nodes publish: each class's figures go under that class, and the pool-wide figure the round
-    plans with ("default") is the slowest class measured (a p95 the model meets on any node)."""
+    plans with ("default") is the slowest class measured (a p95 the model meets on any node). A model
+    whose engine reports no sleep mode on every live node that reports on it has no asleep tier."""
     p = ctx.settings.planner
+    reports = list(sleep_reports(ctx).values())
     defaults = {c.name: c for c in default_catalog(models).cards}
     cards = []
     for name in models:
@@ -81,7 +85,7 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
                 ready[tier] = max(got.values())
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
                                priority=float(p.model_priority.get(name, 1.0)),
-                               ready_s={**per_class, "default": ready}))
+                               ready_s={**per_class, "default": ready}, sleeps=not tier_absent(reports, name)))
     return Catalog(tuple(cards))
 
 
@@ -101,9 +105,11 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
         for snap in (s for s in info.get("snapshots", "").split(",") if s):
             resident.setdefault(snap.partition("@")[0], Tier.CACHED)
         resident = {m: t for m, t in resident.items() if m in catalog.index}
+        report = parse_report(info.get(SLEEP_FIELD))
         out.append(FleetNode(name=ns.node, gpu_gb=gpu, host_gb=host, node_class=info.get("node_class", "default"),
                              resident=resident, in_flight={m: 1 for m, t in resident.items()
-                                                           if t is Tier.GPU and m in busy}))
+                                                           if t is Tier.GPU and m in busy},
+                             no_sleep=frozenset(m for m in catalog.names if can_sleep(report, m) is False)))
     return tuple(out)
 
 

@@ -46,12 +46,13 @@ from forecasting.planner import (
     warm_cost,
 )
 from prewarm.core import keys
-from prewarm.core.domain import LIVE_STATES, ModelSpec, check_name
+from prewarm.core.domain import LIVE_STATES, ModelSpec, ReplicaState, check_name
 from prewarm.core.errors import InvalidPayload, PrewarmError
+from prewarm.policy.sleep_tier import tier_absent
 from workers.context import WorkerContext
 from workers.planning.executor import live_counts, node_views, submit_events
 from workers.planning.rollout import planned_revision
-from workers.planning.nodes import measured_ready_p95
+from workers.planning.nodes import measured_ready_p95, sleep_reports
 from prewarm.registry.targets import schedule_fields
 from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
     target_schedule, with_demand_floor
@@ -146,10 +147,13 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     nodes = None if cluster else node_views(ctx) or None
     # a parked replica's wake, the slowest node class measured (it may be woken on any node)
     wakes = measured_ready_p95(ctx, spec.name, "asleep") if counts["asleep"] else {}
+    # parking puts ready replicas to sleep where they are: the tier is absent if their engines there say so
+    ready_on = {r.node for r in reps if r.revision == spec.revision and r.state is ReplicaState.READY}
+    sleeps = cluster or not tier_absent(sleep_reports(ctx, sorted(ready_on)).values(), spec.name)
     # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
     return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy, waited),
                       ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
-                      max(wakes.values()) if wakes else None)
+                      max(wakes.values()) if wakes else None, sleeps)
 
 
 def schedule_of(ctx: WorkerContext, spec: ModelSpec, decision: Decision, *, now: float) -> list[tuple[float, int]]:

@@ -12,6 +12,7 @@ from typing import Iterable, Mapping, Sequence
 from forecasting.planner import place
 from prewarm.core import keys
 from prewarm.core.domain import NodeView
+from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, parse_report
 from workers.context import WorkerContext
 
 
@@ -65,6 +66,13 @@ def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:
         used = frozenset(r.slot for r in ctx.registry.live_on_node(node))
         out.append(NodeSlots(node, int(info.get("replica_slots", "1")), used))
     return out
+
+
+def sleep_reports(ctx: WorkerContext, nodes: Iterable[str] | None = None) -> dict[str, dict[str, bool]]:
+    """Node -> what its agent's engines report of sleep mode per model (`prewarm.policy.sleep_tier`), for
+    `nodes` (default: the live ones)."""
+    names = [ns.node for ns in live_nodes(ctx)] if nodes is None else list(nodes)
+    return {n: parse_report(ctx.client.hget(keys.node_info(n), SLEEP_FIELD)) for n in names}
 
 
 def node_classes(ctx: WorkerContext) -> list[str]:
