@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prewarm.core.settings import PlannerSettings
 from forecasting.forecast.nowcast import DAY_S, fit_profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two days of history counted and simulated, a replay
@@ -104,7 +105,9 @@ def test_live_closed_loop_and_simulator_agree(tmp_path: Path) -> None:
     epoch0, first_step = live["history_start_epoch"], live["first_step_epoch"]
     past = report["history_epoch"] + rel[rel < HISTORY_S] - HISTORY_S  # when each history request was counted
     edges = np.arange(epoch0, np.floor(first_step / 60.0) * 60.0 + 1e-9, 60.0)  # the complete buckets it read
-    expected = fit_profile(np.histogram(past, bins=edges)[0] / 60.0, epoch0, 60.0)
+    params = PlannerSettings()  # the live planner's declared season and profile bins (its defaults here)
+    expected = fit_profile(np.histogram(past, bins=edges)[0] / 60.0, epoch0, 60.0, bin_s=params.profile_bin_s,
+                           season_s=params.season_s)
     assert expected is not None
     got = np.asarray(live["profile"]["values"])
     assert got.shape == (len(expected.values),)
