@@ -53,7 +53,6 @@ from forecasting.planner import (
 )
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import cold_start_p95
-from forecasting.sim.workload import SimParams
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "reactive_sized", "fixed_pool", "keepalive", "prewarm", "oracle")

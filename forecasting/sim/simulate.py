@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
-from forecasting.sim.loads import LoadBank, cold_sampler
+from forecasting.sim.loads import LoadBank
 from forecasting.sim.workload import (  # noqa: F401  (re-exported: the replay's inputs)
     AZURE_CODE_MEAN_CONTEXT,
     AZURE_CODE_MEAN_GENERATED,

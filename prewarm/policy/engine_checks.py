@@ -19,7 +19,6 @@ No I/O, no clock.
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 

@@ -12,7 +12,6 @@ against this measured run (`workers.up.fidelity`): `sim_vs_measured` in `report.
 from __future__ import annotations
 
 import json
-import math
 import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
