@@ -97,7 +97,7 @@ def test_live_closed_loop_and_simulator_agree(tmp_path: Path) -> None:
 
     # the inputs: every replayed request went through the gateway and was counted by it
     assert report["measured"]["requests"] == replayed
-    assert report["measured"]["answered_2xx"] == replayed
+    assert report["measured"]["answered_2xx"] == replayed, report["measured"]
     assert report["counted_by_gateway"] == replayed
     # the live planner's daily profile is the one the trace's own arrivals give
     live = report["planner"]

@@ -28,7 +28,7 @@ def test_up_with_three_models_plans_a_fleet_and_reports(tmp_path: Path) -> None:
     assert models["fleet0"]["mem_mb"] > models["fleet1"]["mem_mb"]  # different sizes
     assert sum(m["mem_mb"] for m in models.values()) > report["budget_mb"]  # the budget cannot hold them all
     for m in models.values():
-        assert m["ok"] == m["sent"] > 0  # the gateway held requests for cold models; none was lost
+        assert m["ok"] == m["sent"] > 0, models  # the gateway held requests for cold models; none was lost
     assert [r["policy"] for r in report["simulated"]] == ["keepalive", "hybrid_histogram", "fleet", "oracle"]
     assert "tier" in proc.stdout
     assert _wait_gone(str(tmp_path)) == []

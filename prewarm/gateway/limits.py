@@ -65,6 +65,10 @@ async def write(resp: web.StreamResponse, chunk: bytes, timeout_s: float) -> Non
 @dataclass
 class _ModelQueue:
     queued: dict[str, float] = field(default_factory=dict)  # client -> tokens in flight
+    serving: int = 0  # admitted requests that reached a replica and are not answered yet
+    # The drain rate's clock runs only while a replica serves the model: a request held for a cold
+    # start drains nothing, and counting its wait as busy time measured a rate near zero after every
+    # load, so the next requests were refused for a queue that was about to drain.
     busy_since: float | None = None
     busy_s: float = 0.0
     done_tokens: float = 0.0
@@ -82,7 +86,12 @@ class Ticket:
     address: str | None  # set when capped per request (behind a trusted proxy)
     cost: float
     decision: AdmissionDecision
+    serving: bool = False  # it reached a replica (`Limits.serving`)
     released: bool = False
+
+
+#: Where the gateway keeps a user request's ticket while it is routed.
+TICKET_KEY: "web.RequestKey[Ticket]" = web.RequestKey("prewarm_ticket", Ticket)
 
 
 class Limits:
@@ -141,10 +150,18 @@ class Limits:
                              f"{decision.retry_after_s}s", "over_fair_share", decision.retry_after_s)
         if address is not None:
             self.requests_per_address[address] += 1
-        if q.busy_since is None:
-            q.busy_since = now
         q.queued[client] = q.queued.get(client, 0.0) + cost
         return Ticket(model, client, address, cost, decision)
+
+    def serving(self, ticket: Ticket) -> None:
+        """The request reached a replica: the model drains from now while anything is being served."""
+        if ticket.serving or ticket.released:
+            return
+        ticket.serving = True
+        q = self.queues[ticket.model]
+        q.serving += 1
+        if q.busy_since is None:
+            q.busy_since = time.monotonic()
 
     def release(self, ticket: Ticket, status: int | None) -> None:
         """The request is answered (`status`, None when it never got one): its tokens leave the queue."""
@@ -160,11 +177,14 @@ class Limits:
         q.queued[ticket.client] -= ticket.cost
         if q.queued[ticket.client] <= 1e-9:
             del q.queued[ticket.client]
+        if not ticket.serving:  # refused or held past the hold timeout: no replica's time to count
+            return
+        q.serving -= 1
         if status == 200:
             q.done_tokens += ticket.cost
-        if q.busy_since is not None:  # fold the busy time so far in; busy on while anything is queued
+        if q.busy_since is not None:  # fold the busy time so far in; busy on while a replica serves
             q.busy_s += now - q.busy_since
-            q.busy_since = now if q.queued else None
+            q.busy_since = now if q.serving else None
         if q.busy_s > RATE_WINDOW_S:  # halve both: the rate stays, old load weighs less
             q.busy_s /= 2
             q.done_tokens /= 2

@@ -45,7 +45,7 @@ from prewarm.gateway.upstream_auth import UpstreamKeys
 from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.stale_view import StalenessRule, may_serve_stale
 from prewarm.policy.revisions import RevisionChoiceKind
-from prewarm.gateway.limits import BodyTimeout, ClientStalled, Limits, read_body, write as write_client
+from prewarm.gateway.limits import TICKET_KEY, BodyTimeout, ClientStalled, Limits, read_body, write as write_client
 from prewarm.policy.engine_load import merged_inflight, model_level
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
@@ -283,6 +283,7 @@ class Gateway:
                 if isinstance(ticket, web.Response):  # over its fair share: 429, not demand, no busy time
                     self.metrics.routing_decisions.labels(model, "refused").inc()
                     return self._answered(request, model, kind, ticket, started)
+                request[TICKET_KEY] = ticket
                 began = time.time()
                 self.counter.begin(model, began)
                 proxied: web.StreamResponse | None = None
@@ -340,6 +341,9 @@ class Gateway:
             return self._unavailable(f"no replica of {model!r} is ready; one is being started")
         if not warmup:
             self.metrics.cold_start_wait.labels(model).observe(time.monotonic() - started)
+            ticket = request.get(TICKET_KEY)
+            if ticket is not None:
+                self.limits.serving(ticket)
 
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
         if not warmup:

@@ -161,6 +161,8 @@ class FleetUpRun(UpRun):
         for name, _, gb in self.models:
             s = self.per_model[name]
             measured[name] = {"mem_mb": gb * 1e3, "sent": s.sent, "ok": s.ok, "503": s.statuses.get(503, 0),
+                              "statuses": {str(k): v for k, v in sorted(s.statuses.items())},
+                              "errors": dict(s.errors),
                               "slow_share": s.waits_over / max(1, s.ok), "p99_s": s.percentile(99)}
         sim = simulate_same_arrivals(self, arrivals)
         table = Table(title="the same arrivals in the fleet simulator (same models, nodes and budget; "

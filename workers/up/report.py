@@ -192,6 +192,8 @@ def report(run: UpRun, wl: Workload) -> dict[str, Any]:
         "answered_2xx": s.ok,
         "status_503": s.statuses.get(503, 0),
         "errors": sum(s.errors.values()),
+        "statuses": {str(k): v for k, v in sorted(s.statuses.items())},
+        "error_kinds": dict(s.errors),
         "latency_p50_s": s.percentile(50),
         "latency_p99_s": s.percentile(99),
         "cold_start_share": s.waits_over / max(1, s.ok),
