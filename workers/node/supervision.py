@@ -35,6 +35,17 @@ from workers.node.memory import MemoryLedger
 log = logging.getLogger("prewarm.agent.host")
 
 
+class SlotBusy(TemporaryError):
+    """The slot still hosts another replica's runtime: a retire or an eviction of it is in progress.
+
+    The planner reuses a slot once its replica leaves the registry's live states, which can be
+    before the agent has stopped the runtime (the retire runs beside the prewarm): the prewarm
+    waits for the slot instead of failing the new replica (`prewarm up --models 3` lost a
+    replica and its requests' warm start that way)."""
+
+    reason = "slot_busy"
+
+
 class RuntimeExited(TemporaryError):
     reason = "runtime_exited"
     """The runtime process of a replica ended; the message carries the tail of its log."""
@@ -208,9 +219,8 @@ class RuntimeSupervisor:
             hosted = self._slots.get(replica.slot)
             if hosted is not None:
                 if hosted.replica.id != replica.id:
-                    raise PermanentError(
-                        f"slot {replica.slot} on node {replica.node} already hosts {hosted.replica.id}"
-                    )
+                    raise SlotBusy(f"slot {replica.slot} on node {replica.node} still hosts {hosted.replica.id}",
+                                   retry_after=2.0)
                 if hosted.exit_code() is None:
                     hosted.replica = replica
                     return hosted
