@@ -21,6 +21,7 @@ from tests.test_helm import CHART, KUBE_VERSIONS, NS, env_of, find, render
 
 ROLLOUT = [{"model": "tiny", "deployment": "tiny-canary", "revision": "r2"},
            {"model": "llama3", "deployment": "vllm-llama3", "revision": "2024-06"}]
+INFERENCE = {"model": "tiny", "revision": "r1"}  # the chart's own inference Deployment: the stable revision
 
 
 def _by_deployment(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -29,11 +30,12 @@ def _by_deployment(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str,
 
 def test_keda_mode_names_the_revision_of_each_deployment_of_a_model_served_twice() -> None:
     """The chart's inference Deployment serves tiny@r1; a canary Deployment of tiny@r2 is added for a rollout."""
-    docs = render({"autoscaling": {"mode": "keda", "targets": ROLLOUT}, "inference": {"model": "tiny", "revision": "r1"}})
+    docs = render({"autoscaling": {"mode": "keda", "targets": ROLLOUT}, "inference": INFERENCE})
     objects = _by_deployment(docs, "ScaledObject")
     assert set(objects) == {"pw-prewarm-inference", "tiny-canary", "vllm-llama3"}
     metadata = {dep: so["spec"]["triggers"][0]["metadata"] for dep, so in objects.items()}
-    assert (metadata["pw-prewarm-inference"][MODEL_KEY], metadata["pw-prewarm-inference"][REVISION_KEY]) == ("tiny", "r1")
+    stable = metadata["pw-prewarm-inference"]
+    assert (stable[MODEL_KEY], stable[REVISION_KEY]) == ("tiny", "r1")
     assert (metadata["tiny-canary"][MODEL_KEY], metadata["tiny-canary"][REVISION_KEY]) == ("tiny", "r2")
     assert REVISION_KEY not in metadata["vllm-llama3"]  # the only Deployment of its model: the model's target
     # what the scaler makes of each trigger's metadata (prewarm.gateway.keda.target_ref)
@@ -50,13 +52,14 @@ def test_keda_mode_names_the_revision_of_each_deployment_of_a_model_served_twice
 
 
 def test_hpa_mode_reads_each_revisions_gauge_for_a_model_served_twice() -> None:
-    docs = render({"autoscaling": {"mode": "hpa", "targets": ROLLOUT}, "inference": {"model": "tiny", "revision": "r1"}})
+    docs = render({"autoscaling": {"mode": "hpa", "targets": ROLLOUT}, "inference": INFERENCE})
     hpas = _by_deployment(docs, "HorizontalPodAutoscaler")
     metrics = {dep: h["spec"]["metrics"][0]["external"]["metric"] for dep, h in hpas.items()}
     assert metrics == {
         "pw-prewarm-inference": {"name": REVISION_TARGET_METRIC,
                                  "selector": {"matchLabels": {"model": "tiny", "revision": "r1"}}},
-        "tiny-canary": {"name": REVISION_TARGET_METRIC, "selector": {"matchLabels": {"model": "tiny", "revision": "r2"}}},
+        "tiny-canary": {"name": REVISION_TARGET_METRIC,
+                        "selector": {"matchLabels": {"model": "tiny", "revision": "r2"}}},
         "vllm-llama3": {"name": TARGET_METRIC, "selector": {"matchLabels": {"model": "llama3"}}},
     }
     for doc in hpas.values():
@@ -86,5 +89,5 @@ def test_two_entries_of_one_model_render_and_lint_in_both_modes_without_the_infe
 def test_two_deployments_of_one_model_without_their_own_revisions_are_refused(
         targets: list[dict[str, str]], words: str) -> None:
     with pytest.raises(Exception) as err:
-        render({"autoscaling": {"mode": "keda", "targets": targets}, "inference": {"model": "tiny", "revision": "r1"}})
+        render({"autoscaling": {"mode": "keda", "targets": targets}, "inference": INFERENCE})
     assert words in str(err.value)

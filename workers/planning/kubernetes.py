@@ -13,7 +13,8 @@ patches the Deployment. It also records a target per revision (`publish_revision
 `keys.revision_target`): the model's whole target for the revision it plans, or, while a
 canary rollout splits the model across two Deployments (stable and canary), each revision's
 share. A ScaledObject or HPA naming a revision reads that one; with `none` the rollout patches
-each revision's Deployment (`kubernetes.deployments["model@revision"]`). The planner's own SCALE_UP / SCALE_DOWN events are not sent to
+each revision's Deployment (`kubernetes.deployments["model@revision"]`).
+The planner's own SCALE_UP / SCALE_DOWN events are not sent to
 the node agents then (`events_for_executor`): Kubernetes starts and stops the pods, and
 the pod warmer warms, validates and registers each one, so a planned rise creates each
 pod once. HOLD events still go out: they keep ready replicas (pods included) warm. Unmet
