@@ -55,7 +55,7 @@ from workers.planning.rollout import planned_revision
 from workers.planning.nodes import measured_ready_p95, sleep_reports
 from prewarm.registry.targets import schedule_fields
 from workers.planning.kubernetes import actuator_for, apply_target, deployment_key, events_for_executor, \
-    owns_replicas, publish_revision_target, target_schedule, with_demand_floor
+    owns_replicas, publish_planned_revision, target_schedule, with_demand_floor
 
 log = logging.getLogger("prewarm.planner.forecast")
 
@@ -179,7 +179,7 @@ def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision, schedule: list[
         return []
     new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, decision.events))
     if ctx.settings.kubernetes.enabled:  # no rollout: the revision planned has the model's whole target
-        publish_revision_target(ctx, spec.name, spec.revision, schedule, now=schedule[0][0])
+        publish_planned_revision(ctx, spec.name, spec.revision, schedule, now=schedule[0][0])
         _apply_to_cluster(ctx, spec.name, schedule[0][1], revision=spec.revision)
     return new
 
@@ -275,7 +275,7 @@ def publish_cluster_target(ctx: WorkerContext, model: str, awake: int, asleep: i
     (`kubernetes.pod_sleep_mode`: a sleeping pod still exists, and the pod warmer keeps `awake` of them
     awake through their servers' /sleep and /wake_up). Fresh unmet demand floors it at one awake pod,
     a parked one woken first. With the `revision` planned, that revision's target is recorded too
-    (`publish_revision_target`); while a rollout runs it owns both (`workers.planning.rollout`)."""
+    (`publish_planned_revision`); while a rollout runs it owns both (`workers.planning.rollout`)."""
     cfg = ctx.settings.kubernetes
     parked = asleep if cfg.pod_sleep_mode else 0
     last = ctx.client.hget(keys.demand(model), "last")
@@ -289,7 +289,7 @@ def publish_cluster_target(ctx: WorkerContext, model: str, awake: int, asleep: i
     if planned_revision(ctx, model, revision or "")[1]:  # a running rollout splits the target and scales
         return schedule
     if revision is not None:
-        publish_revision_target(ctx, model, revision, schedule, now=now, awake=awake)
+        publish_planned_revision(ctx, model, revision, schedule, now=now, awake=awake)
     _apply_to_cluster(ctx, model, schedule[0][1], revision=revision)
     return schedule
 

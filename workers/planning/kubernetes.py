@@ -10,7 +10,8 @@ In a cluster the Deployment's replica count has exactly one owner, chosen by
 Either way the planner only computes and records a target schedule (`target_schedule`,
 written into its Redis record through `prewarm.registry.targets`); with `none` it also
 patches the Deployment. It also records a target per revision (`publish_revision_target`,
-`keys.revision_target`): the model's whole target for the revision it plans, or, while a
+`keys.revision_target`): the model's whole target for the revision it plans and 0 for the
+model's other revisions with a Deployment of their own (`publish_planned_revision`), or, while a
 canary rollout splits the model across two Deployments (stable and canary), each revision's
 share. A ScaledObject or HPA naming a revision reads that one; with `none` the rollout patches
 each revision's Deployment (`kubernetes.deployments["model@revision"]`).
@@ -117,6 +118,19 @@ def publish_revision_target(ctx: WorkerContext, model: str, revision: str, sched
         log.info("dry run: would record %s@%s's target of %d pod(s)", model, revision, schedule[0][1])
         return
     write_revision_target(ctx.client, model, revision, schedule_fields(schedule, planned_at=now, awake=awake))
+
+
+def publish_planned_revision(ctx: WorkerContext, model: str, revision: str, schedule: list[tuple[float, int]], *,
+                             now: float, awake: int | None = None) -> None:
+    """No rollout owns `model`'s scaling: the revision planned gets the model's whole target, and every other
+    revision of it with its own Deployment (`kubernetes.deployments["model@other"]`: a canary created before
+    its rollout starts, the revision a finished rollout retired) a renewed 0, so its ScaledObject or HPA reads
+    a fresh 0, never a missing record (and KEDA's fallback replicas on a canary nothing has proved)."""
+    publish_revision_target(ctx, model, revision, schedule, now=now, awake=awake)
+    for key in ctx.settings.kubernetes.deployments:
+        name, sep, other = key.partition("@")
+        if sep and name == model and other != revision:
+            publish_revision_target(ctx, model, other, [(now, 0)], now=now)
 
 
 def max_replicas_for(cfg: KubernetesSettings, model: str) -> int:
