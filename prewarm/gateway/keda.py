@@ -63,8 +63,12 @@ log = logging.getLogger("prewarm.keda")
 MODEL_KEY = "model"
 #: The trigger metadata key naming the revision (optional: without it, the model's own target).
 REVISION_KEY = "revision"
-#: The trigger metadata key carrying the scaler's token (`keda.token`), e.g. from a TriggerAuthentication.
+#: The trigger metadata keys carrying the scaler's token (`keda.token`). KEDA sends an external scaler the
+#: trigger's `metadata` only (never a TriggerAuthentication's parameters); a key ending in `FromEnv` it resolves
+#: from the scaled Deployment's container environment and sends under the same key, so `tokenFromEnv:
+#: PREWARM_KEDA_TOKEN` (that variable set from a Secret) keeps the token out of the ScaledObject.
 TOKEN_KEY = "token"
+TOKEN_FROM_ENV_KEY = "tokenFromEnv"
 #: Gauge names (also listed in `prewarm.core.metrics.EXPORTED`).
 TARGET_METRIC = "prewarm_planner_target_replicas"
 TARGET_AGE_METRIC = "prewarm_planner_target_age_seconds"
@@ -128,14 +132,15 @@ class TargetScaler(pb_grpc.ExternalScalerServicer):
     async def _authorized(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
             return
-        given = ref.scalerMetadata.get(TOKEN_KEY, "")
+        given = ref.scalerMetadata.get(TOKEN_FROM_ENV_KEY) or ref.scalerMetadata.get(TOKEN_KEY, "")
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 given = value[7:]
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"ScaledObject {ref.namespace}/{ref.name}: the scaler's token is missing or wrong "
-                                f"(trigger metadata {TOKEN_KEY}, or authorization: Bearer <token>)")
+                                f"(trigger metadata {TOKEN_FROM_ENV_KEY} or {TOKEN_KEY}, or authorization: "
+                                f"Bearer <token>)")
 
     async def _ref(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> tuple[str, str | None]:
         """The model and revision the ScaledObject's trigger names; INVALID_ARGUMENT naming what is wrong."""

@@ -205,3 +205,16 @@ scaleUp:
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
+
+
+{{/* The KEDA scaler's token (autoscaling.scaler.token.secret): the scaler asks every call for it, and KEDA
+     resolves the trigger's tokenFromEnv from the scaled Deployment's container, so that container has it too. */}}
+{{- define "prewarm.kedaTokenEnv" -}}
+{{- with .Values.autoscaling.scaler.token.secret }}
+- name: PREWARM_KEDA_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.autoscaling.scaler.token.key }}
+{{- end }}
+{{- end -}}
