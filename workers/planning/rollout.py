@@ -139,9 +139,13 @@ def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int, 
     The pod warmer registers a canary pod only once it is warmed and validated, so weight still waits for it."""
     cfg = ctx.settings.kubernetes
     publish_revision_target(ctx, model, revision, [(now, want)], now=now)
-    if cfg.autoscaling != "none":
-        return
     key = f"{model}@{revision}"
+    if cfg.autoscaling != "none":
+        if key not in cfg.deployments:  # KEDA or the HPA may still read it; the chart always names it
+            log.warning("rollout of %s: %s's share (%d) is recorded, but PREWARM_KUBERNETES_DEPLOYMENTS names no "
+                        "Deployment for %s: only a ScaledObject or HPA naming revision %s scales on it",
+                        model, revision, want, key, revision)
+        return
     if key not in cfg.deployments:
         log.error("rollout of %s: no Deployment to scale for %s (set PREWARM_KUBERNETES_DEPLOYMENTS "
                   "{\"%s\": <deployment>}, with kubernetes.autoscaling none)", model, revision, key)
