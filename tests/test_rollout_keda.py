@@ -6,8 +6,9 @@ two halves of the beat's `forecast_and_plan` task) writing the targets; the char
 Helm's Go SDK (tests/test_helm.py), whose ScaledObjects' trigger metadata and HPAs' metric
 selectors are what the scaler is asked with; the gRPC KEDA external scaler (`TargetScaler`) asked
 over a real channel, and its Prometheus endpoint scraped over HTTP (what prometheus-adapter reads
-for the HPA). The pod warmer's part (a pod is registered as a ready replica only once warmed and
-validated) is played by the test, as in tests/test_rollout_k8s.py; KEDA itself and
+for the HPA) and by a real Prometheus (the Debian binary), queried as the documented
+prometheus-adapter rule queries it. The pod warmer's part (a pod is registered as a ready
+replica only once warmed and validated) is played by the test, as in tests/test_rollout_k8s.py; KEDA itself and
 prometheus-adapter are not here, so the test applies their documented selection: the trigger's
 metadata goes to the scaler as is, and an External metric is the series matching the selector.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -35,6 +37,7 @@ from prewarm.policy import rollout as rp
 from prewarm.registry.embedded import free_port
 from prewarm.registry.rollouts import RolloutStore
 from tests.test_helm import render
+from tests.test_prometheus_scrape import Prometheus
 from workers.app import make_app
 from workers.context import WorkerContext
 from workers.planning.forecast import forecast_and_plan
@@ -241,7 +244,7 @@ def external_metric(samples: list[tuple[str, dict[str, str], float]], metric: di
 
 
 def test_the_hpa_of_each_deployment_reads_its_revisions_share(
-        redis_url: str, clean_env: pytest.MonkeyPatch) -> None:
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ctx = _ctx(clean_env, redis_url, "hpa")
     docs = render({"autoscaling": {"mode": "hpa", "targets": TARGETS}, "inference": {"enabled": False},
                    "podWarmer": {"enabled": False}})
@@ -275,6 +278,17 @@ def test_the_hpa_of_each_deployment_reads_its_revisions_share(
         # a selector naming the model only still reads the model's own target, not the sum with its revisions
         assert external_metric(samples, {"name": "prewarm_planner_target_replicas",
                                          "selector": {"matchLabels": {"model": MODEL}}}) == [float(DEMAND)]
+        # a real Prometheus scrapes it, and the query of docs/operating.md's prometheus-adapter rule, with each
+        # HPA's selector as its label matchers, returns each Deployment's share (the adapter itself is not here)
+        prom = Prometheus(tmp_path, {"keda-scaler": metrics_port})
+        try:
+            prom.wait_ready()
+            for deployment, share in (("tiny-canary", 1.0), ("tiny-stable", 3.0)):
+                metric = hpas[deployment]
+                matchers = ",".join(f'{k}="{v}"' for k, v in sorted(metric["selector"]["matchLabels"].items()))
+                prom.wait_value(f"max({metric['name']}{{{matchers}}}) by (model, revision)", share)
+        finally:
+            prom.stop()
     finally:
         stop.set()
         thread.join(10)
