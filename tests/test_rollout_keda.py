@@ -326,3 +326,30 @@ def test_each_revision_has_its_own_metric_name() -> None:
     assert metric_name("tiny", "r2") == "prewarm-target-tiny-r2"
     assert metric_name("Llama3", "2024.06") == "prewarm-target-llama3-2024-06"
 
+
+
+def test_external_push_activates_the_canarys_deployment_when_its_rollout_asks_for_pods(
+        redis_url: str, clean_env: pytest.MonkeyPatch,
+        scaler: tuple[pb_grpc.ExternalScalerStub, Clock]) -> None:
+    """`autoscaling.keda.push`: KEDA holds StreamIsActive open per ScaledObject; the canary's stream turns
+    true on the tick that asks for its first step's pods, not on the model's (always active) target."""
+    stub, clock = scaler
+    ctx = _ctx(clean_env, redis_url, "keda")
+    t = clock.t
+    for slot in range(DEMAND):
+        pod_ready(ctx, "r1", slot, t)
+    plan_round(ctx, t)
+    canary = pb.ScaledObjectRef(name="so", namespace="inference", scalerMetadata=scaled_objects()["tiny-canary"])
+    stream = stub.StreamIsActive(canary, timeout=30)
+    try:
+        assert next(stream).result is False  # before the rollout: the canary's Deployment stays at zero
+        spec = rp.RolloutSpec(model=MODEL, stable="r1", canary="r2", steps=(25, 100), pause_s=1.0,
+                              logprob_tolerance=0.05, speed_ratio=1.2, error_rate_margin=0.01, latency_ratio=1.2,
+                              min_requests=20)
+        RolloutStore(ctx.client).update(MODEL, lambda running: rp.start(
+            spec, now=t, live_revisions=["r1"], known_revisions=["r2"], running=running))
+        assert plan_round(ctx, t + 1.0) == ["prepare"]
+        assert next(stream).result is True
+    finally:
+        stream.cancel()
+        ctx.client.close()
