@@ -78,3 +78,23 @@ def check_scaled_object(doc: dict[str, Any], kube_version: str = "1.33.0") -> No
                "spec": {"scaleTargetRef": {"kind": "Deployment", "name": "x"}, "maxReplicas": hi,
                         "behavior": behavior}}
         kubernetes_validate.validate(hpa, kube_version, strict=True)
+
+
+_SECRET_REF = {"parameter": str, "name": str, "key": str}
+_ENV_REF = {"parameter": str, "name": str, "containerName": str}
+_TRIGGER_AUTH_SPEC = {"podIdentity": dict, "secretTargetRef": [_SECRET_REF], "env": [_ENV_REF],
+                      "configMapTargetRef": [_SECRET_REF], "hashiCorpVault": dict, "azureKeyVault": dict,
+                      "awsSecretManager": dict, "gcpSecretManager": dict, "boundServiceAccountToken": [dict]}
+#: The authentication parameters KEDA's `external` / `external-push` scalers read from a TriggerAuthentication.
+EXTERNAL_AUTH_PARAMS = {"caCert", "tlsClientCert", "tlsClientKey"}
+
+
+def check_trigger_authentication(doc: dict[str, Any]) -> None:
+    """A `TriggerAuthentication` (keda.sh/v1alpha1) against KEDA's documented fields ("Authentication"):
+    unknown fields fail, each secretTargetRef names a parameter, a Secret and a key."""
+    assert doc["apiVersion"] == "keda.sh/v1alpha1" and doc["kind"] == "TriggerAuthentication"
+    assert set(doc) <= {"apiVersion", "kind", "metadata", "spec"}, sorted(doc)
+    _check(doc["metadata"], _METADATA, "metadata")
+    _check(doc["spec"], _TRIGGER_AUTH_SPEC, "spec")
+    for i, ref in enumerate(doc["spec"].get("secretTargetRef", [])):
+        assert ref.get("parameter") and ref.get("name") and ref.get("key"), f"spec.secretTargetRef[{i}]: {ref}"

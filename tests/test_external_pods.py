@@ -361,6 +361,14 @@ def test_pods_are_parked_asleep_and_woken_through_their_servers_http_api(
         assert ctx.registry.ready_time_p95("tiny", "asleep", target.node_class) is not None  # the measured wake
         transitions = [(f["from"], f["to"]) for _, f in ctx.registry.events() if f.get("replica") == rid]
         assert transitions[-3:] == [("ready", "draining"), ("draining", "asleep"), ("asleep", "ready")]
+        # issue 19: where the planner records the pods' own revision's target (a rollout's share), it governs
+        revision = {"model": "tiny", "revision": "r1"}
+        ctx.client.hset(keys.revision_target(**revision), mapping=schedule_fields(
+            [(time.time(), 1)], planned_at=time.time(), awake=0))
+        assert warmer.tier_round() == {rid: "asleep"}  # though the model's record still wants one awake
+        ctx.client.hset(keys.revision_target(**revision), mapping=schedule_fields(
+            [(time.time(), 1)], planned_at=time.time(), awake=1))
+        assert warmer.tier_round() == {rid: "ready"}
     finally:
         if sleeping():
             urllib.request.urlopen(urllib.request.Request(good.url + "/wake_up", data=b"", method="POST",

@@ -76,6 +76,15 @@ def test_streams_past_the_bound_are_refused_and_calls_need_the_token(planned: "r
         assert wrong.value.code() is grpc.StatusCode.UNAUTHENTICATED
         assert _metrics(stub, with_token) == 4.0
         assert _metrics(stub, metadata=(("authorization", "Bearer s3cret"),)) == 4.0
+        # KEDA resolves `tokenFromEnv: PREWARM_KEDA_TOKEN` from the scaled Deployment's environment and sends the
+        # value under the same key (its external scaler passes trigger metadata only, no TriggerAuthentication)
+        from_env = pb.ScaledObjectRef(name="x", namespace="y",
+                                      scalerMetadata={"model": MODEL, "tokenFromEnv": "s3cret"})
+        assert _metrics(stub, from_env) == 4.0
+        with pytest.raises(grpc.RpcError) as wrong_env:
+            stub.IsActive(pb.ScaledObjectRef(name="x", namespace="y",
+                                             scalerMetadata={"model": MODEL, "tokenFromEnv": "nope"}), timeout=10)
+        assert wrong_env.value.code() is grpc.StatusCode.UNAUTHENTICATED
         open_ = [stub.StreamIsActive(with_token, timeout=60) for _ in range(2)]
         assert [next(s).result for s in open_] == [True, True]
         extra = stub.StreamIsActive(with_token, timeout=10)

@@ -85,6 +85,9 @@ def test_the_fleet_rounds_counts_reach_each_deployments_one_owner(
             assert plans[model].need_now == want
             target = read_target(ctx.client, model, now=now + 1.0, max_age_s=60.0)  # what KEDA and the HPA read
             assert (target.replicas, target.awake) == (want, want)
+            # issue 19: and as the planned revision's own target (a trigger naming revision r1 reads the same)
+            rev = read_target(ctx.client, model, now=now + 1.0, max_age_s=60.0, revision="r1")
+            assert (rev.replicas, rev.awake) == (want, want)
             patched = double.replicas(NS, dep)
             assert patched == (want if mode == "none" else 1), (model, patched)  # KEDA's to set in keda mode
         if mode == "keda":

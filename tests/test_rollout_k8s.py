@@ -22,6 +22,7 @@ from prewarm.registry.rollouts import RolloutStore
 from tests.k8s_double import KubeDouble
 from workers.app import make_app
 from workers.context import WorkerContext
+from workers.planning.forecast import forecast_and_plan
 from workers.planning.rollout import tick
 
 NS = "inference"
@@ -101,4 +102,38 @@ def test_the_targets_split_by_weight_across_two_deployments(ctx: WorkerContext, 
             ctx.registry.transition(r.id, ReplicaState.RETIRED, now=time.time())
     tick(ctx, app, "tiny", now=time.time() + 3)
     assert store.weights("tiny") == []  # no split left: any ready revision is routed again
+    app.close()
+
+
+def test_a_completed_rollout_hands_the_models_target_to_the_canarys_deployment(
+        ctx: WorkerContext, double: KubeDouble) -> None:
+    """After the rollout the planner plans the canary revision: its target goes to that revision's own
+    Deployment (`kubernetes.deployments["tiny@r2"]`), not back to the stable one the model's key names."""
+    app = make_app(ctx.settings)
+    for slot in range(4):
+        pod_ready(ctx, "r1", slot)
+    spec = rp.RolloutSpec(model="tiny", stable="r1", canary="r2", steps=(100,), pause_s=0.2, logprob_tolerance=0.05,
+                          speed_ratio=1.2, error_rate_margin=0.01, latency_ratio=1.2, min_requests=20)
+    store = RolloutStore(ctx.client)
+    t = time.time()
+    forecast_and_plan(ctx, now=t)
+    target = int(ctx.client.hget(keys.last_forecast("tiny"), "target") or -1)
+    assert target >= 1 and double.replicas(NS, "tiny-stable") == target
+    store.update("tiny", lambda running: rp.start(spec, now=t, live_revisions=["r1"], known_revisions=["r2"],
+                                                  running=running))
+    actions = []
+    for _ in range(7):
+        t += 0.3
+        forecast_and_plan(ctx, now=t)
+        tick_result = tick(ctx, app, "tiny", now=t)
+        actions.append(tick_result.action if tick_result else "-")
+        if tick_result is not None and tick_result.action == "prepare":
+            for slot in range(double.replicas(NS, "tiny-canary")):
+                pod_ready(ctx, "r2", 10 + slot)
+    assert "complete" in actions, actions
+    assert double.replicas(NS, "tiny-stable") == 0
+    forecast_and_plan(ctx, now=t + 1.0)
+    assert ctx.client.hget(keys.last_forecast("tiny"), "revision") == "r2"
+    assert double.replicas(NS, "tiny-canary") == int(ctx.client.hget(keys.last_forecast("tiny"), "target") or -1)
+    assert double.replicas(NS, "tiny-stable") == 0  # the retired revision is not brought back
     app.close()

@@ -21,7 +21,9 @@ A pod whose server does not answer `/is_sleeping` is never drained for a sleep. 
 refuses `/sleep` after its drain (vLLM where the platform has no sleep mode) cannot go back
 from `draining` to `ready`: it is failed with the server's reason and the pod warmer warms,
 validates and registers the pod again (`"failed"` in the result). Without a fresh planner
-record (3 planning intervals) nothing moves. Each move holds the replica's lock, as every
+record (3 planning intervals) nothing moves. The awake count is the pods' own revision's where the
+planner records one (`keys.revision_target`: a rollout's stable and canary Deployments each get
+their share), else the model's. Each move holds the replica's lock, as every
 other change of a replica does.
 """
 
@@ -34,7 +36,7 @@ from typing import Callable, Mapping
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter
 from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.errors import IllegalTransition, PrewarmError, ReplicaNotFound, TemporaryError
-from prewarm.registry.targets import read_target
+from prewarm.registry.targets import ReplicaTarget, read_target
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.node.memory import ASLEEP
@@ -42,13 +44,26 @@ from workers.node.memory import ASLEEP
 log = logging.getLogger("prewarm.external.tiers")
 
 
+def awake_target(ctx: WorkerContext, model: str, revision: str | None) -> ReplicaTarget:
+    """The planner's fresh target for the pods of `revision` (its own record: its share while a rollout runs),
+    else for the model; the reader's error when neither is fresh."""
+    max_age_s = 3 * ctx.settings.planner.interval_s
+    if revision is not None:
+        try:
+            return read_target(ctx.client, model, now=ctx.clock(), max_age_s=max_age_s, revision=revision)
+        except TemporaryError as exc:
+            log.debug("no fresh target for %s@%s (%s); the model's is used", model, revision, exc)
+    return read_target(ctx.client, model, now=ctx.clock(), max_age_s=max_age_s)
+
+
 def tier_round(ctx: WorkerContext, model: str, node_class: str, endpoints: Mapping[str, str],
                adapter_for: Callable[[str], OpenAICompatibleAdapter], owner: str,
-               on_change: Callable[[Replica], None]) -> dict[str, str]:
-    """One round over the tracked pods' replicas (`endpoints`: replica id -> pod endpoint). Returns
-    {replica id: "asleep" | "ready" | "draining" | "failed"} for each one it moved or is draining."""
+               on_change: Callable[[Replica], None], *, revision: str | None = None) -> dict[str, str]:
+    """One round over the tracked pods' replicas (`endpoints`: replica id -> pod endpoint) of `model` (its
+    `revision`'s Deployment). Returns {replica id: "asleep" | "ready" | "draining" | "failed"} for each one
+    it moved or is draining."""
     try:
-        target = read_target(ctx.client, model, now=ctx.clock(), max_age_s=3 * ctx.settings.planner.interval_s)
+        target = awake_target(ctx, model, revision)
     except (TemporaryError, PrewarmError) as exc:  # no fresh plan: leave every pod where it is
         log.debug("no tier change for %s: %s", model, exc)
         return {}

@@ -340,7 +340,7 @@ class PodPrewarmer:
         with self._mu:
             tracked = {rid: tr.pod for rid, tr in self._tracked.items()}
         done = tier_round(self.ctx, t.model, t.node_class, {rid: pod.endpoint for rid, pod in tracked.items()},
-                          self.adapter_factory, owner_token("pod-tiers"), self._retrack)
+                          self.adapter_factory, owner_token("pod-tiers"), self._retrack, revision=t.revision)
         for rid, what in done.items():
             if what == "failed":
                 self.handle(tracked[rid])

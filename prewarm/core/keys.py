@@ -290,6 +290,17 @@ def revision_weights(model: str) -> str:
     return f"{PREFIX}:revweights:{model}"
 
 
+#: Hash of the planner's target for one revision of a model (prewarm/registry/targets.py: the same target
+#: fields as `last_forecast`): its share while a rollout splits the model across two Deployments, else the
+#: model's whole target for the revision it plans. Read by KEDA and the HPA for a trigger naming a revision.
+def revision_target(model: str, revision: str) -> str:
+    return f"{PREFIX}:revtarget:{model}@{revision}"
+
+
+#: A revision's target record expires this long after its last write: a revision no longer planned goes away.
+REVISION_TARGET_TTL_S = 7 * 86400
+
+
 #: Hash of what the gateway saw per revision of a model in one fine bucket: "<rev>|requests", "<rev>|errors",
 #: "<rev>|latency_s" (the rollout's live comparison of canary and stable).
 def revision_stats(model: str, bucket_start: int) -> str:

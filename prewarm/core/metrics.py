@@ -33,6 +33,8 @@ EXPORTED = (
     "prewarm_replicas",
     "prewarm_planner_target_replicas",
     "prewarm_planner_target_age_seconds",
+    "prewarm_planner_revision_target_replicas",
+    "prewarm_planner_revision_target_age_seconds",
     "prewarm_forecast_requests",
     "prewarm_actual_requests",
     "prewarm_forecast_timestamp_seconds",

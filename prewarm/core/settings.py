@@ -312,8 +312,9 @@ class KedaSettings(_Group):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
-    # A shared token every call must carry: in the trigger's metadata (`token`, from a TriggerAuthentication
-    # or the ScaledObject) or as gRPC `authorization: Bearer <token>` metadata. None: no token asked.
+    # A shared token every call must carry: in the trigger's metadata (`tokenFromEnv: PREWARM_KEDA_TOKEN`, which
+    # KEDA resolves from the scaled Deployment's environment; or `token` in the clear; KEDA sends an external
+    # scaler no TriggerAuthentication parameter) or as gRPC `authorization: Bearer <token>`. None: no token asked.
     token: SecretStr | None = None
 
 

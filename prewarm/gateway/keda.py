@@ -1,7 +1,11 @@
 """The planner's target as KEDA sees it: an external scaler (gRPC), and the same number as a gauge.
 
 KEDA (trigger type `external` or `external-push`) asks this server about each ScaledObject;
-the trigger's `metadata` names the model (`model: <name>`). The answers come from the
+the trigger's `metadata` names the model (`model: <name>`) and, for one Deployment of a model
+served by several (a rollout's stable and canary), its revision (`revision: <rev>`, or in
+prewarm's own spelling `model: <name>@<rev>`): the scaler then serves that revision's share
+(`read_target(..., revision=...)`). A revision the planner has no record for is UNAVAILABLE,
+as an unknown model is. The answers come from the
 planner's record in Redis (`prewarm.registry.targets.read_target`), never from a choice made
 here: this module is an adapter.
 
@@ -20,7 +24,10 @@ errors and, after `fallback.failureThreshold` of them, holds `fallback.replicas`
 
 `TargetCollector` exports the same number as `prewarm_planner_target_replicas{model}` for
 prometheus-adapter (the HPA's `External` metric) or KEDA's Prometheus scaler; it reads the
-record at scrape time, so the value is the one for the scrape's `now`.
+record at scrape time, so the value is the one for the scrape's `now`. Each revision's target
+is its own gauge, `prewarm_planner_revision_target_replicas{model,revision}`: a second metric,
+not a `revision` label on the first, because an HPA selecting `{model: m}` would otherwise sum
+the model's series with its revisions'.
 
 It lives beside the HTTP gateway: both are servers answering outsiders from the registry
 (import-linter keeps `prewarm.registry` and `prewarm.adapters` independent, so a reader of
@@ -36,35 +43,69 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterable, Iterator
+from typing import AsyncIterator, Callable, Iterable, Iterator, Mapping
 
 import grpc
 import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from prewarm.core.errors import PrewarmError, SettingsError, TemporaryError
+from prewarm.core.domain import check_name
+from prewarm.core.errors import InvalidPayload, PrewarmError, SettingsError, TemporaryError
 from prewarm.core.settings import KedaSettings
 from prewarm.gateway.kedaproto import externalscaler_pb2 as pb
 from prewarm.gateway.kedaproto import externalscaler_pb2_grpc as pb_grpc
-from prewarm.registry.targets import ReplicaTarget, read_target, recorded_models
+from prewarm.registry.targets import ReplicaTarget, read_target, recorded_models, recorded_revisions
 
 log = logging.getLogger("prewarm.keda")
 
 #: The trigger metadata key naming the model.
 MODEL_KEY = "model"
-#: The trigger metadata key carrying the scaler's token (`keda.token`), e.g. from a TriggerAuthentication.
+#: The trigger metadata key naming the revision (optional: without it, the model's own target).
+REVISION_KEY = "revision"
+#: The trigger metadata keys carrying the scaler's token (`keda.token`). KEDA sends an external scaler the
+#: trigger's `metadata` only (never a TriggerAuthentication's parameters); a key ending in `FromEnv` it resolves
+#: from the scaled Deployment's container environment and sends under the same key, so `tokenFromEnv:
+#: PREWARM_KEDA_TOKEN` (that variable set from a Secret) keeps the token out of the ScaledObject.
 TOKEN_KEY = "token"
+TOKEN_FROM_ENV_KEY = "tokenFromEnv"
 #: Gauge names (also listed in `prewarm.core.metrics.EXPORTED`).
 TARGET_METRIC = "prewarm_planner_target_replicas"
 TARGET_AGE_METRIC = "prewarm_planner_target_age_seconds"
+REVISION_TARGET_METRIC = "prewarm_planner_revision_target_replicas"
+REVISION_TARGET_AGE_METRIC = "prewarm_planner_revision_target_age_seconds"
 
 Clock = Callable[[], float]
 
 
-def metric_name(model: str) -> str:
-    """The external metric name of a model's target (KEDA prefixes it with the trigger index)."""
-    return "prewarm-target-" + re.sub(r"[^a-z0-9-]+", "-", model.lower()).strip("-")
+def metric_name(model: str, revision: str | None = None) -> str:
+    """The external metric name of a model's (or one revision's) target (KEDA prefixes it with the trigger
+    index)."""
+    name = model if revision is None else f"{model}-{revision}"
+    return "prewarm-target-" + re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+
+
+def target_ref(metadata: Mapping[str, str]) -> tuple[str, str | None]:
+    """The model and revision (None: the model's own target) a trigger's metadata names: `model: m` with an
+    optional `revision: r`, or `model: m@r`. ValueError naming what is wrong."""
+    model, sep, inline = metadata.get(MODEL_KEY, "").strip().partition("@")
+    revision = metadata.get(REVISION_KEY, "").strip()
+    if not model:
+        raise ValueError(f"its trigger metadata must name the model ({MODEL_KEY}: <name>, optionally with "
+                         f"{REVISION_KEY}: <revision>)")
+    if sep and revision and inline != revision:
+        raise ValueError(f"its trigger metadata names two revisions: {MODEL_KEY} {model}@{inline} and "
+                         f"{REVISION_KEY} {revision}")
+    revision = revision or inline
+    if sep and not revision:
+        raise ValueError(f"its trigger metadata {MODEL_KEY} {model}@ names no revision after '@'")
+    try:
+        check_name(model, "model")
+        if revision:
+            check_name(revision, "revision")
+    except InvalidPayload as exc:
+        raise ValueError(f"its trigger metadata: {exc}") from exc
+    return model, revision or None
 
 
 class TargetScaler(pb_grpc.ExternalScalerServicer):
@@ -91,26 +132,33 @@ class TargetScaler(pb_grpc.ExternalScalerServicer):
     async def _authorized(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
             return
-        given = ref.scalerMetadata.get(TOKEN_KEY, "")
+        given = ref.scalerMetadata.get(TOKEN_FROM_ENV_KEY) or ref.scalerMetadata.get(TOKEN_KEY, "")
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 given = value[7:]
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"ScaledObject {ref.namespace}/{ref.name}: the scaler's token is missing or wrong "
-                                f"(trigger metadata {TOKEN_KEY}, or authorization: Bearer <token>)")
+                                f"(trigger metadata {TOKEN_FROM_ENV_KEY} or {TOKEN_KEY}, or authorization: "
+                                f"Bearer <token>)")
+
+    async def _ref(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> tuple[str, str | None]:
+        """The model and revision the ScaledObject's trigger names; INVALID_ARGUMENT naming what is wrong."""
+        try:
+            return target_ref(ref.scalerMetadata)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ScaledObject {ref.namespace}/{ref.name}: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
 
     async def _target(self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext) -> ReplicaTarget:
         await self._authorized(ref, context)
-        model = ref.scalerMetadata.get(MODEL_KEY, "").strip()
-        if not model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"ScaledObject {ref.namespace}/{ref.name}: its trigger metadata must name the model "
-                                f"({MODEL_KEY}: <name>)")
+        model, revision = await self._ref(ref, context)
         try:
-            return await asyncio.to_thread(read_target, self.client, model, now=self.clock(), max_age_s=self.max_age_s)
+            return await asyncio.to_thread(read_target, self.client, model, now=self.clock(), max_age_s=self.max_age_s,
+                                           revision=revision)
         except TemporaryError as exc:
-            log.warning("ScaledObject %s/%s (model %s): %s", ref.namespace, ref.name, model, exc)
+            log.warning("ScaledObject %s/%s (model %s%s): %s", ref.namespace, ref.name, model,
+                        f", revision {revision}" if revision else "", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrewarmError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -141,49 +189,65 @@ class TargetScaler(pb_grpc.ExternalScalerServicer):
     async def GetMetricSpec(self, request: pb.ScaledObjectRef,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.GetMetricSpecResponse:
         await self._authorized(request, context)
-        model = request.scalerMetadata.get(MODEL_KEY, "").strip()
-        if not model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"trigger metadata must name the model ({MODEL_KEY})")
+        model, revision = await self._ref(request, context)
         return pb.GetMetricSpecResponse(
-            metricSpecs=[pb.MetricSpec(metricName=metric_name(model), targetSize=1, targetSizeFloat=1.0)])
+            metricSpecs=[pb.MetricSpec(metricName=metric_name(model, revision), targetSize=1, targetSizeFloat=1.0)])
 
     async def GetMetrics(self, request: pb.GetMetricsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.GetMetricsResponse:
         target = await self._target(request.scaledObjectRef, context)
-        name = request.metricName or metric_name(target.model)
+        name = request.metricName or metric_name(target.model, target.revision)
         return pb.GetMetricsResponse(metricValues=[
             pb.MetricValue(metricName=name, metricValue=target.replicas, metricValueFloat=float(target.replicas))])
 
 
 class TargetCollector(Collector):
-    """`prewarm_planner_target_replicas{model}` (and its age), read from Redis at scrape time."""
+    """`prewarm_planner_target_replicas{model}` and `prewarm_planner_revision_target_replicas{model,revision}`
+    (and their ages), read from Redis at scrape time."""
 
     def __init__(self, client: "redis.Redis[str]", *, max_age_s: float, clock: Clock = time.time,
-                 models: Callable[[], Iterable[str]] | None = None) -> None:
+                 models: Callable[[], Iterable[str]] | None = None,
+                 revisions: Callable[[], Iterable[tuple[str, str]]] | None = None) -> None:
         self.client = client
         self.max_age_s = max_age_s
         self.clock = clock
         self.models = models or (lambda: recorded_models(client))
+        self.revisions = revisions or (lambda: recorded_revisions(client))
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         replicas = GaugeMetricFamily(TARGET_METRIC, "Replicas the planner wants running now (warm pool included); "
                                      "absent while its record is missing or stale", labels=["model"])
         age = GaugeMetricFamily(TARGET_AGE_METRIC, "Age of the planner's target schedule", labels=["model"])
+        rev_replicas = GaugeMetricFamily(REVISION_TARGET_METRIC, "Replicas the planner wants running now for one "
+                                         "revision of a model (its share while a rollout runs); absent while its "
+                                         "record is missing or stale", labels=["model", "revision"])
+        rev_age = GaugeMetricFamily(REVISION_TARGET_AGE_METRIC, "Age of the planner's target of one revision",
+                                    labels=["model", "revision"])
         now = self.clock()
-        try:
-            names = list(self.models())
-        except PrewarmError as exc:
-            log.warning("planner targets not readable: %s", exc)
-            names = []
-        for model in names:
+        for model, revision in self._refs():
             try:
-                target = read_target(self.client, model, now=now, max_age_s=self.max_age_s)
+                target = read_target(self.client, model, now=now, max_age_s=self.max_age_s, revision=revision)
             except PrewarmError:
                 continue  # no sample: prometheus-adapter reports the metric missing, the HPA holds its count
-            replicas.add_metric([model], float(target.replicas))
-            age.add_metric([model], target.age_s)
+            if revision is None:
+                replicas.add_metric([model], float(target.replicas))
+                age.add_metric([model], target.age_s)
+            else:
+                rev_replicas.add_metric([model, revision], float(target.replicas))
+                rev_age.add_metric([model, revision], target.age_s)
         yield replicas
         yield age
+        yield rev_replicas
+        yield rev_age
+
+    def _refs(self) -> list[tuple[str, str | None]]:
+        out: list[tuple[str, str | None]] = []
+        try:
+            out += [(model, None) for model in self.models()]
+            out += list(self.revisions())
+        except PrewarmError as exc:
+            log.warning("planner targets not readable: %s", exc)
+        return out
 
 
 class ScalerServer:

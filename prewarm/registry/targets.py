@@ -24,6 +24,12 @@ from 0 to `MAX_REPLICAS`. A record that fails is refused as unreadable (`TargetU
 UNAVAILABLE to KEDA, so its `fallback` applies), never half-served: NaN, 1.5 or 1e300 used to
 escape as an unhandled error (gRPC UNKNOWN), and 1e300 made `IsActive` say true while
 `GetMetrics` failed.
+
+A rollout across two Deployments of one model (stable and canary, issue 19) needs one target
+each: the planner also records a target per revision (`keys.revision_target(model, revision)`,
+the same fields, checked the same way): each revision's share while a rollout runs, and the
+model's whole target for the revision it plans otherwise. `read_target(..., revision=R)` serves
+it; a revision the planner never recorded is `TargetUnknown`, as an unknown model is.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class ReplicaTarget:
     next_at: float | None  # when the count changes next (None: not within the planned horizon)
     next_replicas: int | None
     awake: int = 0  # of `replicas`, how many the planner wants awake now (the others asleep)
+    revision: str | None = None  # the revision whose record this is (None: the model's own record)
 
     @property
     def active(self) -> bool:
@@ -127,37 +134,54 @@ def step_at(steps: Sequence[Sequence[float]], now: float) -> tuple[int, float | 
     return current, None, None
 
 
-def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s: float) -> ReplicaTarget:
-    """The planner's target for `model` at `now`; TargetUnknown, TargetStale or RegistryUnavailable otherwise."""
+def read_target(client: "redis.Redis[str]", model: str, *, now: float, max_age_s: float,
+                revision: str | None = None) -> ReplicaTarget:
+    """The planner's target for `model` (or for one `revision` of it) at `now`; TargetUnknown, TargetStale or
+    RegistryUnavailable otherwise."""
+    key = keys.last_forecast(model) if revision is None else keys.revision_target(model, revision)
+    what = f"model {model!r}" if revision is None else f"revision {revision!r} of model {model!r}"
     try:
-        raw: list[str | None] = client.hmget(keys.last_forecast(model),
-                                             [SCHEDULE_FIELD, TARGET_FIELD, PLANNED_AT_FIELD, AWAKE_FIELD])
+        raw: list[str | None] = client.hmget(key, [SCHEDULE_FIELD, TARGET_FIELD, PLANNED_AT_FIELD, AWAKE_FIELD])
     except _REDIS_DOWN as exc:
         raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
     schedule, target, at, awake = raw
     if at is None or (schedule is None and target is None):
-        raise TargetUnknown(f"no planner target recorded for model {model!r} (is the planner running and "
-                            f"planning it? PREWARM_PLANNER_MODELS)", retry_after=5.0)
+        if revision is None:
+            raise TargetUnknown(f"no planner target recorded for {what} (is the planner running and "
+                                f"planning it? PREWARM_PLANNER_MODELS)", retry_after=5.0)
+        raise TargetUnknown(f"no planner target recorded for {what} (the planner records one for the revision "
+                            f"it plans, PREWARM_PLANNER_MODELS, and for both revisions of a running rollout)",
+                            retry_after=5.0)
     try:
         planned_at = float(at)
         if not math.isfinite(planned_at):
             raise ValueError(f"{PLANNED_AT_FIELD} {at!r} is not a finite time")
         steps = parse_steps(schedule, target, planned_at)
     except (ValueError, TypeError) as exc:
-        raise TargetUnknown(f"the planner record of {model!r} holds no readable target: {exc}") from exc
+        raise TargetUnknown(f"the planner record of {what} holds no readable target: {exc}") from exc
     age = now - planned_at
     if age < -max_age_s:
-        raise TargetUnknown(f"the planner record of {model!r} was written {-age:.0f}s in the future (more than "
+        raise TargetUnknown(f"the planner record of {what} was written {-age:.0f}s in the future (more than "
                             f"{max_age_s:.0f}s ahead of this clock): a broken clock or record", retry_after=5.0)
     if age > max_age_s:
-        raise TargetStale(f"the planner's target for {model!r} is {age:.0f}s old (more than {max_age_s:.0f}s): "
+        raise TargetStale(f"the planner's target for {what} is {age:.0f}s old (more than {max_age_s:.0f}s): "
                           f"the planner is not renewing it", retry_after=5.0)
     replicas, next_at, next_replicas = step_at(steps, now)
     # the recorded split is the planning step's; a later step of the schedule (a batch rise) is wanted awake
     first_step = len(steps) == 1 or float(steps[1][0]) > now
     now_awake = min(replicas, int(awake)) if first_step and awake is not None and awake.isdigit() else replicas
     # a record a little ahead (clocks within max_age_s of each other) is fresh: age 0, never negative
-    return ReplicaTarget(model, replicas, planned_at, max(0.0, age), next_at, next_replicas, now_awake)
+    return ReplicaTarget(model, replicas, planned_at, max(0.0, age), next_at, next_replicas, now_awake, revision)
+
+
+def write_revision_target(client: "redis.Redis[str]", model: str, revision: str, fields: dict[str, str]) -> None:
+    """Record one revision's target (`schedule_fields`), renewing the record's expiry."""
+    key = keys.revision_target(model, revision)
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)  # a record is the writer's whole answer: no field of an older one survives
+    pipe.hset(key, mapping=fields)
+    pipe.expire(key, keys.REVISION_TARGET_TTL_S)
+    pipe.execute()
 
 
 def recorded_models(client: "redis.Redis[str]") -> list[str]:
@@ -167,3 +191,13 @@ def recorded_models(client: "redis.Redis[str]") -> list[str]:
         return sorted(k[len(prefix):] for k in client.scan_iter(match=prefix + "*", count=200))
     except _REDIS_DOWN as exc:
         raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
+
+
+def recorded_revisions(client: "redis.Redis[str]") -> list[tuple[str, str]]:
+    """(model, revision) of every revision target record."""
+    prefix = keys.revision_target("", "")[:-1]  # "...:revtarget:"
+    try:
+        found = [k[len(prefix):] for k in client.scan_iter(match=prefix + "*", count=200)]
+    except _REDIS_DOWN as exc:
+        raise RegistryUnavailable(f"registry unavailable: {exc}", retry_after=1.0) from exc
+    return sorted((m, r) for m, _, r in (k.rpartition("@") for k in found) if m and r)

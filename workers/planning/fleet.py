@@ -225,7 +225,8 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
         ctx.client.hset(keys.last_forecast(name), mapping={"status": status, "at": repr(now),
                                                             "need_now": str(view[name]["replicas"])})
         if cluster:  # every model's count reaches its Deployment's one owner, as a single model's does
-            publish_cluster_target(ctx, name, view[name]["replicas"], int(name in plan.asleep), now=now)
+            publish_cluster_target(ctx, name, view[name]["replicas"], int(name in plan.asleep), now=now,
+                                   revision=specs[name].revision)
         out.append(ModelPlan(name, status, (), tuple(sent[name]), 0, view[name]["replicas"]))
     log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d refit(s)",
              len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), result.refits)

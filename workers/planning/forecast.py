@@ -54,8 +54,8 @@ from workers.planning.executor import live_counts, node_views, submit_events
 from workers.planning.rollout import planned_revision
 from workers.planning.nodes import measured_ready_p95, sleep_reports
 from prewarm.registry.targets import schedule_fields
-from workers.planning.kubernetes import actuator_for, apply_target, events_for_executor, owns_replicas, \
-    target_schedule, with_demand_floor
+from workers.planning.kubernetes import actuator_for, apply_target, deployment_key, events_for_executor, \
+    owns_replicas, publish_planned_revision, target_schedule, with_demand_floor
 
 log = logging.getLogger("prewarm.planner.forecast")
 
@@ -178,8 +178,9 @@ def act(ctx: WorkerContext, spec: ModelSpec, decision: Decision, schedule: list[
             log.info("dry run: would submit %s", ev.to_payload())
         return []
     new = submit_events(ctx, events_for_executor(ctx.settings.kubernetes, decision.events))
-    if ctx.settings.kubernetes.enabled:
-        _apply_to_cluster(ctx, spec.name, schedule[0][1])
+    if ctx.settings.kubernetes.enabled:  # no rollout: the revision planned has the model's whole target
+        publish_planned_revision(ctx, spec.name, spec.revision, schedule, now=schedule[0][0])
+        _apply_to_cluster(ctx, spec.name, schedule[0][1], revision=spec.revision)
     return new
 
 
@@ -248,14 +249,15 @@ def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
                      len(decision.dropped), decision.need_next, decision.mode)
 
 
-def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
-    """Hand the target to Kubernetes (the scale subresource, when the planner owns the count; with KEDA or
-    the HPA they read the recorded target); a refusal is logged and counted, never fatal to the plan."""
+def _apply_to_cluster(ctx: WorkerContext, model: str, target: int, *, revision: str | None = None) -> None:
+    """Hand the target to Kubernetes (the scale subresource, when the planner owns the count: the planned
+    revision's own Deployment where `kubernetes.deployments` names one; with KEDA or the HPA they read the
+    recorded target); a refusal is logged and counted, never fatal to the plan."""
     cfg = ctx.settings.kubernetes
     if cfg.autoscaling != "none":
         return
     try:
-        result = apply_target(actuator_for(cfg), cfg, model, target)
+        result = apply_target(actuator_for(cfg), cfg, deployment_key(cfg, model, revision), target)
         if result is None:
             return
         log.info("kubernetes %s %s: %d -> %d%s", result.kind.value, result.target, result.before, result.after,
@@ -266,13 +268,14 @@ def _apply_to_cluster(ctx: WorkerContext, model: str, target: int) -> None:
 
 
 def publish_cluster_target(ctx: WorkerContext, model: str, awake: int, asleep: int, *,
-                           now: float) -> list[tuple[float, int]]:
+                           now: float, revision: str | None = None) -> list[tuple[float, int]]:
     """A fleet round's decision for one model, to the cluster by the same one path as `plan_model`'s
     (`kubernetes.autoscaling`: the recorded target KEDA and the HPA read, or the scale subresource). The
     pods wanted are the awake replicas, plus the ones parked asleep where the pods can sleep
     (`kubernetes.pod_sleep_mode`: a sleeping pod still exists, and the pod warmer keeps `awake` of them
     awake through their servers' /sleep and /wake_up). Fresh unmet demand floors it at one awake pod,
-    a parked one woken first."""
+    a parked one woken first. With the `revision` planned, that revision's target is recorded too
+    (`publish_planned_revision`); while a rollout runs it owns both (`workers.planning.rollout`)."""
     cfg = ctx.settings.kubernetes
     parked = asleep if cfg.pod_sleep_mode else 0
     last = ctx.client.hget(keys.demand(model), "last")
@@ -283,7 +286,11 @@ def publish_cluster_target(ctx: WorkerContext, model: str, awake: int, asleep: i
         log.info("dry run: would hand %s a target of %d pod(s), %d awake", model, schedule[0][1], awake)
         return schedule
     ctx.client.hset(keys.last_forecast(model), mapping=schedule_fields(schedule, planned_at=now, awake=awake))
-    _apply_to_cluster(ctx, model, schedule[0][1])
+    if planned_revision(ctx, model, revision or "")[1]:  # a running rollout splits the target and scales
+        return schedule
+    if revision is not None:
+        publish_planned_revision(ctx, model, revision, schedule, now=now, awake=awake)
+    _apply_to_cluster(ctx, model, schedule[0][1], revision=revision)
     return schedule
 
 

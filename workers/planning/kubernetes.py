@@ -9,7 +9,13 @@ In a cluster the Deployment's replica count has exactly one owner, chosen by
 
 Either way the planner only computes and records a target schedule (`target_schedule`,
 written into its Redis record through `prewarm.registry.targets`); with `none` it also
-patches the Deployment. The planner's own SCALE_UP / SCALE_DOWN events are not sent to
+patches the Deployment. It also records a target per revision (`publish_revision_target`,
+`keys.revision_target`): the model's whole target for the revision it plans and 0 for the
+model's other revisions with a Deployment of their own (`publish_planned_revision`), or, while a
+canary rollout splits the model across two Deployments (stable and canary), each revision's
+share. A ScaledObject or HPA naming a revision reads that one; with `none` the rollout patches
+each revision's Deployment (`kubernetes.deployments["model@revision"]`).
+The planner's own SCALE_UP / SCALE_DOWN events are not sent to
 the node agents then (`events_for_executor`): Kubernetes starts and stops the pods, and
 the pod warmer warms, validates and registers each one, so a planned rise creates each
 pod once. HOLD events still go out: they keep ready replicas (pods included) warm. Unmet
@@ -30,6 +36,8 @@ from forecasting.planner import Decision
 from prewarm.core.domain import ScaleEvent, ScaleEventKind
 from prewarm.adapters.k8s import KubeActuator, PatchResult, api_client_from_settings
 from prewarm.core.settings import KubernetesSettings
+from prewarm.registry.targets import schedule_fields, write_revision_target
+from workers.context import WorkerContext
 
 log = logging.getLogger("prewarm.planner.cluster")
 
@@ -93,6 +101,36 @@ def apply_target(actuator: KubeActuator, cfg: KubernetesSettings, model: str, ta
         log.warning("planner target %d for %s is above kubernetes.max_replicas %d: %s is set to %d",
                     target, model, cap, deployment, cap)
     return actuator.scale(deployment, max(0, min(target, cap)), dry_run=cfg.dry_run)
+
+
+def deployment_key(cfg: KubernetesSettings, model: str, revision: str | None) -> str:
+    """The key of `kubernetes.deployments` (and `max_replicas_by_model`) for one revision of a model:
+    `model@revision` where that map has it (each revision its own Deployment), else `model`."""
+    key = f"{model}@{revision}"
+    return key if revision and key in cfg.deployments else model
+
+
+def publish_revision_target(ctx: WorkerContext, model: str, revision: str, schedule: list[tuple[float, int]], *,
+                            now: float, awake: int | None = None) -> None:
+    """Record the planner's target for one revision of `model` (what KEDA and the HPA read for a trigger
+    naming the revision, and the pod warmer of that revision's Deployment); nothing with `planner.dry_run`."""
+    if ctx.settings.planner.dry_run:
+        log.info("dry run: would record %s@%s's target of %d pod(s)", model, revision, schedule[0][1])
+        return
+    write_revision_target(ctx.client, model, revision, schedule_fields(schedule, planned_at=now, awake=awake))
+
+
+def publish_planned_revision(ctx: WorkerContext, model: str, revision: str, schedule: list[tuple[float, int]], *,
+                             now: float, awake: int | None = None) -> None:
+    """No rollout owns `model`'s scaling: the revision planned gets the model's whole target, and every other
+    revision of it with its own Deployment (`kubernetes.deployments["model@other"]`: a canary created before
+    its rollout starts, the revision a finished rollout retired) a renewed 0, so its ScaledObject or HPA reads
+    a fresh 0, never a missing record (and KEDA's fallback replicas on a canary nothing has proved)."""
+    publish_revision_target(ctx, model, revision, schedule, now=now, awake=awake)
+    for key in ctx.settings.kubernetes.deployments:
+        name, sep, other = key.partition("@")
+        if sep and name == model and other != revision:
+            publish_revision_target(ctx, model, other, [(now, 0)], now=now)
 
 
 def max_replicas_for(cfg: KubernetesSettings, model: str) -> int:

@@ -17,7 +17,10 @@ needs and carries out what it answers, nothing more:
 
 While a rollout runs it owns the model's scaling: `planned_revision` tells the forecast loop
 which revision to plan for and that it must not submit its own events (the planner's target
-is the demand the rollout splits by weight, through the one owner of scale).
+is the demand the rollout splits by weight, through the one owner of scale). In a cluster each
+revision's share is recorded as its own target (`keys.revision_target`, what the ScaledObject or
+HPA of that revision's Deployment reads), and with `autoscaling: none` also set on its
+Deployment; once the rollout is over, the revision it retired keeps a renewed target of 0.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from workers import names
 from workers.context import WorkerContext
 from prewarm.core.errors import PrewarmError
 from workers.planning.executor import ENQUEUE_ERRORS, submit_events, task_id
-from workers.planning.kubernetes import actuator_for, apply_target, owns_replicas
+from workers.planning.kubernetes import actuator_for, apply_target, owns_replicas, publish_revision_target
 
 log = logging.getLogger("prewarm.planner.rollout")
 
@@ -106,7 +109,7 @@ def _scale(ctx: WorkerContext, state: rp.RolloutState, revision: str, want: int,
     """A scale event bringing `revision` from `live` to `want` replicas (deterministic id: a re-tick before
     the first event's replicas register submits nothing new)."""
     if owns_replicas(ctx.settings.kubernetes):
-        _scale_deployment(ctx, state.spec.model, revision, want)
+        _scale_deployment(ctx, state.spec.model, revision, want, now=now)
         return []
     if want == live:
         return []
@@ -128,13 +131,22 @@ def _unapplied(ctx: WorkerContext, prefix: str) -> bool:
     return any(e.startswith(prefix) and ":scale_up:" in e for e in ctx.client.zrange(keys.PLANNED_EVENTS, 0, -1))
 
 
-def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int) -> None:
-    """In a cluster each revision is its own Deployment (`kubernetes.deployments["model@revision"]`): the rollout's
-    split of the planner's target goes to each through the scale subresource, the one owner of scale there.
+def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int, *, now: float) -> None:
+    """In a cluster each revision is its own Deployment: the rollout's split of the planner's target goes to
+    each through the one owner of scale. Every mode records it as the revision's target
+    (`keys.revision_target`): KEDA's ScaledObject and the HPA of that Deployment name the revision and read
+    it; with `autoscaling: none` the scale subresource of `kubernetes.deployments["model@revision"]` is set.
     The pod warmer registers a canary pod only once it is warmed and validated, so weight still waits for it."""
     cfg = ctx.settings.kubernetes
+    publish_revision_target(ctx, model, revision, [(now, want)], now=now)
     key = f"{model}@{revision}"
-    if cfg.autoscaling != "none" or key not in cfg.deployments:
+    if cfg.autoscaling != "none":
+        if key not in cfg.deployments:  # KEDA or the HPA may still read it; the chart always names it
+            log.warning("rollout of %s: %s's share (%d) is recorded, but PREWARM_KUBERNETES_DEPLOYMENTS names no "
+                        "Deployment for %s: only a ScaledObject or HPA naming revision %s scales on it",
+                        model, revision, want, key, revision)
+        return
+    if key not in cfg.deployments:
         log.error("rollout of %s: no Deployment to scale for %s (set PREWARM_KUBERNETES_DEPLOYMENTS "
                   "{\"%s\": <deployment>}, with kubernetes.autoscaling none)", model, revision, key)
         ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
@@ -146,10 +158,10 @@ def _scale_deployment(ctx: WorkerContext, model: str, revision: str, want: int) 
         ctx.metrics.dropped_events.labels(model, "kubernetes_error").inc()
 
 
-def _retire_canary(ctx: WorkerContext, app: Celery, state: rp.RolloutState) -> None:
+def _retire_canary(ctx: WorkerContext, app: Celery, state: rp.RolloutState, *, now: float) -> None:
     """A rollback retires every live canary replica now, loading ones included (they never got weight)."""
     if owns_replicas(ctx.settings.kubernetes):  # the canary's Deployment to zero: its pods go, none is routed
-        _scale_deployment(ctx, state.spec.model, state.spec.canary, 0)
+        _scale_deployment(ctx, state.spec.model, state.spec.canary, 0, now=now)
         return
     for r in ctx.registry.replicas_of(state.spec.model):
         if r.revision == state.spec.canary and r.state in LIVE_STATES:
@@ -198,7 +210,10 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
     if before.phase in rp.TERMINAL:  # nothing to decide; a rolled-back canary stays retired (idempotent)
         _export(ctx, before)
         if before.phase is rp.RolloutPhase.ROLLED_BACK:
-            _retire_canary(ctx, app, before)
+            _retire_canary(ctx, app, before, now=now)
+        elif owns_replicas(ctx.settings.kubernetes):  # completed: the retired stable revision's target stays 0
+            # (renewed, so its ScaledObject or HPA reads a fresh 0, not a stale record and its fallback)
+            publish_revision_target(ctx, model, before.spec.stable, [(now, 0)], now=now)
         if not before.settled:
             _settle(ctx, store, model, now=now)
         return None
@@ -219,7 +234,7 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
         log.error("rollout of %s to %s rolled back: %s", model, spec.canary, state.reason)
         ctx.metrics.rollout_rollbacks.labels(model, _cause(state.reason)).inc()
     if state.phase is rp.RolloutPhase.ROLLED_BACK:  # by this tick, or aborted by the operator in between
-        _retire_canary(ctx, app, state)
+        _retire_canary(ctx, app, state, now=now)
         # the stable revision takes the whole demand again at once (it may have been shrunk to its share)
         demand = max(d.stable_replicas, observe(ctx, state, now=now).demand_replicas)
         events += _scale(ctx, state, spec.stable, max(demand, len(_live(reps, spec.stable))),

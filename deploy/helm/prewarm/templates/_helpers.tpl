@@ -109,7 +109,10 @@ prometheus.io/path: /metrics
   value: {{ .Values.autoscaling.maxReplicas | quote }}
 {{- if .Values.autoscaling.targets }}
 {{- $map := dict }}{{- $caps := dict }}
-{{- range include "prewarm.scaleTargets" . | fromJsonArray }}{{- $_ := set $map .model .deployment }}{{- $_ := set $caps .model (int .maxReplicas) }}{{- end }}
+{{- range include "prewarm.scaleTargets" . | fromJsonArray }}
+{{- if not (hasKey $map .model) }}{{- $_ := set $map .model .deployment }}{{- $_ := set $caps .model (int .maxReplicas) }}{{- end }}
+{{- if .byRevision }}{{- $key := printf "%s@%s" .model .revision }}{{- $_ := set $map $key .deployment }}{{- $_ := set $caps $key (int .maxReplicas) }}{{- end }}
+{{- end }}
 - name: PREWARM_KUBERNETES_DEPLOYMENTS
   value: {{ toJson $map | quote }}
 - name: PREWARM_KUBERNETES_MAX_REPLICAS_BY_MODEL
@@ -118,19 +121,38 @@ prometheus.io/path: /metrics
 {{- end -}}
 
 {{/* The Deployments whose replica count the planner's target drives, as a JSON list of
-     {name, model, deployment, minReplicas, maxReplicas}: the chart's inference Deployment (when
-     enabled) and every autoscaling.targets entry. One ScaledObject or HPA is rendered per entry. */}}
+     {name, model, revision, byRevision, deployment, minReplicas, maxReplicas}: the chart's inference
+     Deployment (when enabled) and every autoscaling.targets entry. One ScaledObject or HPA is rendered per
+     entry. A model served by several Deployments (a rollout's stable and canary) is scaled per revision
+     (byRevision): each entry must name its own revision and reads that revision's share of the target. */}}
 {{- define "prewarm.scaleTargets" -}}
 {{- $fullname := include "prewarm.fullname" . -}}
 {{- $a := .Values.autoscaling -}}
 {{- $out := list -}}
 {{- if .Values.inference.enabled -}}
-{{- $out = append $out (dict "name" (printf "%s-inference" $fullname) "model" .Values.inference.model "deployment" (printf "%s-inference" $fullname) "minReplicas" $a.minReplicas "maxReplicas" $a.maxReplicas) -}}
+{{- $out = append $out (dict "name" (printf "%s-inference" $fullname) "model" .Values.inference.model "revision" (.Values.podWarmer.revision | default .Values.inference.revision) "deployment" (printf "%s-inference" $fullname) "minReplicas" $a.minReplicas "maxReplicas" $a.maxReplicas) -}}
 {{- end -}}
 {{- range $a.targets -}}
 {{- $min := $a.minReplicas -}}{{- if hasKey . "minReplicas" -}}{{- $min = .minReplicas -}}{{- end -}}
 {{- $max := $a.maxReplicas -}}{{- if hasKey . "maxReplicas" -}}{{- $max = .maxReplicas -}}{{- end -}}
-{{- $out = append $out (dict "name" (printf "%s-%s" $fullname .deployment | trunc 63 | trimSuffix "-") "model" .model "deployment" .deployment "minReplicas" $min "maxReplicas" $max) -}}
+{{- $out = append $out (dict "name" (printf "%s-%s" $fullname .deployment | trunc 63 | trimSuffix "-") "model" .model "revision" (.revision | default "") "deployment" .deployment "minReplicas" $min "maxReplicas" $max) -}}
+{{- end -}}
+{{- $deployments := dict -}}
+{{- range $out -}}{{- $_ := set $deployments .model (append (get $deployments .model | default list) .deployment) -}}{{- end -}}
+{{- $seen := dict -}}
+{{- range $out -}}
+{{- $of := get $deployments .model -}}
+{{- $_ := set . "byRevision" (gt (len $of) 1) -}}
+{{- if .byRevision -}}
+{{- if not .revision -}}
+{{- fail (printf "autoscaling.targets: model %s is served by the Deployments %s: each must name its revision (revision: ...), so each scales on its own share of the planner's target" .model (join ", " $of)) -}}
+{{- end -}}
+{{- $key := printf "%s@%s" .model .revision -}}
+{{- if hasKey $seen $key -}}
+{{- fail (printf "autoscaling.targets: the Deployments %s and %s both name %s: a revision is one Deployment" (get $seen $key) .deployment $key) -}}
+{{- end -}}
+{{- $_ := set $seen $key .deployment -}}
+{{- end -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
@@ -182,4 +204,17 @@ scaleUp:
 {{- end -}}
 {{- end -}}
 {{- toJson $out -}}
+{{- end -}}
+
+
+{{/* The KEDA scaler's token (autoscaling.scaler.token.secret): the scaler asks every call for it, and KEDA
+     resolves the trigger's tokenFromEnv from the scaled Deployment's container, so that container has it too. */}}
+{{- define "prewarm.kedaTokenEnv" -}}
+{{- with .Values.autoscaling.scaler.token.secret }}
+- name: PREWARM_KEDA_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.autoscaling.scaler.token.key }}
+{{- end }}
 {{- end -}}
