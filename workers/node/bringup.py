@@ -218,13 +218,7 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
                       allow_unsupported=not listed)
     for c in report.checks:
         ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()
-    problems = required_problems(report, spec)
-    rec = ctx.registry.get(rid) if not problems else None  # a rollout's canary answers like its stable revision
-    canary = compare_with_stable(ctx, model=spec.model, revision=spec.revision, served_model=spec.served_model,
-                                 endpoint=rec.endpoint) if rec is not None and rec.endpoint else None
-    if canary is not None:
-        ctx.metrics.validation_results.labels(spec.model, "canary_vs_stable", canary.outcome.value).inc()
-        problems = "" if canary.passed else f"canary numeric check {canary.detail}"
+    problems = required_problems(report, spec) or _prove_canary(ctx, rid, spec)
     if problems:
         raise ValidationFailed(rid, report, problems)
     if report.record_baseline is not None:  # no baseline yet: this replica's latency is one of its samples
@@ -236,6 +230,21 @@ def _warm_and_validate(ctx: WorkerContext, rid: str, server: ServerDriver, spec:
     return report
 
 
+def _prove_canary(ctx: WorkerContext, rid: str, spec: BringUpSpec) -> str:
+    """What is wrong with a rollout's canary against a ready stable replica: numerics and speed,
+    side by side (`workers.node.canary`); '' when it passes or no rollout to its revision runs."""
+    rec = ctx.registry.get(rid)
+    if rec is None or not rec.endpoint:
+        return ""
+    proof = compare_with_stable(ctx, model=spec.model, revision=spec.revision, served_model=spec.served_model,
+                                endpoint=rec.endpoint)
+    if proof is None:
+        return ""
+    for c in proof.checks:
+        ctx.metrics.validation_results.labels(spec.model, f"canary_{c.name.value}", c.outcome.value).inc()
+    return proof.problems
+
+
 def _validate_engine(ctx: WorkerContext, rid: str, server: EngineServer, spec: BringUpSpec,
                      latencies: list[float]) -> ValidationReport:
     assert spec.engine_expect is not None
@@ -244,7 +253,7 @@ def _validate_engine(ctx: WorkerContext, rid: str, server: EngineServer, spec: B
     report = verdict.report
     for c in report.checks:
         ctx.metrics.validation_results.labels(spec.model, c.name.value, c.outcome.value).inc()
-    problems = required_problems(report, spec)
+    problems = required_problems(report, spec) or _prove_canary(ctx, rid, spec)
     if problems:
         raise ValidationFailed(rid, report, problems)
     outliers = record_engine(ctx, rid, verdict=verdict, **where)

@@ -5,32 +5,44 @@ revision's baseline) does not catch a canary whose weights are wrong but bounded
 corrupted file, a wrong export). While a rollout of the model to this revision runs, bring-up
 adds two things:
 
-- the speed check is made against the *stable* revision's recorded baseline on this node
-  class, within the rollout's `speed_ratio` (1.2x, the seed's rule, by default), not against a
-  baseline the canary would record for itself;
+- the warm-latency check is made against the *stable* revision's recorded baseline on this
+  node class, within the rollout's `speed_ratio` (1.2x, the seed's rule, by default), not
+  against a baseline the canary would record for itself (`speed_rule`);
 - the seeded warmup prompts are sent greedily, with top logprobs, to this replica and to a
   ready replica of the stable revision, and `prewarm.policy.reference.compare_probes`
   compares them within the rollout's `logprob_tolerance` (a new quantisation may move
-  logprobs a little; a corrupted file moves them a lot).
+  logprobs a little; a corrupted file moves them a lot);
+- each prompt is also timed on both, one replica then the other, so both see the same load:
+  time to first token (a one-token request) and decode time per token (a `SPEED_TOKENS`
+  request, less the first token, over the tokens it generated). The canary's medians must be
+  within `speed_ratio` of the stable replica's measured in the same minute
+  (`prewarm.policy.engine_checks.check_speed`): a slower export is caught even where no
+  baseline was recorded on this node class.
 
-A failed comparison fails the replica's validation (`ValidationFailed`), which the planner's
-rollout tick sees as a failed canary replica and rolls back. No ready stable replica to
-compare with is a temporary condition: the task is retried.
+The same proof runs for both engines (the built-in runtime and vLLM): both answer the
+OpenAI completions API with logprobs. A failed comparison fails the replica's validation
+(`ValidationFailed`), which the planner's rollout tick sees as a failed canary replica and
+rolls back. No ready stable replica to compare with is a temporary condition: the task is
+retried.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from prewarm.core.errors import TemporaryError
 from prewarm.core.domain import ReplicaState
 from prewarm.policy import rollout as rp
+from prewarm.policy.engine_checks import SpeedBaseline, check_speed
 from prewarm.policy.reference import Probe, Step, compare_probes
-from prewarm.policy.validation import CheckName, CheckResult
+from prewarm.policy.validation import CheckName, CheckResult, Outcome
 from prewarm.policy.warmup import WarmupPlan, generate_requests
 from prewarm.registry.rollouts import RolloutStore
 from workers.context import WorkerContext
@@ -39,6 +51,8 @@ from workers.context import WorkerContext
 #: corrupted layer (it changes the first token's distribution) at a few forward passes each.
 PROBE_TOKENS = 4
 PROBE_TOP_K = 5
+#: Tokens of the request that times decoding: enough that the decode time outweighs one request's overhead.
+SPEED_TOKENS = 16
 
 
 class NoStableToCompare(TemporaryError):
@@ -77,27 +91,68 @@ def probe_from_completion(prompt: str, data: Any) -> Probe:
     return Probe(prompt, steps)
 
 
-def fetch_probes(endpoint: str, prompts: Sequence[str], *, served_model: str, token: str | None,
-                 timeout_s: float) -> tuple[Probe, ...]:
-    """Each prompt's greedy answer with top logprobs, from one replica's OpenAI-compatible server."""
-    out = []
+@dataclass(frozen=True)
+class TimedProbe:
+    """One prompt on one replica: its greedy answer with logprobs, and how fast it was made."""
+
+    probe: Probe
+    ttft_s: float  # a one-token request
+    decode_s_per_token: float  # a SPEED_TOKENS request, less the first token, per further token
+
+
+@dataclass(frozen=True)
+class CanaryProof:
+    """The canary against a ready stable replica: numerics and speed."""
+
+    numeric: CheckResult
+    speed: CheckResult
+
+    @property
+    def checks(self) -> tuple[CheckResult, CheckResult]:
+        return self.numeric, self.speed
+
+    @property
+    def problems(self) -> str:
+        return "; ".join(f"canary {c.name.value} check {c.detail}" for c in self.checks if c.outcome is Outcome.FAILED)
+
+
+def _complete(endpoint: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float) -> tuple[Any, float]:
+    req = urllib.request.Request(f"{endpoint}/v1/completions", data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise TemporaryError(f"probe of {endpoint} failed: {exc}") from exc
+    return data, time.perf_counter() - t0
+
+
+def timed_probe(endpoint: str, prompt: str, *, served_model: str, token: str | None, timeout_s: float) -> TimedProbe:
+    """`prompt` on one replica's OpenAI-compatible server: greedy tokens with top logprobs, TTFT, decode time."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    for prompt in prompts:
-        body = json.dumps({"model": served_model, "prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0,
-                           "logprobs": PROBE_TOP_K}).encode()
-        req = urllib.request.Request(f"{endpoint}/v1/completions", data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                data = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise TemporaryError(f"probe of {endpoint} failed: {exc}") from exc
-        out.append(probe_from_completion(prompt, data))
-    return tuple(out)
+    greedy = {"model": served_model, "prompt": prompt, "temperature": 0}
+    data, _ = _complete(endpoint, {**greedy, "max_tokens": PROBE_TOKENS, "logprobs": PROBE_TOP_K}, headers, timeout_s)
+    _, ttft = _complete(endpoint, {**greedy, "max_tokens": 1}, headers, timeout_s)
+    # ignore_eos/min_tokens: vLLM's way to generate exactly max_tokens (the built-in runtime ignores them)
+    long, elapsed = _complete(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS,
+                                         "ignore_eos": True}, headers, timeout_s)
+    try:
+        made = int(long["usage"]["completion_tokens"])
+    except (KeyError, TypeError, ValueError):
+        made = SPEED_TOKENS
+    return TimedProbe(probe_from_completion(prompt, data), ttft, max(0.0, elapsed - ttft) / max(1, made - 1))
+
+
+def _baseline(values: Sequence[float]) -> float | None:
+    """The stable replica's median, None when it is not a usable baseline (a clock too coarse: 0)."""
+    m = statistics.median(values) if values else 0.0
+    return m if m > 0 and math.isfinite(m) else None
 
 
 def compare_with_stable(ctx: WorkerContext, *, model: str, revision: str, served_model: str,
-                        endpoint: str) -> CheckResult | None:
-    """The canary's probes against a ready stable replica's (None: no rollout to this revision runs)."""
+                        endpoint: str) -> CanaryProof | None:
+    """The canary's probes and speed against a ready stable replica's (None: no rollout to this revision runs)."""
     spec = rollout_for(ctx, model, revision)
     if spec is None:
         return None
@@ -111,9 +166,23 @@ def compare_with_stable(ctx: WorkerContext, *, model: str, revision: str, served
     prompts = [r.prompt for r in generate_requests(plan, secret=wcfg.require_secret(), now=ctx.clock())]
     key = ctx.settings.runtime.api_key
     token = key.get_secret_value() if key is not None else None
-    timeout = ctx.settings.gateway.upstream_timeout_s
-    observed = fetch_probes(endpoint, prompts, served_model=served_model, token=token, timeout_s=timeout)
-    reference = fetch_probes(stable[0].endpoint, prompts, served_model=served_model, token=token, timeout_s=timeout)
-    result = compare_probes(observed, reference, tolerance=spec.logprob_tolerance, name=CheckName.NUMERIC)
-    return CheckResult(result.name, result.outcome, f"against {spec.stable} ({stable[0].id}): {result.detail}",
-                       result.measured)
+
+    def probe(where: str, prompt: str) -> TimedProbe:
+        return timed_probe(where, prompt, served_model=served_model, token=token,
+                           timeout_s=ctx.settings.gateway.upstream_timeout_s)
+
+    canary: list[TimedProbe] = []
+    reference: list[TimedProbe] = []
+    for prompt in prompts:  # one replica then the other, prompt by prompt: both see the same load
+        canary.append(probe(endpoint, prompt))
+        reference.append(probe(stable[0].endpoint, prompt))
+    against = f"against {spec.stable} ({stable[0].id})"
+    numeric = compare_probes([t.probe for t in canary], [t.probe for t in reference], tolerance=spec.logprob_tolerance,
+                             name=CheckName.NUMERIC)
+    measured_now = SpeedBaseline(_baseline([t.ttft_s for t in reference]),
+                                 _baseline([t.decode_s_per_token for t in reference]))
+    speed = check_speed([t.ttft_s for t in canary], [t.decode_s_per_token for t in canary], measured_now,
+                        factor=spec.speed_ratio)
+    return CanaryProof(CheckResult(numeric.name, numeric.outcome, f"{against}: {numeric.detail}", numeric.measured),
+                       CheckResult(speed.name, speed.outcome, f"{against}, measured side by side: {speed.detail}",
+                                   speed.measured))
