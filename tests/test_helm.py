@@ -317,6 +317,25 @@ def test_each_models_key_secret_reaches_its_warmer_and_the_gateway() -> None:
         _chart().validate_schema(_chart().merge_values({"podWarmer": {"apiKeySecret": "../etc"}}))
 
 
+def test_the_gateway_mounts_the_clients_keys_secret_and_asks_for_keys() -> None:
+    """Issue 20: fair shares per client need clients that cannot rename themselves: the clients' keys
+    Secret is mounted (one file per client) and the gateway pointed at it, beside the upstreams' keys."""
+    docs = render({"gateway": {"clientKeysSecret": "prewarm-clients"}, "autoscaling": {"mode": "keda", "targets": [
+        {"model": "qwen", "deployment": "vllm-qwen", "revision": "q1", "apiKeySecret": "qwen-key"}]}})
+    gateway = find(docs, "Deployment", "-gateway")
+    env = env_of(gateway)
+    mounts = {m["name"]: m for m in pod_spec(gateway)["containers"][0]["volumeMounts"]}
+    assert mounts["client-keys"]["mountPath"] == env["PREWARM_GATEWAY_CLIENT_KEYS_DIR"]
+    assert mounts["client-keys"]["readOnly"] is True and "upstream-keys" in mounts
+    volumes = {v["name"]: v for v in pod_spec(gateway)["volumes"]}
+    assert volumes["client-keys"]["secret"] == {"secretName": "prewarm-clients"}  # required: never open for want of it
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(gateway, version, strict=True)
+    alone = find(render({"gateway": {"clientKeysSecret": "prewarm-clients"}}), "Deployment", "-gateway")
+    assert [m["name"] for m in pod_spec(alone)["containers"][0]["volumeMounts"]] == ["client-keys"]
+    assert "PREWARM_GATEWAY_CLIENT_KEYS_DIR" not in env_of(find(render(), "Deployment", "-gateway"))
+
+
 def test_redis_is_optional_with_an_external_url_or_secret() -> None:
     bundled = render()
     assert env_of(find(bundled, "Deployment", "-gateway"))["PREWARM_REDIS_URL"] == "redis://pw-prewarm-redis:6379/0"

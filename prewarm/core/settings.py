@@ -105,6 +105,11 @@ class GatewaySettings(_Group):
     # one without gets `runtime.api_key`. The registry holds only references, never keys.
     upstream_keys_dir: str | None = None
     upstream_keys_refresh_s: float = Field(30.0, gt=0)  # a key file is read again after this (Secret rotation)
+    # Clients' API keys (prewarm.gateway.client_auth): a directory with one file per client (its name; its
+    # content the key), as a mounted Secret. Set: a user request without a known key is 401, and fair shares
+    # are per named client. Unset: no authentication (a bearer token, if any, still names the client).
+    client_keys_dir: str | None = None
+    client_keys_refresh_s: float = Field(30.0, gt=0)  # the directory is read again after this (rotation)
     # Issue 20 (fair under abuse). A body trickled a byte at a time held a connection for a minute:
     body_timeout_s: float = Field(30.0, gt=0)  # a request body must arrive within this of its headers (else 408)
     write_timeout_s: float = Field(30.0, gt=0)  # a client that reads nothing of an answer this long is cut, its slot freed

@@ -90,6 +90,9 @@ class Ticket:
     released: bool = False
 
 
+#: The authenticated client's name (`client_auth.ClientKeys`), when the gateway asks for keys.
+CLIENT_NAME_KEY: "web.RequestKey[str]" = web.RequestKey("prewarm_client", str)
+
 #: Where the gateway keeps a user request's ticket while it is routed.
 TICKET_KEY: "web.RequestKey[Ticket]" = web.RequestKey("prewarm_ticket", Ticket)
 
@@ -111,6 +114,9 @@ class Limits:
         return client_address(self.peer(request), request.headers.get("X-Forwarded-For"), self.trusted)
 
     def client(self, request: web.Request) -> str:
+        name = request.get(CLIENT_NAME_KEY)
+        if name is not None:  # authenticated: one share per named client, from any address
+            return "client:" + name
         return client_key(request.headers.get("Authorization"), self.address(request))
 
     # --- the drain rate ------------------------------------------------------------------------

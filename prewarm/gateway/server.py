@@ -45,7 +45,8 @@ from prewarm.gateway.upstream_auth import UpstreamKeys
 from prewarm.gateway.registry_view import RegistryViews
 from prewarm.policy.stale_view import StalenessRule, may_serve_stale
 from prewarm.policy.revisions import RevisionChoiceKind
-from prewarm.gateway.limits import TICKET_KEY, BodyTimeout, ClientStalled, Limits, read_body, write as write_client
+from prewarm.gateway.client_auth import ClientKeys
+from prewarm.gateway.limits import CLIENT_NAME_KEY, TICKET_KEY, BodyTimeout, ClientStalled, Limits, read_body, write as write_client
 from prewarm.policy.engine_load import merged_inflight, model_level
 from prewarm.policy.routing import RouteDecision, RouteOutcome, choose_replica
 from prewarm.core.settings import Settings
@@ -114,6 +115,7 @@ class Gateway:
         key = settings.runtime.api_key  # each replica's own key, or the runtimes' (a client's own never passes)
         self.upstream_keys = UpstreamKeys(key.get_secret_value() if key is not None else None,
                                           self.cfg.upstream_keys_dir, self.cfg.upstream_keys_refresh_s)
+        self.client_keys = ClientKeys(self.cfg.client_keys_dir, self.cfg.client_keys_refresh_s)  # who may call
         self.configured_models = {m.split("@", 1)[0] for m in settings.planner.models}
         self.redis = async_client(settings.redis)
         self.nonces = SharedNonces(self.redis, self.secret)  # a replayed warmup request is user traffic (all gateways)
@@ -269,6 +271,12 @@ class Gateway:
             if not warmup and self.cfg.warmup_forged == "refuse":
                 return _error(403, "X-Warmup present without a valid signature", "invalid_warmup_signature")
         kind = "warmup" if warmup else "user"
+        if not warmup and self.client_keys.enabled:
+            name = self.client_keys.client(request.headers.get("Authorization"))
+            if name is None:
+                return _error(401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})
+            request[CLIENT_NAME_KEY] = name
 
         try:
             if model not in await self._known_models():

@@ -42,8 +42,16 @@ def client_address(peer: str, forwarded_for: str | None, trusted: Sequence[Netwo
     return peer
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, else None."""
+    if authorization and authorization[:7].lower() == "bearer " and authorization[7:].strip():
+        return authorization[7:].strip()
+    return None
+
+
 def client_key(authorization: str | None, address: str) -> str:
     """The fairness key of a request: its API key (hashed: keys never reach logs or labels), else its address."""
-    if authorization and authorization.lower().startswith("bearer ") and authorization[7:].strip():
-        return "key:" + hashlib.sha256(authorization[7:].strip().encode()).hexdigest()[:16]
+    token = bearer(authorization)
+    if token is not None:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     return "addr:" + address
