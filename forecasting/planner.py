@@ -20,7 +20,7 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
    nothing observed within the last `stabilization_s` may be released. Scale-ups stay
    predictive either way;
-4. `_serving_target`: the replicas the forecast needs over the lead (`sizing`: square-root
+4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: square-root
    staffing a + margin x sqrt(a) of the forecast mean load in flight in predictive mode; in
    reactive mode the forecast is of the peak in flight, which already holds the fluctuation
    the staffing beta stands for, so only the calibrated margin beyond `queue_beta` is added)
@@ -50,14 +50,14 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from croniter import croniter
 
 from forecasting import budget, park
 from forecasting.batch import BatchJob, batch_replicas
-from forecasting.calibration import calibrate_margin
+from forecasting.calibration import calibrate_margin, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.settings import PlannerSettings
@@ -327,15 +327,6 @@ def _learn(inp: StepInputs, state: PlannerState) -> PlannerState:
                    profile_at=inp.now)
 
 
-def sizing(mode: str, margin: float, queue_beta: float) -> Callable[[float], float]:
-    """Slots for a forecast load `a` with the calibrated margin: a + margin x sqrt(a) for the mean load in flight
-    (predictive; square-root staffing covers its fluctuation within a bucket); for the peak in flight (reactive)
-    only the margin beyond `queue_beta`, a + max(0, margin - queue_beta) x sqrt(a): a peak already holds the
-    fluctuation the staffing part stands for, and sized again it kept a second replica for a load one serves."""
-    extra = margin if mode == PREDICTIVE else max(0.0, margin - queue_beta)
-    return lambda a: a + extra * math.sqrt(max(a, 0.0))
-
-
 def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Forecast, str]:
     """The forecast over `lead` and the mode it puts the planner in. The mean load in flight is what a
     replica's slots serve when the forecast of it is good; while it is not (bursts), the peaks are planned
@@ -506,17 +497,17 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                                                state.counted_end, p)
     state = replace(state, margin=margin_now, counted_end=counted_end)
     # square-root staffing with the margin the cold-start budget calibrated (both modes: every miss counts)
-    staffed = sizing(PREDICTIVE, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
+    staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)
     fc, mode = _forecast(inp, state, lead)
-    margin = sizing(mode, margin_now, p.queue_beta)
+    margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     if inp.replicas.asleep and inp.wake_p95_s is not None and inp.wake_p95_s + p.lead_margin_s < lead:
         # parked replicas come back in their measured wake time: a rise they can cover is planned one wake
         # (not one cold start) ahead of it
         if replicas_needed(margin(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
             lead = inp.wake_p95_s + p.lead_margin_s
             fc, mode = _forecast(inp, state, lead)
-            margin = sizing(mode, margin_now, p.queue_beta)
+            margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
