@@ -496,7 +496,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     margin_now, counted_end = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
                                                state.counted_end, p)
     state = replace(state, margin=margin_now, counted_end=counted_end)
-    # square-root staffing with the margin the cold-start budget calibrated (both modes: every miss counts)
+    # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)
     fc, mode = _forecast(inp, state, lead)
