@@ -15,6 +15,9 @@ per window. It is an integrator of the overspend, so over a long run the realise
 the budget whatever the trace, as long as the margin stays within its bounds (the clip at
 [0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
 
+`sizing` applies the margin: to a mean load in flight whole, to a peak in flight (the
+planner's reactive mode) only beyond the staffing beta a peak already holds.
+
 `waited` is what the gateway counts per fine bucket (requests held for capacity longer than
 the wait threshold), the same counter the simulator fills from its replay; `None` (a
 history without the counter) leaves the margin where it is.
@@ -25,7 +28,7 @@ Pure: no I/O, no clock (bucket times come with the counts).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -67,3 +70,12 @@ def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: flo
         return beta, end
     beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
     return min(p.margin_max, max(0.0, beta)), end
+
+
+def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], float]:
+    """Slots for a forecast load `a` with the calibrated margin: a + margin x sqrt(a) for a mean load in flight
+    (square-root staffing covers its fluctuation within a bucket); for a peak in flight (the planner's reactive
+    mode) only the margin beyond `queue_beta`, a + max(0, margin - queue_beta) x sqrt(a): a peak already holds
+    the fluctuation the staffing part stands for, and sized again it kept a second replica for a load one serves."""
+    extra = max(0.0, margin - queue_beta) if peak else margin
+    return lambda a: a + extra * math.sqrt(max(a, 0.0))

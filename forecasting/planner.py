@@ -20,10 +20,12 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
    nothing observed within the last `stabilization_s` may be released. Scale-ups stay
    predictive either way;
-4. `_serving_target`: the replicas the forecast needs over the lead (square-root staffing
-   a + margin x sqrt(a) of the forecast load, in both modes) (plus any batch job
-   running within it), at least `min_serving`; in reactive mode never below the recent
-   observed need. A predicted fall is released as soon as the forecast over the next lead
+4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: square-root
+   staffing a + margin x sqrt(a) of the forecast mean load in flight in predictive mode; in
+   reactive mode the forecast is of the peak in flight, which already holds the fluctuation
+   the staffing beta stands for, so only the calibrated margin beyond `queue_beta` is added)
+   (plus any batch job running within it), at least `min_serving`; in reactive mode never
+   below the recent observed need. A predicted fall is released as soon as the forecast over the next lead
    stays below what is left: no window after the fact, no floor from another scaler, so
    the plan can go below what a stabilised reactive scaler keeps;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
@@ -55,7 +57,7 @@ from croniter import croniter
 
 from forecasting import budget, park
 from forecasting.batch import BatchJob, batch_replicas
-from forecasting.calibration import calibrate_margin
+from forecasting.calibration import calibrate_margin, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.settings import PlannerSettings
@@ -494,23 +496,25 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     margin_now, counted_end = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
                                                state.counted_end, p)
     state = replace(state, margin=margin_now, counted_end=counted_end)
-    # square-root staffing with the margin the cold-start budget calibrated (both modes: every miss counts)
-    margin = lambda a: a + margin_now * math.sqrt(max(a, 0.0))  # noqa: E731
+    # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
+    staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)
     fc, mode = _forecast(inp, state, lead)
+    margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     if inp.replicas.asleep and inp.wake_p95_s is not None and inp.wake_p95_s + p.lead_margin_s < lead:
         # parked replicas come back in their measured wake time: a rise they can cover is planned one wake
         # (not one cold start) ahead of it
         if replicas_needed(margin(fc.upper), slots, p.headroom) - inp.replicas.live <= inp.replicas.asleep:
             lead = inp.wake_p95_s + p.lead_margin_s
             fc, mode = _forecast(inp, state, lead)
+            margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
     fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
     # a batch job adds its replicas to the load before it starts (the next bucket's forecast),
     # unless the forecast already covers it: a job the forecaster has learned is not provisioned twice
-    base = _base_need(inp, fired, margin) if batch_lead else 0
+    base = _base_need(inp, fired, staffed) if batch_lead else 0
     need_next = max(fc_next, base + batch_next)
     need_lead = max(fc_lead, need_next, base + batch_lead)
     pool = budget.trim(max(need_next, p.min_serving), budget.pool_target(p.warm_pool_size, p.warm_pool_percent,
@@ -533,11 +537,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
     if p.park_horizon_s > 0:
-        events = _parked(inp, events, state, target, lead, margin)
+        events = _parked(inp, events, state, target, lead, staffed)
     events, placement_dropped = _placed(inp, events)
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
-    schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, margin), pool) if p.batch_jobs else ()
+    schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, staffed), pool) if p.batch_jobs else ()
     share = warm_cost(target + pool, max(need_next, p.min_serving))
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)

@@ -123,6 +123,21 @@ def test_the_budget_moves_the_hits_on_off_grid_traffic() -> None:
     assert shares[1] < shares[0] and gpu[1] > gpu[0]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 17's target is not met: the budget's integrator learns from misses, and on this traffic they come "
+    "as one or two large events a day (a step beyond the margin, then every request of a cold start waits). "
+    "Measured at 0368a06, default settings, seeds 3/5/7: 4.2x / 0x / 6.1x the budget (cd468ea: 6.0x / 0x / 6.5x). "
+    "Remove this mark when the planner meets it; strict, so a pass is reported"))
+@pytest.mark.parametrize("seed", [3, 5, 7])
+def test_the_budget_holds_over_a_day_on_off_grid_traffic(seed: int) -> None:
+    """The operator's goal, held: over one day of traffic whose steps fall on no grid (a daily wave, a new rate
+    every 200-1100 s), with default settings, the realised cold-start share is within 0.5x-1.25x the budget."""
+    out = run_backtest(_off_grid_trace(24.0, seed=seed), SimParams(), ["prewarm"])["result"]
+    row = out["rows"][0]
+    assert row["cold_start_budget"] == PlannerParams().cold_start_budget
+    assert 0.5 <= row["cold_start_share"] / row["cold_start_budget"] <= 1.25, row
+
+
 # -- the live observation: what the gateway counts is what the planner reads --------------------------------------
 
 def _totals(h: Harness, since: float) -> tuple[float, float]:

@@ -101,6 +101,22 @@ def test_forecast_quality_gate_falls_back_to_reactive_scale_downs() -> None:
     assert d.mode == PREDICTIVE
 
 
+def test_a_peak_is_not_staffed_twice_only_the_calibrated_margin_beyond_the_staffing_beta_is_added() -> None:
+    """In reactive mode the plan is of the peak in flight, which holds the fluctuation square-root staffing
+    stands for: at the staffing beta (1.5) the peak is planned as it is; a margin the budget raised to 3.5
+    adds its part beyond the beta, 2 x sqrt(peak)."""
+    rng = np.random.default_rng(0)
+    y = np.where(rng.random(400) < 0.2, 10.0, 1.0)  # bursts: the mean's forecast is poor, the gate is closed
+    peak = np.full(400, 12.0)  # the peak in flight per bucket: flat, forecast exactly
+    d, _ = step(inputs(y, ready=1, peak=peak), PlannerState())
+    assert d.mode == REACTIVE and d.forecast.upper == 12.0
+    assert d.need_lead == 2  # 12 slots of 8 (staffed again, 12 + 1.5 sqrt(12) = 17.2, it took 3)
+    d, _ = step(inputs(y, ready=1, peak=peak, params=replace(BASE, margin_initial=3.5)), PlannerState())
+    assert d.need_lead == 3  # 12 + 2 sqrt(12) = 18.9 slots
+    d, _ = step(inputs([12.0] * 400, ready=1), PlannerState())
+    assert d.mode == PREDICTIVE and d.need_lead == 3  # a mean load in flight is staffed: 12 + 1.5 sqrt(12) = 17.2
+
+
 def test_reactive_before_history_never_scales_down() -> None:
     d, _ = step(inputs([], ready=3), PlannerState())
     assert d.mode == REACTIVE and d.target == 3 and d.events == ()
