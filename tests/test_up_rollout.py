@@ -1,5 +1,8 @@
-"""`prewarm up --rollout corrupt` end to end: the canary's weights are damaged on disk, the rollout rolls back,
-and no user sees an error. (`--rollout good` takes minutes longer; its figures are in the README.)"""
+"""`prewarm up --rollout good|corrupt` end to end: a second revision rolled out midway through a replay.
+
+`good`: the rollout completes, each shift waiting for the canary's validated capacity, and no
+request waits for a cold start or fails during the shift. `corrupt`: the canary's weights are
+damaged on disk, the rollout rolls back, and no user sees an error."""
 
 from __future__ import annotations
 
@@ -31,4 +34,29 @@ def test_up_with_a_corrupt_canary_rolls_back_with_no_user_visible_error(tmp_path
     assert all(v["state"] in ("failed", "retired") for v in ro["canary_validation"]), ro["canary_validation"]
     measured = report["measured"]
     assert measured["answered_2xx"] == measured["requests"]
+    assert _wait_gone(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_up_with_a_good_canary_completes_and_no_request_waits_during_the_shift(tmp_path: Path) -> None:
+    # 240 s: the rollout runs in the second half, three steps of a canary bring-up and a 10 s pause each
+    trace = _trace(tmp_path / "trace.jsonl", seconds=240)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [PREWARM, "up", "--trace", str(trace), "--duration", "240", "--no-flower", "--out", str(out),
+         "--rollout", "good"],
+        env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(next(out.glob("run-*/report.json")).read_text())
+    ro = report["rollout"]
+    assert ro["outcome"] == "completed", {k: v for k, v in ro.items() if k != "weight_samples"}
+    assert ro["waited_during_shift"] == 0 and ro["errors_during_shift"] == 0, ro
+    assert ro["requests_during_shift"] > 0
+    by_rev = ro["traffic_by_revision"]
+    assert by_rev.get(ro["canary"], {}).get("200", 0) > 0 and by_rev.get(ro["stable"], {}).get("200", 0) > 0, by_rev
+    assert ro["replicas_by_revision"][ro["canary"]].get("ready", 0) >= 1, ro["replicas_by_revision"]
+    assert ro["canary_validation"] and all(v["state"] in ("ready", "retired", "draining") for v in ro["canary_validation"])
+    measured = report["measured"]
+    assert measured["answered_2xx"] == measured["requests"], measured
     assert _wait_gone(str(tmp_path)) == []
