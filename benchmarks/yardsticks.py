@@ -32,6 +32,18 @@ from forecasting.sim.simulate import SimParams
 TRACE = ROOT.parent / "shared" / "traces" / "servegen_m_small_rate.csv"
 
 
+def readme_row(label: str, out: dict[str, Any]) -> str:
+    """The README's row: prewarm's default point, the baselines read at its share, their defaults, the starts."""
+    default = {pt["policy"]: pt for pt in out["points"] if pt["default"]}
+    at = out["at_equal_cold_start_share"]["policies"]
+    pw, rs, r = default["prewarm"], default["reactive_sized"], default["reactive"]
+    x = lambda v: "—" if v is None else f"{v:.3f}×"  # noqa: E731
+    return (f"| {label} | {pw['cold_start_share']:.4%} | **{pw['gpu_hours_vs_reactive']:.3f}×** | "
+            f"{x(at.get('reactive_sized'))} | {x(at.get('reactive'))} | "
+            f"{rs['cold_start_share']:.4%}, {rs['gpu_hours_vs_reactive']:.3f}× | {r['cold_start_share']:.4%} | "
+            f"{pw['starts']:,} / {rs['starts']:,} / {r['starts']:,} |")
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("trace", nargs="?", default=str(TRACE))
@@ -41,6 +53,7 @@ def main() -> None:
     p.add_argument("--keepalive", action="store_true", help="add keep-alive at its default (a slow replay)")
     p.add_argument("--few", action="store_true", help="fewer settings per curve")
     p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--row", metavar="LABEL", help="also print the README's table row for this run, labelled LABEL")
     args = p.parse_args()
     from prewarm.cli.backtest import _head
 
@@ -74,6 +87,8 @@ def main() -> None:
     print(f"at prewarm's default cold-start share ({share:.4%}):" if share is not None else "no prewarm point")
     for k, v in eq["policies"].items():
         print(f"  {k:<14} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
+    if args.row:
+        print(readme_row(args.row, out))
     text = json.dumps(out | {"cold_start_s": args.cold_start, "days": days or None}, default=float)
     if args.out:
         Path(args.out).write_text(text + "\n")
