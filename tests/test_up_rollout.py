@@ -38,6 +38,7 @@ def test_up_with_a_corrupt_canary_rolls_back_with_no_user_visible_error(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a 240 s replay after a start-up, on a shared machine
 def test_up_with_a_good_canary_completes_and_no_request_waits_during_the_shift(tmp_path: Path) -> None:
     # 240 s: the rollout runs in the second half, three steps of a canary bring-up and a 10 s pause each
     trace = _trace(tmp_path / "trace.jsonl", seconds=240)
