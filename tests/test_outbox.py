@@ -121,6 +121,16 @@ def test_a_record_is_on_the_replica_before_record_returns(redis_client: "redis.R
         assert replica.hget(keys.OUTBOX, "t-repl") == rec.to_json()  # read at once: WAIT made it so
 
 
+def test_a_registration_is_on_the_replica_before_register_returns(redis_client: "redis.Redis[str]",
+                                                                   replica_of: int) -> None:
+    registry = ReplicaRegistry(redis_client, writes=ReplicatedWrites(1, 5000))
+    rep = Replica("reg", "r1", NODE, 7)
+    assert registry.register(rep, now=time.time()) is True
+    assert registry.register(rep, now=time.time()) is False  # a live duplicate, as without WAIT
+    with redis.Redis(port=replica_of, decode_responses=True) as replica:
+        assert replica.hget(keys.replica(rep.id), "state") == ReplicaState.PENDING.value
+
+
 def test_a_group_short_of_replicas_waits_once_then_for_what_it_has(redis_client: "redis.Redis[str]") -> None:
     """The session Redis has no replica: a failover's promoted primary, its old one dead."""
     now = [0.0]
