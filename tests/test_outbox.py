@@ -86,6 +86,9 @@ def test_begin_settle_and_release(redis_client: "redis.Redis[str]") -> None:
     assert outbox.begin("t1", 0, token="b", lease_s=60) is Begin.RUNNING  # a copy while it runs
     assert outbox.begin("t1", 1, token="c", lease_s=60) is Begin.RUN  # the next attempt (a retry) is its own
     outbox.release("t1", 0, token="b")  # not the holder: nothing happens
+    # the holder refreshes its lease while it runs; a token that does not hold one extends nothing
+    assert outbox.refresh([("t1", 0, "a"), ("t1", 1, "not-c")], lease_s=120) == 1
+    assert redis_client.pttl(keys.task_running("t1", 0)) > 60_000 >= redis_client.pttl(keys.task_running("t1", 1))
     assert outbox.facts([rec]) == [(False, True)]
     assert outbox.settle("t1", "retired") is True
     assert outbox.settle("t1", "retired again") is False  # the first settle wins

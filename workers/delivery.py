@@ -12,8 +12,9 @@ replicated, are both gone from the promoted replica. Three parts close that:
 2. Worker (`SettledTask.__call__`, around every task body): a delivery first asks whether the
    task was settled (a copy redelivered after it finished: skipped) or is running in another
    delivery (a copy delivered meanwhile: skipped), both counted in
-   `prewarm_task_duplicates_total`; else it runs under a lease and, once the body returned or
-   failed for good, settles it: the done mark (SET NX) and the record's removal in one
+   `prewarm_task_duplicates_total`; else it runs under a lease (refreshed while it runs, gone
+   `agent.lock_ttl_s` after its holder stopped) and, once the body returned or failed for good,
+   settles it: the done mark (SET NX) and the record's removal in one
    transaction. A retry (`Retry`) or a requeue (`Reject(requeue=True)`) is not settled.
 3. Sweep (`sweep`, the beat's `sweep_outbox` on the planner queue every
    `agent.outbox_sweep_interval_s`): records `agent.outbox_resend_after_s` past their due time
@@ -57,13 +58,43 @@ SWEEP_LIMIT = 200
 
 
 class Delivery:
-    """One app's outbox and its view of the broker, built on first use (after a worker's fork)."""
+    """One app's outbox, its view of the broker and the leases its deliveries hold, built on first use
+    (after a worker's fork). The leases are refreshed by one thread per process, every third of
+    `agent.lock_ttl_s`, so a lease outlives a holder that died, or whose release Redis could not take
+    (a failover), by at most `lock_ttl_s`: a copy of its task is then run again (by the sweep)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._outbox: Outbox | None = None
         self._broker: "redis.Redis[str] | None" = None
         self._lock = threading.Lock()
+        self._leases: dict[str, tuple[str, int]] = {}  # token -> (task id, attempt)
+        self._keeper: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    @property
+    def lease_s(self) -> float:
+        return self.settings.agent.lock_ttl_s
+
+    def hold(self, task_id: str, retries: int, token: str) -> None:
+        with self._lock:
+            self._leases[token] = (task_id, retries)
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep, name="task-leases", daemon=True)
+                self._keeper.start()
+
+    def drop(self, token: str) -> None:
+        with self._lock:
+            self._leases.pop(token, None)
+
+    def _keep(self) -> None:
+        while not self._closed.wait(self.lease_s / 3):
+            with self._lock:
+                held = [(t, r, tok) for tok, (t, r) in self._leases.items()]
+            try:
+                self.outbox.refresh(held, lease_s=self.lease_s)
+            except redis.RedisError as exc:  # Redis away: the leases run out, and their copies are run again
+                log.warning("could not refresh %d task lease(s): %s", len(held), exc)
 
     @property
     def outbox(self) -> Outbox:
@@ -80,6 +111,7 @@ class Delivery:
             return self._broker
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             if self._outbox is not None:
                 self._outbox.client.close()
@@ -138,13 +170,14 @@ class SettledTask(Task):
         outbox = app.delivery.outbox
         task_id, retries = str(req.id), int(req.retries or 0)
         token = f"{req.hostname}:{uuid.uuid4().hex}"
-        verdict = outbox.begin(task_id, retries, token=token, lease_s=app.delivery.settings.agent.task_time_limit_s)
+        verdict = outbox.begin(task_id, retries, token=token, lease_s=app.delivery.lease_s)
         if verdict is not Begin.RUN:
             context.current(app.delivery.settings).metrics.task_duplicates.labels(self.name).inc()
             if verdict is Begin.SETTLED:
                 outbox.forget(task_id)  # a resend that crossed its settle must not leave a record behind
             log.info("%s[%s] is a duplicate (%s): this copy does nothing", self.name, task_id, verdict.value)
             return {"task_id": task_id, "outcome": "duplicate", "because": verdict.value}
+        app.delivery.hold(task_id, retries, token)
         settle_as: str | None = None
         try:
             result = super().__call__(*args, **kwargs)
@@ -160,6 +193,7 @@ class SettledTask(Task):
             settle_as = f"failed: {failure_reason(exc)}"  # acked as failed: the broker will not deliver it again
             raise
         finally:
+            app.delivery.drop(token)
             self._end(outbox, task_id, retries, token, settle_as)
 
     def _end(self, outbox: Outbox, task_id: str, retries: int, token: str, settle_as: str | None) -> None:
@@ -168,7 +202,9 @@ class SettledTask(Task):
                 outbox.settle(task_id, settle_as)
             outbox.release(task_id, retries, token=token)
         except redis.RedisError as exc:  # the record stays: the sweep sends it again, and its effect is idempotent
-            log.warning("%s[%s]: could not settle (%s); the outbox sweep will send it again", self.name, task_id, exc)
+            log.warning("%s[%s]: could not %s (%s); its lease runs out within %.0fs and the outbox sweep sends it "
+                        "again", self.name, task_id, "settle" if settle_as else "release its lease", exc,
+                        self.app.delivery.lease_s)
 
 
 def _holds(raw: str, ids: set[str]) -> str | None:

@@ -279,7 +279,8 @@ def task_done(task_id: str) -> str:
 
 
 #: Lease of the delivery running one attempt of a task (its retry number): a copy delivered meanwhile is
-#: a duplicate and does nothing. Expires after the task time limit (a killed worker's lease).
+#: a duplicate and does nothing. Refreshed while the task runs; expires `agent.lock_ttl_s` after its holder
+#: stopped refreshing it (a killed worker, or a release Redis could not take).
 def task_running(task_id: str, retries: int) -> str:
     return f"{PREFIX}:taskrun:{task_id}:{retries}"
 

@@ -6,7 +6,8 @@
   replica even when the message itself is lost.
 - `begin`: a delivery starts one attempt of a task; one Lua call says whether it runs, was
   settled already (a redelivered copy) or is running in another delivery (a copy delivered
-  meanwhile). Running takes a lease (`keys.task_running`) that the delivery releases.
+  meanwhile). Running takes a lease (`keys.task_running`) that the delivery refreshes while it
+  runs (`refresh`, one call for all of a process's leases) and releases at its end.
 - `settle`: the delivery that finished the task sets its done mark (`keys.task_done`, SET NX)
   and removes the record, in one transaction.
 - `due` / `postpone` / `forget`: what the sweep reads and writes (the rule is
@@ -44,6 +45,19 @@ return 0
 """
 
 
+#: Extend every lease this process still holds (KEYS[i] held with ARGV[i + 1]) to ARGV[1] ms; the count extended.
+_REFRESH = """
+local n = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[i + 1] then
+    redis.call('PEXPIRE', key, ARGV[1])
+    n = n + 1
+  end
+end
+return n
+"""
+
+
 class Begin(str, Enum):
     RUN = "run"  # this delivery runs the task (and holds the attempt's lease)
     SETTLED = "settled"  # the task was settled before: a redelivered copy, does nothing
@@ -56,6 +70,7 @@ class Outbox:
         self.writes = writes
         self._begin = client.register_script(_BEGIN)
         self._release = client.register_script(_RELEASE)
+        self._refresh = client.register_script(_REFRESH)
 
     # --- producer ---------------------------------------------------------------------
     def record(self, rec: OutboxRecord, *, resend_after_s: float) -> int | None:
@@ -74,6 +89,13 @@ class Outbox:
 
     def release(self, task_id: str, retries: int, *, token: str) -> None:
         self._release(keys=[keys.task_running(task_id, retries)], args=[token])
+
+    def refresh(self, leases: list[tuple[str, int, str]], *, lease_s: float) -> int:
+        """Extend the leases (task id, attempt, token) still held by their tokens; returns how many were."""
+        if not leases:
+            return 0
+        return int(self._refresh(keys=[keys.task_running(t, r) for t, r, _ in leases],
+                                 args=[max(1, int(lease_s * 1000)), *(tok for _, _, tok in leases)]))
 
     def settle(self, task_id: str, outcome: str) -> bool:
         """Mark the task done (first settle wins) and drop its record. True if this call set the mark."""
