@@ -76,6 +76,26 @@ def test_outbox_record_round_trip_and_bad_records() -> None:
             OutboxRecord.from_json(raw)
 
 
+def test_a_failure_because_redis_went_away_is_not_a_verdict() -> None:
+    from kombu.exceptions import OperationalError
+
+    from prewarm.core.errors import PermanentError, RegistryUnavailable
+    from workers.delivery import lost_connection
+
+    def wrapped(outer: Exception, cause: BaseException) -> Exception:
+        outer.__cause__ = cause
+        return outer
+
+    assert lost_connection(redis.ConnectionError("reset by peer"))
+    assert lost_connection(redis.TimeoutError("read timed out"))
+    assert lost_connection(OperationalError("broker away"))
+    assert lost_connection(wrapped(RegistryUnavailable("registry unavailable", retry_after=1.0),
+                                   redis.ConnectionError("refused")))
+    assert not lost_connection(PermanentError("bad weights"))
+    assert not lost_connection(redis.ResponseError("WRONGTYPE"))  # Redis answered: a bug, not a failover
+    assert not lost_connection(ValueError("boom"))
+
+
 # --- the store, on a real Redis ---------------------------------------------------------------
 def test_begin_settle_and_release(redis_client: "redis.Redis[str]") -> None:
     outbox = Outbox(redis_client, ReplicatedWrites(0, 100))

@@ -14,8 +14,9 @@ replicated, are both gone from the promoted replica. Three parts close that:
    delivery (a copy delivered meanwhile: skipped), both counted in
    `prewarm_task_duplicates_total`; else it runs under a lease (refreshed while it runs, gone
    `agent.lock_ttl_s` after its holder stopped) and, once the body returned or failed for good,
-   settles it: the done mark (SET NX) and the record's removal in one
-   transaction. A retry (`Retry`) or a requeue (`Reject(requeue=True)`) is not settled.
+   settles it: the done mark (SET NX) and the record's removal in one transaction. A retry
+   (`Retry`), a requeue (`Reject(requeue=True)`) or a failure because Redis went away (a lost
+   connection, seen in the chaos test as the primary died under a task) is not settled.
 3. Sweep (`sweep`, the beat's `sweep_outbox` on the planner queue every
    `agent.outbox_sweep_interval_s`): records `agent.outbox_resend_after_s` past their due time
    whose task is neither settled, running, nor in the broker (its queue, or kombu's `unacked`
@@ -40,6 +41,7 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import Reject, Retry
 from kombu import Queue
+from kombu.exceptions import OperationalError
 
 from prewarm.core.errors import failure_reason
 from prewarm.core.metrics import Metrics
@@ -155,6 +157,17 @@ class PrewarmCelery(Celery):
         super().close()
 
 
+def lost_connection(exc: BaseException) -> bool:
+    """Redis (or the broker) went away under the task: a failover, not a verdict on the task. Such a task is
+    left unsettled (the sweep sends it again once Redis is back), whatever its own policy made of it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (redis.ConnectionError, redis.TimeoutError, OperationalError)):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def _outcome(result: Any) -> str:
     return str(result.get("outcome", "done")) if isinstance(result, dict) else "done"
 
@@ -190,7 +203,8 @@ class SettledTask(Task):
                 settle_as = f"rejected: {rejected.reason}"
             raise
         except Exception as exc:
-            settle_as = f"failed: {failure_reason(exc)}"  # acked as failed: the broker will not deliver it again
+            if not lost_connection(exc):  # failed for good: acked as failed, the broker will not deliver it again
+                settle_as = f"failed: {failure_reason(exc)}"
             raise
         finally:
             app.delivery.drop(token)
