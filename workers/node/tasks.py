@@ -15,8 +15,8 @@ calls the pipeline or an operation, and applies one failure policy:
 
 Settling is every task's, not this module's (`workers/delivery.py`): a task that returned or
 failed for good is marked done (`keys.task_done`), so a copy the broker redelivers later, or
-one delivered while it runs, does nothing at all; a retry, a requeue or a task Redis went away
-under (a failover) is not settled, and the outbox sweep sends it again.
+one delivered while it runs, does nothing at all. A retry or a requeue is not settled (its next
+delivery is), nor is a task Redis went away under (a failover): the outbox sweep sends that again.
 
 Tasks take `*args, **kwargs` so that a producer's wrong arguments reach the validator and
 are refused with a message naming the field, instead of a bare TypeError.
