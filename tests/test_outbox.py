@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry
 
 from prewarm.core import keys
 from prewarm.core.domain import Replica, ReplicaState
-from prewarm.core.errors import InvalidPayload
+from prewarm.core.errors import InvalidPayload, SettingsError
 from prewarm.core.metrics import Metrics
+from prewarm.core.settings import Settings
 from prewarm.policy.outbox import OutboxRecord, ReplicaShortfall, SweepAction, replicas_to_wait, sweep_action
 from prewarm.registry.embedded import EmbeddedRedis, free_port, redis_binary, stop_process, wait_for_port
 from prewarm.registry.outbox import Begin, Outbox
@@ -94,6 +95,27 @@ def test_a_failure_because_redis_went_away_is_not_a_verdict() -> None:
     assert not lost_connection(PermanentError("bad weights"))
     assert not lost_connection(redis.ResponseError("WRONGTYPE"))  # Redis answered: a bug, not a failover
     assert not lost_connection(ValueError("boom"))
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"PREWARM_REDIS_URL": "redis://127.0.0.1:6379/0"}, 0),  # one server: nothing to wait for
+    ({"PREWARM_REDIS_URL": "sentinel://127.0.0.1:26379/0", "PREWARM_REDIS_SENTINEL_MASTER": "m"}, 1),
+    ({"PREWARM_REDIS_URL": "sentinel://127.0.0.1:26379/0", "PREWARM_REDIS_SENTINEL_MASTER": "m",
+      "PREWARM_REDIS_WAIT_REPLICAS": "2"}, 2),
+])
+def test_how_many_replicas_a_write_waits_for(clean_env: pytest.MonkeyPatch, env: dict[str, str], expected: int) -> None:
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert Settings.load().redis.effective_wait_replicas == expected
+
+
+@pytest.mark.parametrize("var,value", [("PREWARM_REDIS_WAIT_REPLICAS", "-1"), ("PREWARM_REDIS_WAIT_TIMEOUT_MS", "0"),
+                                       ("PREWARM_AGENT_OUTBOX_RESEND_AFTER_S", "0"),
+                                       ("PREWARM_AGENT_OUTBOX_SWEEP_INTERVAL_S", "nan")])
+def test_bad_outbox_settings_name_the_variable(clean_env: pytest.MonkeyPatch, var: str, value: str) -> None:
+    clean_env.setenv(var, value)
+    with pytest.raises(SettingsError, match=var):
+        Settings.load()
 
 
 # --- the store, on a real Redis ---------------------------------------------------------------
