@@ -27,7 +27,7 @@ from prewarm.core import keys
 from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.errors import InvalidPayload, SettingsError
 from prewarm.core.metrics import Metrics
-from prewarm.core.settings import Settings
+from prewarm.core.settings import AgentSettings, RedisSettings, Settings
 from prewarm.policy.outbox import OutboxRecord, ReplicaShortfall, SweepAction, replicas_to_wait, sweep_action
 from prewarm.registry.embedded import EmbeddedRedis, free_port, redis_binary, stop_process, wait_for_port
 from prewarm.registry.outbox import Begin, Outbox
@@ -35,7 +35,7 @@ from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.registry.replication import ReplicatedWrites
 from tests.celery_helpers import WorkerProcess, queued_tasks, settings_from_env, wait_for, worker_env
 from workers.app import make_app
-from workers.delivery import sweep
+from workers.delivery import Delivery, sweep
 from workers.names import RETIRE, node_queue
 
 NODE = "n1"
@@ -139,6 +139,21 @@ def test_begin_settle_and_release(redis_client: "redis.Redis[str]") -> None:
     assert outbox.size() == 0 and outbox.due(1e12, 10) == []
     assert outbox.settled("t1") == "retired"
     assert outbox.begin("t1", 0, token="d", lease_s=60) is Begin.SETTLED  # a redelivered copy
+
+
+def test_a_running_task_keeps_its_lease_past_its_ttl_and_a_dropped_one_runs_out(redis_url: str) -> None:
+    """The process's lease keeper refreshes every lease a delivery holds (every third of agent.lock_ttl_s)."""
+    delivery = Delivery(Settings(redis=RedisSettings(url=redis_url), agent=AgentSettings(lock_ttl_s=3.0)))
+    try:
+        outbox = delivery.outbox
+        assert outbox.begin("long-1", 0, token="me", lease_s=delivery.lease_s) is Begin.RUN
+        assert outbox.begin("gone-1", 0, token="me", lease_s=delivery.lease_s) is Begin.RUN
+        delivery.hold("long-1", 0, "me")  # still running
+        time.sleep(4.5)  # past the 3 s TTL: only a refreshed lease is still there
+        assert outbox.begin("long-1", 0, token="copy", lease_s=delivery.lease_s) is Begin.RUNNING
+        assert outbox.begin("gone-1", 0, token="copy", lease_s=delivery.lease_s) is Begin.RUN  # never held: ran out
+    finally:
+        delivery.close()
 
 
 @pytest.fixture()
