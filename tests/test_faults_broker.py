@@ -82,7 +82,7 @@ def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_ba
         assert dispatch_due(ctx, app, now=now + 4) == ["up-broker"]
         assert dispatch_due(ctx, app, now=now + 6) == []  # leased: not sent twice
         assert queued_tasks(broker_client, PLANNER_QUEUE) == [
-            {"task": APPLY_EVENT, "args": ["up-broker"], "id": f"up-broker/{APPLY_EVENT}"}]
+            {"task": APPLY_EVENT, "args": ["up-broker"], "id": f"up-broker@{now + 4:.3f}/{APPLY_EVENT}"}]  # per dispatch
         assert ctx.client.hget(keys.planned_event("up-broker"), "status") == "dispatched"
     finally:
         broker_client.close()

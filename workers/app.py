@@ -11,6 +11,9 @@
 - `worker_prefetch_multiplier = 1`: a node agent reserves no more messages than it has
   threads, so a queued prewarm can still be taken by the agent's next start.
 - Results are ignored: nothing reads them (state lives in the replica registry).
+- Every task but the beat's periodic ones goes through the task outbox (`workers/delivery.py`):
+  recorded and replicated before it is published, settled once by the worker that ran it, and
+  sent again by the beat's sweep if a Sentinel failover lost it (issue 20).
 
 Routing (`workers.names`): replica tasks go to their node's queue, cluster-wide tasks to
 the planner's. `workers.app:app` is built lazily from the environment, for
@@ -26,6 +29,7 @@ from celery import Celery
 from prewarm.registry.connection import broker_transport_options, broker_url
 from prewarm.core.settings import Settings
 from workers import broker, schedule
+from workers.delivery import Delivery, PrewarmCelery, SettledTask
 from workers.names import PLANNER_QUEUE, route_task
 from workers.node import tasks as node_tasks
 from workers.planning import tasks as planning_tasks
@@ -34,7 +38,8 @@ def make_app(settings: Settings) -> Celery:
     """The Celery app for these settings, with every prewarm task registered."""
     agent = settings.agent
     visibility = agent.effective_visibility_timeout_s
-    app = Celery("prewarm", broker=broker_url(settings.redis), set_as_current=False)
+    app = PrewarmCelery("prewarm", broker=broker_url(settings.redis), set_as_current=False, task_cls=SettledTask)
+    app.delivery = Delivery(settings)
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

@@ -17,7 +17,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from prewarm.core.metrics import Metrics
-from prewarm.registry.connection import sync_client
+from prewarm.registry.connection import replicated_writes, sync_client
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import Settings
 from workers.node.supervision import RuntimeSupervisor
@@ -49,7 +49,7 @@ class WorkerContext:
         return cls(
             settings=settings,
             client=client,
-            registry=ReplicaRegistry(client, settings.registry),
+            registry=ReplicaRegistry(client, settings.registry, writes=replicated_writes(settings.redis)),
             metrics=Metrics(registry or CollectorRegistry()),
         )
 

@@ -36,6 +36,11 @@ DISPATCH_EVENTS = "prewarm.dispatch_due_events"
 APPLY_EVENT = "prewarm.apply_scale_event"
 FORECAST = "prewarm.forecast_and_plan"
 PLACE_ELSEWHERE = "prewarm.place_elsewhere"  # a load or wake its node's memory refused: another node (planner)
+SWEEP_OUTBOX = "prewarm.sweep_outbox"  # send again what a failover lost (workers/delivery.py)
+
+#: The beat's periodic tasks (workers/schedule.py): the next tick is their redelivery, so they are not
+#: kept in the task outbox; every other task is (workers/delivery.py).
+PERIODIC = frozenset({REAP, SCAN_DEMAND, SWEEP_FRAGMENTATION, DISPATCH_EVENTS, FORECAST, SWEEP_OUTBOX})
 
 #: Tasks that act on one replica and run on the replica's node.
 NODE_TASKS = frozenset({PREWARM, RETIRE, KEEP_WARM, RECYCLE, SLEEP, WAKE, EVICT})

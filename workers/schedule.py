@@ -24,4 +24,6 @@ def schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         "dispatch-due-scale-events": {"task": names.DISPATCH_EVENTS,
                                       "schedule": timedelta(seconds=EVENT_DISPATCH_S)},
         "forecast-and-plan": {"task": names.FORECAST, "schedule": timedelta(seconds=settings.planner.interval_s)},
+        "sweep-task-outbox": {"task": names.SWEEP_OUTBOX,
+                              "schedule": timedelta(seconds=settings.agent.outbox_sweep_interval_s)},
     }

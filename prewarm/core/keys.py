@@ -273,8 +273,23 @@ DEMAND_COALESCE_S = 1
 PLANNED_EVENTS = f"{PREFIX}:plannedq"
 
 #: Outcome of a task message that finished (done or failed for good): a redelivered copy does nothing.
+#: Set NX by the delivery that settles it (workers/delivery.py); kept TASK_DELIVERIES_TTL_S.
 def task_done(task_id: str) -> str:
     return f"{PREFIX}:taskdone:{task_id}"
+
+
+#: Lease of the delivery running one attempt of a task (its retry number): a copy delivered meanwhile is
+#: a duplicate and does nothing. Refreshed while the task runs; expires `agent.lock_ttl_s` after its holder
+#: stopped refreshing it (a killed worker, or a release Redis could not take).
+def task_running(task_id: str, retries: int) -> str:
+    return f"{PREFIX}:taskrun:{task_id}:{retries}"
+
+
+#: The task outbox: hash task id -> JSON of a sent, unsettled task (name, args, kwargs, queue, retries,
+#: sent_at, due_at), written and replicated (WAIT) before the message is published (prewarm/registry/outbox.py).
+OUTBOX = f"{PREFIX}:outbox"
+#: Sorted set of outbox task ids scored by when the sweep looks at them again (due + outbox_resend_after_s).
+OUTBOX_DUE = f"{PREFIX}:outbox:due"
 
 # --- canary rollouts (prewarm/registry/rollouts.py) ----------------------------------------
 #: JSON of a model's rollout state (`prewarm.policy.rollout.RolloutState`); kept after it ends, for status.

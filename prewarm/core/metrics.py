@@ -42,6 +42,8 @@ EXPORTED = (
     "prewarm_planner_mode",
     "prewarm_planned_events_total",
     "prewarm_dropped_events_total",
+    "prewarm_task_duplicates_total",
+    "prewarm_outbox_resent_total",
     "prewarm_validation_results_total",
     "runtime_requests_total",
     "gateway_revision_requests_total",
@@ -186,6 +188,18 @@ class Metrics:
             "prewarm_dropped_events_total",
             "Scale events the planner dropped (budget) or could not enqueue, by reason",
             ["model", "reason"],
+            registry=registry,
+        )
+        self.task_duplicates = Counter(
+            "prewarm_task_duplicates_total",
+            "Task deliveries skipped as copies of a task settled or running elsewhere (workers/delivery.py)",
+            ["task"],
+            registry=registry,
+        )
+        self.outbox_resent = Counter(
+            "prewarm_outbox_resent_total",
+            "Tasks the outbox sweep published again: unsettled, not running and gone from the broker",
+            ["task"],
             registry=registry,
         )
         self.runtime_requests = Counter(

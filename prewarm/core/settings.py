@@ -50,6 +50,18 @@ class RedisSettings(_Group):
     tls_verify: bool = True
     sentinel_master: str | None = Field(None, validate_default=True)  # the primary's name the Sentinels watch (required with sentinel://)
     sentinel_password: SecretStr | None = None  # the Sentinels' own password, when they require one
+    # Replicas that must hold an outbox record (and a registration) before the write counts (Redis WAIT):
+    # what a failover cannot lose. None: 1 with sentinel:// (a group has a replica to promote), 0 otherwise.
+    # A group left with fewer replicas (its old primary dead) waits for those it has (docs/operating.md, "Tasks across a failover").
+    wait_replicas: int | None = Field(None, ge=0)
+    wait_timeout_ms: int = Field(100, ge=1)  # longest WAIT; a replica slower than this is counted short
+
+    @property
+    def effective_wait_replicas(self) -> int:
+        if self.wait_replicas is not None:
+            return self.wait_replicas
+        address = self.address
+        return 1 if address is not None and address.is_sentinel else 0
 
     @field_validator("url")
     @classmethod
@@ -284,6 +296,10 @@ class AgentSettings(_Group):
     # it well under gateway.hold_timeout_s: the held requests are served by the replacement.
     wake_timeout_s: float = Field(10.0, gt=0)
     health_failures: int = Field(3, ge=1)  # consecutive failed /readyz checks of a ready replica before it is failed
+    # The task outbox (workers/delivery.py, docs/operating.md): a sent task nobody settled, that is neither
+    # running nor in the broker (lost in a failover) this long after it was due, is sent again (same id).
+    outbox_resend_after_s: float = Field(30.0, gt=0)
+    outbox_sweep_interval_s: float = Field(5.0, gt=0)  # how often the beat's sweep looks (one ZRANGEBYSCORE)
 
     @field_validator("visibility_timeout_s")
     @classmethod

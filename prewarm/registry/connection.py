@@ -29,6 +29,7 @@ import redis.sentinel
 from prewarm.core.errors import SettingsError
 from prewarm.core.redis_url import RedisAddress
 from prewarm.core.settings import RedisSettings
+from prewarm.registry.replication import ReplicatedWrites
 
 
 def _unusable(exc: redis.ResponseError) -> redis.ConnectionError:
@@ -99,6 +100,25 @@ def sync_client(cfg: RedisSettings) -> "redis.Redis[str]":
                                                           **_master_kwargs(cfg, address))
         return client
     return redis.Redis.from_url(cfg.url or "", redis_connect_func=_handshake, **_kwargs(cfg))
+
+
+def broker_client(cfg: RedisSettings) -> "redis.Redis[str]":
+    """A client of the broker's database (`broker_db`, else the registry's): to read what kombu holds."""
+    address = _address(cfg)
+    if cfg.broker_db is None or cfg.broker_db == address.db:
+        return sync_client(cfg)
+    if address.is_sentinel:
+        sentinel = redis.sentinel.Sentinel(list(address.sentinels), sentinel_kwargs=_sentinel_kwargs(cfg))
+        kw = _master_kwargs(cfg, address)
+        kw["db"] = cfg.broker_db
+        client: "redis.Redis[str]" = sentinel.master_for(str(cfg.sentinel_master), redis_connect_func=_handshake, **kw)
+        return client
+    return redis.Redis.from_url(broker_url(cfg), redis_connect_func=_handshake, **_kwargs(cfg))
+
+
+def replicated_writes(cfg: RedisSettings) -> ReplicatedWrites:
+    """How writes that must survive a failover wait for replicas (`redis.wait_replicas`, `wait_timeout_ms`)."""
+    return ReplicatedWrites(cfg.effective_wait_replicas, cfg.wait_timeout_ms)
 
 
 def async_client(cfg: RedisSettings) -> "aioredis.Redis[str]":

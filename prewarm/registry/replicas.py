@@ -30,6 +30,7 @@ from prewarm.core.domain import (
     parse_replica_id,
 )
 from prewarm.core.errors import IllegalTransition, InvalidPayload, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry.replication import ReplicatedWrites
 from prewarm.registry.lua import BASELINE_SAMPLE, COUNTS, HEARTBEAT, PROGRESS, REAP, REGISTER, TRANSITION, view_script
 from prewarm.core.settings import RegistrySettings
 
@@ -108,9 +109,13 @@ class RoutingView:
 class ReplicaRegistry:
     """Replica records, state transitions, heartbeats and the views built on them."""
 
-    def __init__(self, client: "redis.Redis[str]", settings: RegistrySettings | None = None) -> None:
+    def __init__(self, client: "redis.Redis[str]", settings: RegistrySettings | None = None, *,
+                 writes: ReplicatedWrites | None = None) -> None:
         self.client = client
         self.settings = settings or RegistrySettings()
+        # With `writes`, a registration returns once the replicas have it too (Redis WAIT): a failover right
+        # after cannot lose a replica that was acknowledged (issue 20; `redis.wait_replicas`).
+        self._writes = writes
         self._register = client.register_script(REGISTER)
         self._transition = client.register_script(TRANSITION)
         self._heartbeat = client.register_script(HEARTBEAT)
@@ -167,6 +172,11 @@ class ReplicaRegistry:
         if pipe is not None:
             self._register(keys=ks, args=argv, client=pipe)
             return True
+        if self._writes is not None:
+            replicated = self.client.pipeline(transaction=False)
+            self._register(keys=ks, args=argv, client=replicated)
+            results, _ = self._writes.execute(replicated)
+            return bool(results[0])
         return bool(self._register(keys=ks, args=argv))
 
     @_wrap_redis_errors

@@ -11,9 +11,12 @@ calls the pipeline or an operation, and applies one failure policy:
 - a temporary error is retried with exponential backoff, up to `agent.max_attempts` (a retry the
   broker cannot take, during a restart or a failover, requeues the message instead of dropping it);
 - a message delivered more than `agent.max_attempts` times (its worker died every time:
-  acks_late + reject_on_worker_lost redeliver it) is given up and the replica failed;
-- once a message is settled (done, failed for good, refused) its outcome is kept
-  (`keys.task_done`), so a copy the broker redelivers later does nothing at all.
+  acks_late + reject_on_worker_lost redeliver it) is given up and the replica failed.
+
+Settling is every task's, not this module's (`workers/delivery.py`): a task that returned or
+failed for good is marked done (`keys.task_done`), so a copy the broker redelivers later, or
+one delivered while it runs, does nothing at all. A retry or a requeue is not settled (its next
+delivery is), nor is a task Redis went away under (a failover): the outbox sweep sends that again.
 
 Tasks take `*args, **kwargs` so that a producer's wrong arguments reach the validator and
 are refused with a message naming the field, instead of a bare TypeError.
@@ -86,14 +89,6 @@ def _fail(ctx: WorkerContext, ref: ReplicaRef, exc: BaseException, *, reason: st
         ctx.runtimes.stop(ref.replica_id)
 
 
-def _finished(ctx: WorkerContext, task: Task, outcome: str) -> None:
-    """Remember that this task message is settled, so a redelivered copy of it does nothing."""
-    try:
-        ctx.client.set(keys.task_done(task.request.id or "?"), outcome[:200], ex=keys.TASK_DELIVERIES_TTL_S)
-    except redis.RedisError as exc:
-        log.warning("could not record the outcome of %s: %s", task.request.id, exc)
-
-
 def _backoff(ctx: WorkerContext, task: Task, exc: BaseException) -> float:
     agent = ctx.settings.agent
     delay = agent.retry_backoff_s * (2 ** int(task.request.retries or 0))
@@ -115,18 +110,12 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
         _refuse(ctx, task, exc, args, kwargs)
         raise
     ref = ref_of(req)
-    done = ctx.client.get(keys.task_done(task.request.id or "?"))
-    if done is not None:
-        log.info("%s[%s] of %s was already settled (%s); this copy does nothing", task.name, task.request.id,
-                 ref.replica_id, done)
-        return {"replica_id": ref.replica_id, "outcome": "duplicate"}
     max_attempts = ctx.settings.agent.max_attempts
     delivery = _delivery_number(ctx, task)
     if delivery > max_attempts:
         gave_up = PermanentError(f"{task.name} was delivered {delivery} times without finishing "
                                  f"(agent.max_attempts={max_attempts}); giving up")
         _fail(ctx, ref, gave_up, reason="gave_up")
-        _finished(ctx, task, "gave_up")
         return {"replica_id": ref.replica_id, "outcome": "gave_up"}
     deadline = time.monotonic() + ctx.settings.agent.task_time_limit_s
     try:
@@ -135,19 +124,16 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
         raise
     except InvalidPayload as exc:
         _refuse(ctx, task, exc, args, kwargs)
-        _finished(ctx, task, "refused")
         raise
     except LockLost as exc:
         log.warning("%s[%s]: %s; leaving the replica to its new owner", task.name, task.request.id, exc)
         return {"replica_id": ref.replica_id, "outcome": "taken_over"}
     except PermanentError as exc:
         _fail(ctx, ref, exc)
-        _finished(ctx, task, f"failed: {failure_reason(exc)}")
         raise
     except (TemporaryError, redis.RedisError, OSError, TimeoutError) as exc:
         if int(task.request.retries or 0) + 1 >= max_attempts:
             _fail(ctx, ref, exc, reason="gave_up")
-            _finished(ctx, task, "gave_up")
             raise
         countdown = _backoff(ctx, task, exc)
         log.warning("%s[%s] of %s: temporary failure (%s); retry %d/%d in %.1fs", task.name, task.request.id,
@@ -164,16 +150,15 @@ def _replica_task(task: Task, parse: Callable[[Any, Any], T], ref_of: Callable[[
             raise Reject(rejected.reason, requeue=True) from exc
     except Exception as exc:
         _fail(ctx, ref, exc, reason="internal")
-        _finished(ctx, task, "failed: internal")
         raise
-    _finished(ctx, task, str(result.get("outcome", "done")) if isinstance(result, dict) else "done")
     return result
 
 
-def _place_elsewhere(app: Celery, rid: str, need_bytes: int, reason: str) -> None:
-    """Hand a load or a wake this node's memory refused to the planner (`workers.planning.elsewhere`)."""
-    app.send_task(names.PLACE_ELSEWHERE, args=[rid, int(need_bytes), reason[:2000]],
-                  task_id=f"{rid}/{names.PLACE_ELSEWHERE}")
+def _place_elsewhere(task: Task, rid: str, need_bytes: int, reason: str) -> None:
+    """Hand a load or a wake this node's memory refused to the planner (`workers.planning.elsewhere`).
+    Its id derives from the task refused (a redelivered copy sends the same one, settled once)."""
+    task.app.send_task(names.PLACE_ELSEWHERE, args=[rid, int(need_bytes), reason[:2000]],
+                       task_id=f"{task.request.id}/{names.PLACE_ELSEWHERE}")
     log.warning("%s does not fit on this node (%s): handed to the planner to place elsewhere", rid, reason)
 
 
@@ -185,7 +170,7 @@ def prewarm_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
         try:
             result = PrewarmJob(ctx, req, owner=owner_token(self.request.id or "?"), deadline=deadline).run()
         except InsufficientMemory as exc:  # nothing started here: the planner places it on another node
-            _place_elsewhere(self.app, req.replica.replica_id, exc.nbytes, str(exc))
+            _place_elsewhere(self, req.replica.replica_id, exc.nbytes, str(exc))
             raise
         return {"replica_id": result.replica_id, "outcome": result.outcome.value, "cold_start_s": result.cold_start_s}
 
@@ -261,7 +246,7 @@ def wake_replica(self: Task, *args: Any, **kwargs: Any) -> Any:
                 ctx.client.delete(claim)
         if outcome is tiers.TierOutcome.NO_MEMORY:  # left asleep here: the planner places it on another node
             booking = ctx.runtimes.ledger.get(rid)
-            _place_elsewhere(self.app, rid, booking.nbytes if booking else 0,
+            _place_elsewhere(self, rid, booking.nbytes if booking else 0,
                              f"wake refused on {req.replica.node}: GPU memory full")
         elif outcome is tiers.TierOutcome.WAKE_FAILED:  # failed: the planner prewarms a replacement now
             self.app.send_task(names.HANDLE_DEMAND, args=[req.replica.model])

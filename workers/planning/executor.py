@@ -122,7 +122,10 @@ def dispatch_due(ctx: WorkerContext, app: Celery, *, now: float) -> list[str]:
         if claim(keys=[keys.PLANNED_EVENTS, keys.planned_event(event_id)], args=[event_id, now, now + _lease_s(ctx)]) != 1:
             continue  # another dispatcher claimed it
         try:
-            app.send_task(names.APPLY_EVENT, args=[event_id], task_id=task_id(event_id, names.APPLY_EVENT))
+            # one task per dispatch (a task settled once is never run again, and an apply that could not
+            # send everything leaves its event queued for the next dispatch); the apply itself is idempotent
+            app.send_task(names.APPLY_EVENT, args=[event_id],
+                          task_id=task_id(f"{event_id}@{now:.3f}", names.APPLY_EVENT))
         except ENQUEUE_ERRORS as exc:
             _requeue(ctx, event_id, now=now, error=exc)
             break

@@ -13,6 +13,7 @@
 - `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`).
 - `place_elsewhere(replica_id, need_bytes, reason)`: a load or a wake its node's memory refused is
   placed on another node (see `workers.planning.elsewhere`).
+- `sweep_outbox`: send again the tasks a Redis failover lost (see `workers.delivery`).
 
 Placement reads the node views agents publish (`workers.planning.nodes`).
 """
@@ -27,7 +28,7 @@ from celery import Celery, Task
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, TERMINAL_STATES, Pool, ReplicaState, replica_id
 from workers import names
-from workers import context, payload
+from workers import context, delivery, payload
 from workers.context import WorkerContext
 from workers.planning.elsewhere import place_elsewhere as run_place_elsewhere
 from workers.planning.executor import apply_event, dispatch_due
@@ -210,6 +211,12 @@ def place_elsewhere(self: Task, *args: Any, **kwargs: Any) -> Any:
     return run_place_elsewhere(_ctx(self), self.app, req)
 
 
+def sweep_outbox(self: Task, *args: Any, **kwargs: Any) -> Any:
+    payload.parse_nothing("sweep_outbox", args, kwargs)
+    ctx = _ctx(self)
+    return delivery.sweep(self.app, ctx.metrics, now=ctx.clock())
+
+
 def register(app: Celery) -> None:
     """Register the cluster-wide tasks on `app`."""
     common = names.TASK_OPTIONS
@@ -221,3 +228,4 @@ def register(app: Celery) -> None:
     app.task(name=names.APPLY_EVENT, **common)(apply_scale_event)
     app.task(name=names.FORECAST, **common)(forecast_and_plan)
     app.task(name=names.PLACE_ELSEWHERE, **common)(place_elsewhere)
+    app.task(name=names.SWEEP_OUTBOX, **common)(sweep_outbox)
