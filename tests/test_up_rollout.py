@@ -9,23 +9,30 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.test_up import PREWARM, _env, _trace, _wait_gone
 
 
-@pytest.mark.slow
-def test_up_with_a_corrupt_canary_rolls_back_with_no_user_visible_error(tmp_path: Path) -> None:
-    trace = _trace(tmp_path / "trace.jsonl", seconds=90)
+def up_with_rollout(tmp_path: Path, kind: str, seconds: int) -> dict[str, Any]:
+    """`prewarm up` replaying `seconds` of a trace with a `kind` rollout midway; its report."""
+    trace = _trace(tmp_path / "trace.jsonl", seconds=seconds)
     out = tmp_path / "out"
     proc = subprocess.run(
-        [PREWARM, "up", "--trace", str(trace), "--duration", "90", "--no-flower", "--out", str(out),
-         "--rollout", "corrupt"],
-        env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [PREWARM, "up", "--trace", str(trace), "--duration", str(seconds), "--no-flower", "--out", str(out),
+         "--rollout", kind],
+        env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300 + 2 * seconds,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(next(out.glob("run-*/report.json")).read_text())
+    report: dict[str, Any] = json.loads(next(out.glob("run-*/report.json")).read_text())
+    return report
+
+
+@pytest.mark.slow
+def test_up_with_a_corrupt_canary_rolls_back_with_no_user_visible_error(tmp_path: Path) -> None:
+    report = up_with_rollout(tmp_path, "corrupt", 90)
     ro = report["rollout"]
     assert ro["outcome"] == "rolled_back", ro
     assert "corrupt" in ro["reason"] or "bad_weights" in ro["reason"], ro["reason"]
@@ -41,15 +48,7 @@ def test_up_with_a_corrupt_canary_rolls_back_with_no_user_visible_error(tmp_path
 @pytest.mark.timeout(900)  # a 240 s replay after a start-up, on a shared machine
 def test_up_with_a_good_canary_completes_and_no_request_waits_during_the_shift(tmp_path: Path) -> None:
     # 240 s: the rollout runs in the second half, three steps of a canary bring-up and a 10 s pause each
-    trace = _trace(tmp_path / "trace.jsonl", seconds=240)
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [PREWARM, "up", "--trace", str(trace), "--duration", "240", "--no-flower", "--out", str(out),
-         "--rollout", "good"],
-        env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(next(out.glob("run-*/report.json")).read_text())
+    report = up_with_rollout(tmp_path, "good", 240)
     ro = report["rollout"]
     assert ro["outcome"] == "completed", {k: v for k, v in ro.items() if k != "weight_samples"}
     assert ro["waited_during_shift"] == 0 and ro["errors_during_shift"] == 0, ro
