@@ -329,6 +329,40 @@ def test_the_pod_warmer_validates_the_same_server_against_the_revision_reference
         ctx.client.close()
 
 
+def test_a_canary_pod_is_proven_against_the_stable_vllm_replica(world: World) -> None:
+    """Issue 19 with the real engine: while a rollout of tiny to r2 runs, a Ready pod of r2 is compared with
+    the agent's ready r1 replica over vLLM's own OpenAI API (greedy tokens and top logprobs, then time to
+    first token and decode side by side) before it is registered. Here the pod is the same server, so the
+    comparison must pass: what it proves is that vLLM's answers carry what the proof reads."""
+    from prewarm.policy import rollout as rp
+    from prewarm.registry.rollouts import RolloutStore
+
+    spec = rp.RolloutSpec(model="tiny", stable="r1", canary="r2", steps=(50, 100), pause_s=600.0,
+                          logprob_tolerance=0.05, speed_ratio=50.0, error_rate_margin=0.01, latency_ratio=1.2,
+                          min_requests=20)
+    store = RolloutStore(world.client)
+    store.update("tiny", lambda running: rp.start(spec, now=time.time(), live_revisions=["r1"], known_revisions=["r2"],
+                                                  running=running))
+    ctx = WorkerContext.build(world.settings, registry=CollectorRegistry())
+    try:
+        target = target_from(world.settings, model="tiny", revision="r2", served_model="tiny", pool="serving",
+                             node_class=None)
+        target = type(target)(**{**target.__dict__, "api_key": KEY})
+        pod = ReadyPod(name="llm-canary-0", namespace="inference", uid="u1", node="gpu-a", pod_ip="127.0.0.1",
+                       endpoint=world.endpoint(0), labels={"app": "llm"}, resource_version="1")
+        result = PodPrewarmer(ctx, target).handle(pod)
+        assert result.outcome is PodOutcome.READY, result.reason
+        sample = ctx.metrics.registry.get_sample_value
+        for check in ("canary_numeric", "canary_performance"):
+            assert sample("prewarm_validation_results_total", {"model": "tiny", "check": check, "result": "passed"}) == 1
+        world.registry.transition(result.replica_id, ReplicaState.DRAINING, now=time.time())
+        world.registry.transition(result.replica_id, ReplicaState.RETIRED, now=time.time(), reason="test done")
+    finally:
+        if (st := store.get("tiny")) is not None and st.phase not in rp.TERMINAL:  # the next tests see no rollout
+            store.update("tiny", lambda running: rp.abort(running, now=time.time()))  # type: ignore[arg-type]
+        ctx.client.close()
+
+
 def test_a_corrupted_copy_of_the_revision_fails_against_its_reference(world: World) -> None:
     world.app.send_task(PREWARM, args=[BAD, "serving", str(world.corrupt_dir)])
     rec = world.wait_state(BAD, "failed", "ready")
