@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from prewarm.core import keys
 from prewarm.policy.engine_checks import SpeedBaseline
 from prewarm.policy.reference import Probe, probes_from_json, probes_to_json
-from prewarm.registry.replicas import _wrap_redis_errors
+from prewarm.registry.replicas import _wrap_redis_errors, figures, push_figure
 
 if TYPE_CHECKING:
     import redis
@@ -90,10 +90,9 @@ class EnginePhases:
     def record(self, model: str, phase: str, node_class: str, seconds: float) -> None:
         key = keys.engine_phase_times(model, phase, node_class)
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(key, repr(float(seconds)))
-        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        push_figure(pipe, key, seconds)
         pipe.execute()
 
     @_wrap_redis_errors
     def times(self, model: str, phase: str, node_class: str) -> list[float]:
-        return [float(v) for v in self.client.lrange(keys.engine_phase_times(model, phase, node_class), 0, -1)]
+        return figures(self.client, keys.engine_phase_times(model, phase, node_class))

@@ -106,6 +106,17 @@ class RoutingView:
     engine_load: Mapping[str, int] = field(default_factory=dict)  # replica id -> running + waiting its engine reports
 
 
+def push_figure(pipe: "redis.client.Pipeline[str]", key: str, seconds: float) -> None:
+    """Queue on `pipe` one measured duration at the head of `key`, the list capped at `LOADTIMES_KEEP`."""
+    pipe.lpush(key, repr(float(seconds)))
+    pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+
+
+def figures(client: "redis.Redis[str]", key: str) -> list[float]:
+    """The durations `push_figure` kept under `key`, newest first."""
+    return [float(v) for v in client.lrange(key, 0, -1)]
+
+
 class ReplicaRegistry:
     """Replica records, state transitions, heartbeats and the views built on them."""
 
@@ -326,8 +337,7 @@ class ReplicaRegistry:
         """One lead of `model@revision` on `node_class`: scale event to validated, image pulls left out."""
         key = keys.load_times(model, revision, node_class)
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(key, repr(float(seconds)))
-        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        push_figure(pipe, key, seconds)
         pipe.sadd(keys.load_time_classes(model), f"{revision}/{node_class}")
         pipe.execute()
 
@@ -351,21 +361,19 @@ class ReplicaRegistry:
         """An image pull a new pod waited for (the first start of its image on a node), kept apart from the lead."""
         key = keys.image_pulls(model, revision, node_class)
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(key, repr(float(seconds)))
-        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        push_figure(pipe, key, seconds)
         pipe.execute()
 
     @_wrap_redis_errors
     def image_pulls(self, model: str, revision: str, node_class: str) -> list[float]:
-        return [float(v) for v in self.client.lrange(keys.image_pulls(model, revision, node_class), 0, -1)]
+        return figures(self.client, keys.image_pulls(model, revision, node_class))
 
     @_wrap_redis_errors
     def record_ready_time(self, model: str, tier: str, node_class: str, seconds: float) -> None:
         """One measured time to ready from `tier` (asleep / cached / disk): the catalog's per-tier figure."""
         key = keys.ready_times(model, tier, node_class)
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(key, repr(float(seconds)))
-        pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
+        push_figure(pipe, key, seconds)
         pipe.execute()
 
     @_wrap_redis_errors

@@ -10,16 +10,15 @@ draining) and the allocator fragmentation (`/stats` or `/metrics`, for recycling
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prewarm.adapters.runtimes import BuiltinRuntimeAdapter, LoadStatus, ValidationInputs
+from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
 from prewarm.core import http
 from prewarm.core.domain import Replica
 from prewarm.core.settings import Settings
-from prewarm.policy.validation import ValidationReport
-from prewarm.policy.warmup import WarmupRequest
+from workers.node.adapter_client import AdapterClient
 
 if TYPE_CHECKING:
     from workers.node.vllm_client import VllmClient
@@ -33,7 +32,7 @@ def control_token(settings: Settings) -> str | None:
     return None
 
 
-class RuntimeClient:
+class RuntimeClient(AdapterClient[BuiltinRuntimeAdapter]):
     """One runtime endpoint, as the pipeline and the operations use it."""
 
     def __init__(self, settings: Settings, endpoint: str, *, model: str | None = None, timeout_s: float = 30.0) -> None:
@@ -43,25 +42,6 @@ class RuntimeClient:
         self.api_key = key.get_secret_value() if key is not None else None
         self.adapter = BuiltinRuntimeAdapter(self.endpoint, token=control_token(settings), timeout_s=timeout_s,
                                              model=model, api_key=self.api_key)
-
-    # --- through the adapter ------------------------------------------------------------
-    def load(self) -> LoadStatus:
-        return self.adapter.load()
-
-    def load_status(self) -> LoadStatus:
-        return self.adapter.load_status()
-
-    def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
-        return self.adapter.warmup(requests)
-
-    def validation_inputs(self) -> ValidationInputs:
-        return self.adapter.validation_inputs()
-
-    def mark_ready(self, report: ValidationReport) -> bool:
-        return self.adapter.mark_ready(report)
-
-    def ready(self) -> bool:
-        return self.adapter.ready()
 
     # --- the runtime's own observations ------------------------------------------------
     def _get(self, path: str) -> bytes:

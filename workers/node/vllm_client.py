@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prewarm.adapters.runtimes import LoadStatus, ValidationInputs
 from prewarm.adapters.vllm import ProbeRun, VllmAdapter
 from prewarm.core.errors import PermanentError
 from prewarm.core.settings import Settings
 from prewarm.policy.engine_checks import EngineFacts
-from prewarm.policy.validation import ValidationReport
-from prewarm.policy.warmup import WarmupRequest
+from workers.node.adapter_client import AdapterClient
 
 
-class VllmClient:
+class VllmClient(AdapterClient[VllmAdapter]):
     engine = "vllm"
 
     def __init__(self, settings: Settings, endpoint: str, *, model: str, timeout_s: float = 60.0) -> None:
@@ -27,24 +25,6 @@ class VllmClient:
         key = settings.runtime.api_key
         self.adapter = VllmAdapter(self.endpoint, api_key=key.get_secret_value() if key is not None else None,
                                    model=model, timeout_s=timeout_s)
-
-    def load(self) -> LoadStatus:
-        return self.adapter.load()
-
-    def load_status(self) -> LoadStatus:
-        return self.adapter.load_status()
-
-    def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
-        return self.adapter.warmup(requests)
-
-    def validation_inputs(self) -> ValidationInputs:
-        return self.adapter.validation_inputs()
-
-    def mark_ready(self, report: ValidationReport) -> bool:
-        return self.adapter.mark_ready(report)
-
-    def ready(self) -> bool:
-        return self.adapter.ready()
 
     def inflight(self) -> int | None:
         return self.adapter.inflight()
