@@ -2,7 +2,7 @@
 
 For one rate or request trace and one cold start, it sweeps `reactive` (HPA target),
 `reactive_sized` (the planner's sizing margin, no forecast) and `fixed_pool` (pool percent)
-over their knobs, runs `prewarm` at its default (or over its quantile with
+over their knobs, runs `prewarm` at its default (or over its cold-start budget with
 `--prewarm-curve`; its 14-day replay is the slow one) and the oracle, all on the same
 seeded arrivals with the simulator's default charges (docs/simulator.md), and prints each
 policy's GPU-hours vs reactive interpolated on its curve at prewarm's default cold-start
@@ -13,6 +13,7 @@ sleep-enabled baselines included, their curves and `at_equal` (the planner's poi
 each curve).
 
 Usage: python benchmarks/yardsticks.py TRACE [--cold-start 8.7] [--days 7] [--few] [--quick] [--json] [--out F.json]
+       [--row LABEL] [--plot F.png] [--prewarm-curve]
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ def main() -> None:
     p.add_argument("trace", nargs="?", default=str(TRACE))
     p.add_argument("--cold-start", type=float, default=8.7)
     p.add_argument("--days", type=float, default=0.0, help="replay only the first N days (0: all)")
-    p.add_argument("--prewarm-curve", action="store_true", help="sweep prewarm over its quantile too")
+    p.add_argument("--prewarm-curve", action="store_true", help="sweep prewarm over its cold-start budget too")
     p.add_argument("--keepalive", action="store_true", help="add keep-alive at its default (a slow replay)")
     p.add_argument("--few", action="store_true", help="fewer settings per curve")
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--row", metavar="LABEL", help="also print the README's table row for this run, labelled LABEL")
+    p.add_argument("--plot", metavar="OUT.png", help="also draw every policy's curve (cold share against GPU or GB·h)")
     args = p.parse_args()
     from prewarm.cli.backtest import _head
 
@@ -89,6 +91,11 @@ def main() -> None:
         print(f"  {k:<14} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
     if args.row:
         print(readme_row(args.row, out))
+    if args.plot:
+        from forecasting.sim.report import plot_sweep
+
+        title = f"{Path(out['trace']).name}, cold start {args.cold_start:g} s\ncold-start share vs GPU-hours (stars: defaults)"
+        print(f"plot written to {plot_sweep(out, args.plot, title=title)}")
     text = json.dumps(out | {"cold_start_s": args.cold_start, "days": days or None}, default=float)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -117,6 +124,10 @@ def _fleet(args: Any) -> None:
     out = run_fleet_backtest(trace, setup=FleetSetup(), knobs=knobs,
                              progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
     print_fleet(out)
+    if args.plot:
+        from forecasting.fleet.report import plot_curves
+
+        print(f"plot written to {plot_curves(out, args.plot)}")
     text = json.dumps(out, default=float)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -175,3 +175,13 @@ def test_warmup_and_health_checks_reuse_one_pooled_connection() -> None:
         adapter.warmup(generate_requests(plan, secret=SECRET, now=time.time()))
     assert len(up.peers) == 12
     assert len(set(up.peers)) == 1, f"{len(set(up.peers))} connections for 12 requests"
+
+
+def test_a_vllm_server_started_eager_has_torch_compile_off() -> None:
+    from prewarm.adapters.vllm import SERVER_ENV, server_env
+
+    eager = server_env(enforce_eager=True, threads_bind="nobind")
+    assert eager["TORCHDYNAMO_DISABLE"] == "1" and eager["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert SERVER_ENV.items() <= eager.items()
+    # compiled (CUDA graphs, torch.compile): vLLM's compilation is left as it configures it
+    assert "TORCHDYNAMO_DISABLE" not in server_env(enforce_eager=False, threads_bind="auto")

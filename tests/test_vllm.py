@@ -205,6 +205,9 @@ def test_bring_up_warm_validate_through_a_real_agent(world: World) -> None:
     assert len(pids) >= 2
     cmd = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\x00")
     assert b"--api-key" in cmd and KEY.encode() in cmd and b"float32" in cmd
+    # started eager through and through: torch.compile off, or vLLM's first logprobs request builds a kernel
+    environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\x00")
+    assert b"--enforce-eager" in cmd and b"TORCHDYNAMO_DISABLE=1" in environ
     # its own facts, as the structural check read them
     status, models = call(world.endpoint(0) + "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

@@ -39,6 +39,18 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_SERVER_D
               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
+def server_env(*, enforce_eager: bool, threads_bind: str) -> dict[str, str]:
+    """The environment of one replica's server: `SERVER_ENV`, the CPU thread binding, and, with
+    `--enforce-eager`, torch.compile off (`TORCHDYNAMO_DISABLE=1`). vLLM compiles a few sampler ops
+    with torch.compile even in eager mode (`batched_count_greater_than`, behind every request that
+    asks for logprobs); on CPU the first such request then waits for an inductor build, 2.4 s with a
+    warm compile cache and 26 s without, and each new batch shape compiles again. Eager means eager."""
+    env = {**SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind}
+    if enforce_eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    return env
+
+
 def server_command(python: str, *, model_dir: str, served_name: str, host: str, port: int, api_key: str | None,
                    max_model_len: int, kv_cache_bytes: int | None, gpu_memory_utilization: float,
                    enforce_eager: bool, sleep_mode: bool, dtype: str | None = None,

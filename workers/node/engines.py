@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from prewarm.adapters.vllm import SERVER_ENV, expected_dtype, server_command
+from prewarm.adapters.vllm import SERVER_ENV, expected_dtype, server_command, server_env
 from prewarm.core.domain import Replica
 from prewarm.core.errors import PermanentError
 from prewarm.core.settings import Settings
@@ -102,4 +102,5 @@ def server_spec(settings: Settings, replica: Replica, model_dir: str, port: int)
         kv_cache_bytes=ecfg.vllm_kv_cache_bytes, gpu_memory_utilization=ecfg.vllm_gpu_memory_utilization,
         enforce_eager=ecfg.vllm_enforce_eager, sleep_mode=sleep_mode_available(python),
         dtype=expected_dtype(model_dir), extra=ecfg.vllm_extra_args)
-    return ServerSpec(VLLM, argv, {**SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": ecfg.vllm_cpu_threads_bind})
+    return ServerSpec(VLLM, argv, server_env(enforce_eager=ecfg.vllm_enforce_eager,
+                                             threads_bind=ecfg.vllm_cpu_threads_bind))
