@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from prewarm.adapters.vllm import SERVER_ENV, VllmAdapter, expected_dtype, expected_max_context, server_command
+from prewarm.adapters.vllm import VllmAdapter, expected_dtype, expected_max_context, server_command, server_env
 from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.metrics import Metrics
 from prewarm.core.settings import Settings
@@ -53,7 +53,8 @@ def start_servers(tmp: Path, model: str, ports: list[int], key: str, settings: S
                              gpu_memory_utilization=ecfg.vllm_gpu_memory_utilization,
                              enforce_eager=ecfg.vllm_enforce_eager, sleep_mode=False, dtype=expected_dtype(model_dir))
         with open(tmp / f"vllm-{slot}.log", "ab") as out:
-            env = {**os.environ, **SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": ecfg.vllm_cpu_threads_bind}
+            env = {**os.environ, **server_env(enforce_eager=ecfg.vllm_enforce_eager,
+                                              threads_bind=ecfg.vllm_cpu_threads_bind)}
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     return model_dir, procs

@@ -238,3 +238,26 @@ def test_redis_restart_is_repopulated_by_heartbeats() -> None:
             assert r is not None
             reg.heartbeat(r, now=time.time())
         assert {r.id for r in reg.ready("llama", Pool.SERVING, now=time.time())} == {r.id for r in hosted if r}
+
+
+def test_an_engines_speed_baseline_is_the_median_of_its_first_replicas(redis_client: "redis.Redis[str]") -> None:
+    """issue 18: a vLLM revision's TTFT and decode baselines were its first replica's (HSETNX): a first replica
+    measured on a quiet machine failed every later one under load. Now each is the median of the first N."""
+    from prewarm.registry.references import ReferenceStore
+
+    store, reg = ReferenceStore(redis_client), ReplicaRegistry(redis_client, SETTINGS)
+    quiet = {"ttft_s": 0.010, "decode_s_per_token": 0.0039}  # the first replica, alone on the machine
+    got = store.record_speed_sample("tiny", "cpu", "r1", quiet, samples=3)
+    assert got.ttft_s is None and got.decode_s_per_token is None  # one sample sets nothing
+    store.record_speed_sample("tiny", "cpu", "r1", {"ttft_s": 0.030, "decode_s_per_token": 0.012}, samples=3)
+    got = store.record_speed_sample("tiny", "cpu", "r1", {"ttft_s": 0.025, "decode_s_per_token": 0.052}, samples=3)
+    assert got.ttft_s == pytest.approx(0.025) and got.decode_s_per_token == pytest.approx(0.012)
+    # made: later samples change nothing; a figure a replica did not measure is left to the others
+    got = store.record_speed_sample("tiny", "cpu", "r1", {"ttft_s": 9.0}, samples=3)
+    assert got.ttft_s == pytest.approx(0.025)
+    # beside the built-in warm latency in the same hash, which keeps its own samples
+    assert reg.record_baseline_sample("tiny", "cpu", 0.5, "r1", samples=1) == 0.5
+    assert store.speed_baseline("tiny", "cpu", "r1").ttft_s == pytest.approx(0.025)
+    assert store.record_speed_sample("tiny", "cpu", "r2", quiet, samples=1).ttft_s == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="unknown speed figure"):
+        store.record_speed_sample("tiny", "cpu", "r1", {"latency_s": 1.0}, samples=1)

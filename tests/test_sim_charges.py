@@ -115,6 +115,30 @@ def test_a_decision_acts_after_the_actuation_delay(aggregated: bool) -> None:
     assert delayed.gpu_s == pytest.approx(at_once.gpu_s - 3.0, abs=1.0)  # the second replica starts 3 s later
 
 
+class _Wants(Policy):
+    name = "wants"
+
+    def start(self, env: PolicyEnv) -> int:
+        return 1
+
+    def decide(self, obs: Observation) -> int:
+        return 5 if obs.now >= 10.0 else 1
+
+
+@pytest.mark.parametrize("aggregated", [False, True])
+def test_a_pool_of_n_replicas_places_no_more(aggregated: bool) -> None:
+    """The live placement drops a scale-up no node has a slot for; `max_replicas` charges the same."""
+    trace = RequestTrace(t=np.asarray([0.0, 60.0]), context_tokens=np.zeros(2), generated_tokens=np.ones(2),
+                         source="two")
+    params = replace(IDEAL, cold_start_s=5.0, aggregate_above_rps=0.0 if aggregated else 50.0)
+    work = build_workload(trace, params)
+    assert replay(work, _Wants(), params).live.max() == 5
+    capped = replay(work, _Wants(), replace(params, max_replicas=2))
+    assert capped.live.max() == 2 and capped.starts == 1
+    with pytest.raises(ValueError, match="max_replicas"):
+        replace(params, max_replicas=0)
+
+
 def test_prewarm_plans_with_the_running_p95_not_the_exact_one() -> None:
     # a burst every 5 minutes makes the planner start replicas; every start takes 40 s
     times = sorted([60.0 + 300.0 * b + i * 0.02 for b in range(6) for i in range(60)] + [0.0, 1799.0])

@@ -387,6 +387,19 @@ def test_sleep_is_refused_where_the_engine_reports_no_sleep_mode(world: World) -
     assert world.state(RID) == "ready" and ("ready", "draining") not in world.transitions(RID)
 
 
+def test_server_info_asked_in_the_background_gives_the_facts_a_synchronous_ask_gives(world: World) -> None:
+    """`warmup` starts /server_info beside the warmup requests (vLLM's first answer runs pip); `facts` then
+    waits for that answer instead of asking again, and reads the same model config."""
+    from prewarm.adapters.vllm import VllmAdapter
+
+    fresh = VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny")
+    fresh.prefetch_server_info()
+    fresh.prefetch_server_info()  # once
+    plain = VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny")
+    assert fresh.facts() == plain.facts() and fresh.facts().dtype == "float32"
+    assert fresh.sleep_supported() is plain.sleep_supported() is False
+
+
 def test_the_node_view_reports_the_engines_answer_on_sleep_mode(world: World) -> None:
     """The agent asked vLLM at start (`current_platform.is_sleep_mode_available()`: False on CPU) and
     publishes the answer per model beside the built-in engine's: the planner plans no asleep tier for it."""

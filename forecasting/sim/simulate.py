@@ -99,6 +99,12 @@ class _Replicas:
         return len(self.serving) + len(self.loading)
 
 
+def placeable(want: float, params: SimParams) -> int:
+    """The replicas of a policy's wish the pool can place (`SimParams.max_replicas`)."""
+    n = max(0, int(want))
+    return n if params.max_replicas is None else min(n, params.max_replicas)
+
+
 def replay(work: Workload, policy: Policy, params: SimParams,
            progress: Callable[[float], None] | None = None) -> PolicyRun:
     """Replay the workload under one policy; `progress(fraction)` is called now and then."""
@@ -229,7 +235,7 @@ def _replay_exact(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
             obs = Observation(t, len(serving), len(reps.loading), area / span if span > 0 else float(busy + len(queue)),
                               float(arrivals_since), period, bank.observed_p95(), float(waited_since))
             area, arrivals_since, waited_since, last_tick = 0.0, 0, 0, t
-            want = max(0, int(policy.decide(obs)))
+            want = placeable(policy.decide(obs), params)
             if delay > 0:
                 acts.append((t + delay, want))
             else:
@@ -316,7 +322,7 @@ def _replay_fluid(work: Workload, policy: Policy, env: PolicyEnv, params: SimPar
             obs = Observation(float(t), len(ready), len(loading), load_acc / span if span > 0 else backlog,
                               arr_acc, period, bank.observed_p95(), waited_acc)
             load_acc, arr_acc, waited_acc, last_tick = 0.0, 0.0, 0.0, float(t)
-            want = max(0, int(policy.decide(obs)))
+            want = placeable(policy.decide(obs), params)
             if delay > 0:
                 acts.append((t + delay, want))
             else:

@@ -50,6 +50,9 @@ class SimParams:
     # share its load bandwidth: the `load_share` of a cold start that is weight transfer runs at 1/k speed with k
     # loads transferring on the node (the rest, process start, warmup and validation, is not shared)
     gpus_per_node: int = 8
+    # the pool's capacity in replicas (nodes x replica slots): a policy's wish beyond it is not placed, as the
+    # live placement drops a scale-up no node has a slot for. None: unbounded
+    max_replicas: int | None = None
     load_share: float = 0.5
     # whether a scale-down cancels replicas still loading (first) or, as the live executor does (it retires ready
     # replicas only), lets them finish their load, to be retired by a later decision once ready
@@ -69,6 +72,8 @@ class SimParams:
                 raise ValueError(f"SimParams.{name} must be > 0, got {getattr(self, name)}")
         if self.gpus_per_node < 1:
             raise ValueError(f"SimParams.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.max_replicas is not None and self.max_replicas < 1:
+            raise ValueError(f"SimParams.max_replicas must be >= 1 (or None: unbounded), got {self.max_replicas}")
         if not 0 <= self.load_share <= 1:
             raise ValueError(f"SimParams.load_share must be within [0, 1], got {self.load_share}")
         if self.cold_start_cv < 0:

@@ -20,6 +20,7 @@ Thin: it decides nothing; validation is the pure checks' job.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
+from prewarm.policy.warmup import WarmupRequest
 from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
 
@@ -99,22 +101,47 @@ class VllmAdapter(OpenAICompatibleAdapter):
         super().__init__(base_url, token=api_key, timeout_s=timeout_s, model=model, has_sleep_mode=False,
                          health_paths=("/health",))
         self._server_info: Mapping[str, Any] | None = None
+        self._info_lock = threading.Lock()  # one /server_info in flight: a second caller waits for its answer
+        self._info_asked = False
 
     # --- what the server says about itself ---------------------------------------------
     def server_info(self) -> Mapping[str, Any] | None:
         """vLLM's model config (`/server_info?config_format=json`, dev mode only); None where not served.
-        Its first call is slow (vLLM collects its system environment then: 10-20 s on a loaded CPU)."""
-        if self._server_info is None:
-            resp = self._request("GET", "/server_info?config_format=json", accept=(404,))
-            if resp.status == 404:
-                return None
-            data = resp.json()
-            cfg = data.get("vllm_config") if isinstance(data, dict) else None
-            model = cfg.get("model_config") if isinstance(cfg, dict) else None
-            if not isinstance(model, dict):
-                raise RuntimeServerError(f"/server_info has no model_config: {str(data)[:200]}")
-            self._server_info = model
-        return self._server_info
+        Its first call is slow: vLLM collects its system environment then (it runs pip: 2.5 s on an idle
+        CPU, 10-20 s on a loaded one), so `warmup` asks it in the background (`prefetch_server_info`)."""
+        with self._info_lock:
+            if self._server_info is None:
+                resp = self._request("GET", "/server_info?config_format=json", accept=(404,))
+                if resp.status == 404:
+                    return None
+                data = resp.json()
+                cfg = data.get("vllm_config") if isinstance(data, dict) else None
+                model = cfg.get("model_config") if isinstance(cfg, dict) else None
+                if not isinstance(model, dict):
+                    raise RuntimeServerError(f"/server_info has no model_config: {str(data)[:200]}")
+                self._server_info = model
+            return self._server_info
+
+    def prefetch_server_info(self) -> None:
+        """Start asking /server_info in a background thread (once): the validation's `facts` then finds its
+        answer, or waits for the one in flight, instead of paying vLLM's slow first answer after the probes.
+        An error is left for that synchronous call to meet (and report)."""
+        if self._info_asked:
+            return
+        self._info_asked = True
+
+        def ask() -> None:
+            try:
+                self.server_info()
+            except Exception:  # noqa: BLE001 - not lost: `facts` asks again and meets (and reports) it
+                pass
+
+        threading.Thread(target=ask, name="vllm-server-info", daemon=True).start()
+
+    def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
+        """The signed warmup requests, with /server_info asked beside them (see `prefetch_server_info`)."""
+        self.prefetch_server_info()
+        return super().warmup(requests)
 
     def sleep_supported(self) -> bool:
         """Whether the server runs with sleep mode, as it says (`enable_sleep_mode`); False where it says nothing."""

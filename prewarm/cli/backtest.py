@@ -61,6 +61,8 @@ def _charge_args(p: argparse.ArgumentParser) -> None:
                    help=f"GPUs per node; concurrent loads on a node share its bandwidth (default {d.gpus_per_node})")
     g.add_argument("--load-share", type=float, default=None,
                    help=f"the share of a cold start that is weight transfer, shared on a node (default {d.load_share:g})")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="the pool's capacity in replicas: a policy's wish beyond it is not placed (default: unbounded)")
     g.add_argument("--ideal", action="store_true",
                    help="charge nothing: constant cold starts, no actuation delay, no shared bandwidth, exact p95 "
                         "(the old yardstick, to compare)")
@@ -82,7 +84,8 @@ def sim_params(args: argparse.Namespace, settings: Settings) -> Any:
         kw |= {"cold_start_cv": 0.0, "actuation_delay_s": 0.0, "load_share": 0.0, "planner_cold_start": "exact"}
     for flag, name in (("cold_start_cv", "cold_start_cv"), ("cold_starts", "cold_starts_s"),
                        ("actuation_delay", "actuation_delay_s"), ("planner_cold_start", "planner_cold_start"),
-                       ("gpus_per_node", "gpus_per_node"), ("load_share", "load_share")):
+                       ("gpus_per_node", "gpus_per_node"), ("load_share", "load_share"),
+                       ("max_replicas", "max_replicas")):
         if getattr(args, flag) is not None:
             kw[name] = getattr(args, flag)
     return SimParams(

@@ -42,7 +42,8 @@ class EngineSettings(_Group):
     probe_tokens: int = Field(8, ge=2)  # greedy tokens per probe; also the decode-rate sample
     probe_logprobs: int = Field(5, ge=1)  # top-k logprobs per position
     probe_seed: int = 0  # the prompts are the same for every replica of every revision
-    # Validated replicas whose probes make a revision's reference (per-logprob median of the majority):
+    # Validated replicas whose probes make a revision's reference (per-logprob median of the majority) and
+    # whose speed figures make its speed baseline per node class (their median):
     # 3 out-votes one bad early replica; 1 trusts the first (small fleets, tests).
     reference_replicas: int = Field(3, ge=1)
     # |logprob| disagreement allowed per weight dtype: same weights in float32 agree to ~1e-5 on one

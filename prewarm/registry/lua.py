@@ -218,12 +218,14 @@ return out
 """
 
 
-#: One validated replica's warm latency towards the baseline. KEYS: samples list, baseline hash.
-#: ARGV: latency (s), samples wanted, TTL. Returns the baseline (a string) once it exists, else false.
+#: One validated replica's figure (its warm latency, or an engine's TTFT or decode time per token) towards
+#: the baseline. KEYS: samples list, baseline hash. ARGV: the figure, samples wanted, TTL, and the hash
+#: field it is the baseline of (default `latency_s`). Returns the baseline (a string) once it exists, else false.
 #: With the wanted count reached, the baseline is their median and the list is dropped: one slow
 #: first replica is outvoted, and concurrent validations never record two baselines.
 BASELINE_SAMPLE = """
-local have = redis.call('HGET', KEYS[2], 'latency_s')
+local field = ARGV[4] or 'latency_s'
+local have = redis.call('HGET', KEYS[2], field)
 if have then return have end
 local n = redis.call('RPUSH', KEYS[1], ARGV[1])
 if n == 1 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
@@ -236,7 +238,7 @@ local mid = math.floor((want + 1) / 2)
 local median = vals[mid]
 if want % 2 == 0 then median = (vals[mid] + vals[mid + 1]) / 2 end
 local text = string.format('%.17g', median)
-redis.call('HSET', KEYS[2], 'latency_s', text, 'samples', want)
+redis.call('HSET', KEYS[2], field, text, 'samples', want)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[1])
 return text

@@ -6,7 +6,9 @@ does not count twice); once there are enough, the robust reference is computed b
 pure `prewarm.policy.reference.build_reference` and stored once (SET NX: two agents that
 finish together store one, and both read the same back). Speed baselines (time to first
 token, decode seconds per token) live in the revision's baseline hash beside the built-in
-warm latency, per node class, first writer wins (HSETNX). Everything expires after
+warm latency, per node class: each is the median of the first `engine.reference_replicas`
+validated replicas' figures (the same Lua script as the warm latency's, so one slow or one
+fast first replica does not set it alone, and concurrent validations record one). Everything expires after
 `keys.BASELINE_TTL_S`, when hardware and engine versions have moved under it.
 """
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from prewarm.core import keys
 from prewarm.policy.engine_checks import SpeedBaseline
 from prewarm.policy.reference import Probe, probes_from_json, probes_to_json
+from prewarm.registry.lua import BASELINE_SAMPLE
 from prewarm.registry.replicas import _wrap_redis_errors, figures, push_figure
 
 if TYPE_CHECKING:
@@ -29,6 +32,7 @@ _SPEED_FIELDS = ("ttft_s", "decode_s_per_token")
 class ReferenceStore:
     def __init__(self, client: "redis.Redis[str]") -> None:
         self.client = client
+        self._baseline_sample = client.register_script(BASELINE_SAMPLE)
 
     @_wrap_redis_errors
     def reference(self, model: str, revision: str) -> tuple[Probe, ...] | None:
@@ -61,16 +65,19 @@ class ReferenceStore:
         return SpeedBaseline(ttft, decode)
 
     @_wrap_redis_errors
-    def set_speed_baseline_if_absent(self, model: str, node_class: str, revision: str,
-                                     figures: Mapping[str, float]) -> SpeedBaseline:
-        key = keys.baseline(model, node_class, revision)
-        pipe = self.client.pipeline(transaction=True)
+    def record_speed_sample(self, model: str, node_class: str, revision: str, figures: Mapping[str, float], *,
+                            samples: int) -> SpeedBaseline:
+        """One validated replica's speed figures towards the baseline: each figure's baseline is the median of
+        the first `samples` recorded (`BASELINE_SAMPLE`). Returns the baseline as it stands (None fields:
+        not yet made)."""
+        if samples < 1:
+            raise ValueError(f"speed baseline samples must be at least 1, got {samples}")
         for name, value in figures.items():
             if name not in _SPEED_FIELDS:
                 raise ValueError(f"unknown speed figure {name!r}; known: {_SPEED_FIELDS}")
-            pipe.hsetnx(key, name, repr(float(value)))
-        pipe.expire(key, keys.BASELINE_TTL_S, nx=True)
-        pipe.execute()
+            self._baseline_sample(keys=[f"{keys.baseline_samples(model, node_class, revision)}:{name}",
+                                        keys.baseline(model, node_class, revision)],
+                                  args=[repr(float(value)), samples, keys.BASELINE_TTL_S, name])
         return self.speed_baseline(model, node_class, revision)
 
 

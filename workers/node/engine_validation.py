@@ -11,7 +11,8 @@ OpenAI API only. So here the three checks are:
   probes) against the revision's baseline on this node class (`check_speed`).
 
 `engine_report` measures and judges; `record_engine` (called only for a replica that
-passed) records the speed baseline and the reference sample, and builds the reference
+passed) records its speed figures (the baseline is their median over the first
+`engine.reference_replicas` replicas) and its reference sample, and builds the reference
 once `engine.reference_replicas` samples are in: samples that disagree with it are the
 outliers, which the caller fails (the one being validated included).
 """
@@ -82,8 +83,10 @@ def record_engine(ctx: WorkerContext, rid: str, *, model: str, revision: str, no
     speed = verdict.report.checks[2]
     figures = speed_record(speed)
     if figures:
-        stored = store.set_speed_baseline_if_absent(model, node_class, revision, figures)
-        log.info("replica %s recorded the speed baseline of %s@%s on %s: %s", rid, model, revision, node_class, stored)
+        need = ctx.settings.engine.reference_replicas
+        stored = store.record_speed_sample(model, node_class, revision, figures, samples=need)
+        log.info("replica %s: speed sample towards the baseline of %s@%s on %s (median of the first %d): %s", rid,
+                 model, revision, node_class, need, stored)
     numeric = verdict.report.checks[1]
     if numeric.outcome is not Outcome.NO_BASELINE:
         return ()

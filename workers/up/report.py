@@ -56,6 +56,7 @@ class UpRun(Protocol):
 
     client: "redis.Redis[str]"
     gateway_url: str
+    nodes: tuple[str, ...]  # the run's node agents
 
     @property
     def warm_cost(self) -> float: ...
@@ -129,7 +130,10 @@ def _simulate(run: UpRun, wl: Workload, got: Measured,
     capacity = float(run.sup.env.get("PREWARM_PLANNER_CAPACITY_RPS") or run.settings.planner.capacity_rps)
     service = service_s(run.stats.latencies, SimParams.wait_threshold_s) or slots / capacity
     measured_delay = float(np.mean(got.actuation_delays_s)) if got.actuation_delays_s else None
+    # the run's pool: its agents' replica slots (one vLLM server per node); the live placement drops the rest
+    per_node = int(run.sup.env.get("PREWARM_AGENT_REPLICA_SLOTS") or run.settings.agent.replica_slots)
     params = SimParams(
+        max_replicas=per_node * len(run.nodes),
         slots=slots, cold_start_s=float(np.mean(got.cold_starts_s)) if got.cold_starts_s else default_cold_s,
         cold_starts_s=got.cold_starts_s,
         # the measured starts already ran beside each other on this machine: no further load-bandwidth charge

@@ -61,6 +61,7 @@ class UpRun:
         self.timeline = Timeline()
         self.stats = TrafficStats()
         self.gateway_url = ""
+        self.nodes: tuple[str, ...] = NODES
         self.started = 0.0
         self.warm_s = 0.0
         self.total_s = 0.0
