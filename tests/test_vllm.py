@@ -396,7 +396,7 @@ def test_server_info_asked_in_the_background_gives_the_facts_a_synchronous_ask_g
     fresh.prefetch_server_info()
     fresh.prefetch_server_info()  # once
     plain = VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny")
-    assert fresh.facts() == plain.facts() and fresh.facts().dtype == "float32"
+    assert fresh.facts() == plain.facts() and fresh.facts().dtype == "torch.float32"  # as vLLM spells it
     assert fresh.sleep_supported() is plain.sleep_supported() is False
 
 

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prewarm.adapters.runtimes import OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
+from prewarm.adapters.runtimes import LoadStatus, OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
 from prewarm.policy.warmup import WarmupRequest
 from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
@@ -124,7 +124,8 @@ class VllmAdapter(OpenAICompatibleAdapter):
 
     def prefetch_server_info(self) -> None:
         """Start asking /server_info in a background thread (once): the validation's `facts` then finds its
-        answer, or waits for the one in flight, instead of paying vLLM's slow first answer after the probes.
+        answer, or waits for the one in flight, instead of paying vLLM's slow first answer after the probes:
+        asked when /health first answers (`load_status`), or at the latest when the warmup starts.
         An error is left for that synchronous call to meet (and report)."""
         if self._info_asked:
             return
@@ -137,6 +138,13 @@ class VllmAdapter(OpenAICompatibleAdapter):
                 pass
 
         threading.Thread(target=ask, name="vllm-server-info", daemon=True).start()
+
+    def load_status(self) -> LoadStatus:
+        """Loaded once /health answers; from then on /server_info is asked in the background."""
+        status = super().load_status()
+        if status.loaded:
+            self.prefetch_server_info()
+        return status
 
     def warmup(self, requests: Sequence[WarmupRequest]) -> list[float]:
         """The signed warmup requests, with /server_info asked beside them (see `prefetch_server_info`)."""
