@@ -90,16 +90,19 @@ def test_planner_knows_only_the_starts_it_has_seen() -> None:
 
 
 class _StepUp(Policy):
-    """One replica, two wanted from t = 10 s (decisions every second)."""
+    """One replica, `to` wanted from t = 10 s (decisions every second)."""
 
     name = "step_up"
     period_s = 1.0
+
+    def __init__(self, to: int = 2) -> None:
+        self.to = to
 
     def start(self, env: PolicyEnv) -> int:
         return 1
 
     def decide(self, obs: Observation) -> int:
-        return 2 if obs.now >= 10.0 else 1
+        return self.to if obs.now >= 10.0 else 1
 
 
 @pytest.mark.parametrize("aggregated", [False, True])
@@ -115,16 +118,6 @@ def test_a_decision_acts_after_the_actuation_delay(aggregated: bool) -> None:
     assert delayed.gpu_s == pytest.approx(at_once.gpu_s - 3.0, abs=1.0)  # the second replica starts 3 s later
 
 
-class _Wants(Policy):
-    name = "wants"
-
-    def start(self, env: PolicyEnv) -> int:
-        return 1
-
-    def decide(self, obs: Observation) -> int:
-        return 5 if obs.now >= 10.0 else 1
-
-
 @pytest.mark.parametrize("aggregated", [False, True])
 def test_a_pool_of_n_replicas_places_no_more(aggregated: bool) -> None:
     """The live placement drops a scale-up no node has a slot for; `max_replicas` charges the same."""
@@ -132,8 +125,8 @@ def test_a_pool_of_n_replicas_places_no_more(aggregated: bool) -> None:
                          source="two")
     params = replace(IDEAL, cold_start_s=5.0, aggregate_above_rps=0.0 if aggregated else 50.0)
     work = build_workload(trace, params)
-    assert replay(work, _Wants(), params).live.max() == 5
-    capped = replay(work, _Wants(), replace(params, max_replicas=2))
+    assert replay(work, _StepUp(5), params).live.max() == 5
+    capped = replay(work, _StepUp(5), replace(params, max_replicas=2))
     assert capped.live.max() == 2 and capped.starts == 1
     with pytest.raises(ValueError, match="max_replicas"):
         replace(params, max_replicas=0)
