@@ -56,6 +56,14 @@ def _leftovers(marker: str) -> list[str]:
     return found
 
 
+def _kill(found: list[str]) -> None:
+    for line in found:
+        try:
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def _wait_gone(marker: str, timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     left = _leftovers(marker)
@@ -114,10 +122,17 @@ def test_up_interrupted_stops_everything(tmp_path: Path) -> None:
             time.sleep(0.5)
         assert any("serve-model" in p for p in _leftovers(str(tmp_path))), "no runtime was started"
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # `prewarm up` prints every thread's stack: where it is stuck
+            time.sleep(2.0)
+            proc.kill()
+            pytest.fail(f"prewarm up did not stop within 60 s of SIGINT:\n{proc.communicate()[0][-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
+        _kill(_leftovers(str(tmp_path)))  # a failed run's stack must not load the tests after it
     assert proc.returncode == 130, output[-3000:]
     assert "all processes stopped" in output
     assert _wait_gone(str(tmp_path)) == [], list(logs.glob("run-*/logs/*.log"))

@@ -178,9 +178,14 @@ def _redis_for(settings: Settings) -> Iterator[str]:
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    import faulthandler
+    import signal
     from pathlib import Path
 
     from workers.up import run as up
+
+    # `kill -USR1` prints every thread's stack to stderr: what a run that does not stop is waiting on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     opts = up.UpOptions(
         out_dir=Path(args.out), trace=args.trace, duration_s=args.duration, max_rps=args.max_rps, days=args.days,
