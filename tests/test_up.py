@@ -110,10 +110,17 @@ def test_up_runs_a_replay_reports_and_leaves_nothing(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_up_interrupted_stops_everything(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "trace.jsonl", seconds=120)
-    proc = subprocess.Popen(
-        [PREWARM, "up", "--trace", str(trace), "--duration", "120", "--no-flower", "--out", str(tmp_path / "out")],
-        env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    # the run starts with SIGINT as a terminal leaves it: a child inherits an *ignored* SIGINT (Python then never
+    # installs its KeyboardInterrupt handler, and asyncio none of its own), so whatever this test process
+    # inherited or a library set must not decide whether Ctrl-C reaches `prewarm up`
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [PREWARM, "up", "--trace", str(trace), "--duration", "120", "--no-flower", "--out", str(tmp_path / "out")],
+            env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     try:
         deadline = time.monotonic() + 180
         logs = tmp_path / "out"
