@@ -114,6 +114,7 @@ def test_up_interrupted_stops_everything(tmp_path: Path) -> None:
     # installs its KeyboardInterrupt handler, and asyncio none of its own), so whatever this test process
     # inherited or a library set must not decide whether Ctrl-C reaches `prewarm up`
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # nor a blocked one (the mask is inherited too)
     try:
         proc = subprocess.Popen(
             [PREWARM, "up", "--trace", str(trace), "--duration", "120", "--no-flower", "--out", str(tmp_path / "out")],
@@ -121,6 +122,7 @@ def test_up_interrupted_stops_everything(tmp_path: Path) -> None:
         )
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         deadline = time.monotonic() + 180
         logs = tmp_path / "out"
