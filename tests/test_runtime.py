@@ -256,9 +256,10 @@ def test_warmup_requests_are_counted_apart(server: RuntimeProcess) -> None:
 
 @pytest.fixture(scope="module")
 def lazy_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeProcess]:
-    # reads capped at 2 MB/s: the ~4 MB model takes ~2 s to load, long enough to serve during it
+    # reads capped at 400 kB/s: the ~4 MB model takes ~10 s to load, long enough to serve during it even on a
+    # loaded CI machine (at 800 kB/s a starved test process once polled only after the load had finished)
     rp = start_runtime(model_dir, tmp_path_factory.mktemp("lazy"), "--no-autoload", "--model-name", "tiny",
-                       env={"PREWARM_RUNTIME_READ_LIMIT_BPS": "800000"})
+                       env={"PREWARM_RUNTIME_READ_LIMIT_BPS": "400000"})
     try:
         yield rp
     finally:
