@@ -78,7 +78,7 @@ def test_up_runs_a_replay_reports_and_leaves_nothing(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "trace.jsonl")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [PREWARM, "up", "--trace", str(trace), "--duration", "20", "--no-flower", "--out", str(out)],
+        [PREWARM, "up", "--trace", str(trace), "--duration", "40", "--no-flower", "--out", str(out)],
         env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
