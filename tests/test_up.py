@@ -1,6 +1,6 @@
 """`prewarm up` end to end: the whole local stack on a short trace, then nothing left running.
 
-One run on a 20-second replay of a small request-level trace (the Mooncake JSON-lines
+One run on a 40-second replay of a small request-level trace (the Mooncake JSON-lines
 format) with its own embedded Redis, two agents, the planner, the beat and the gateway;
 a second run interrupted with SIGINT. After each, no process of the run may remain. The first
 also checks the report's fidelity gap: the simulator, given what the run measured, must match
