@@ -16,7 +16,7 @@ from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
 from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized
 from forecasting.sim.scoring import at_equal_share, run_backtest, run_sweep, sweep_summary
-from forecasting.sim.simulate import SimParams, build_workload, replay
+from forecasting.sim.simulate import SimParams, Workload, build_workload, replay
 from prewarm.cli import main
 
 IDEAL = SimParams(cold_start_cv=0.0, actuation_delay_s=0.0, load_share=0.0)
@@ -105,12 +105,17 @@ class _StepUp(Policy):
         return self.to if obs.now >= 10.0 else 1
 
 
-@pytest.mark.parametrize("aggregated", [False, True])
-def test_a_decision_acts_after_the_actuation_delay(aggregated: bool) -> None:
+def _two_requests(aggregated: bool) -> tuple[Workload, SimParams]:
+    """Two requests a minute apart, constant 5 s starts, on the exact or the fluid engine."""
     trace = RequestTrace(t=np.asarray([0.0, 60.0]), context_tokens=np.zeros(2), generated_tokens=np.ones(2),
                          source="two")
     params = replace(IDEAL, cold_start_s=5.0, aggregate_above_rps=0.0 if aggregated else 50.0)
-    work = build_workload(trace, params)
+    return build_workload(trace, params), params
+
+
+@pytest.mark.parametrize("aggregated", [False, True])
+def test_a_decision_acts_after_the_actuation_delay(aggregated: bool) -> None:
+    work, params = _two_requests(aggregated)
     assert work.aggregated is aggregated
     at_once = replay(work, _StepUp(), params)
     delayed = replay(work, _StepUp(), replace(params, actuation_delay_s=3.0))
@@ -121,10 +126,7 @@ def test_a_decision_acts_after_the_actuation_delay(aggregated: bool) -> None:
 @pytest.mark.parametrize("aggregated", [False, True])
 def test_a_pool_of_n_replicas_places_no_more(aggregated: bool) -> None:
     """The live placement drops a scale-up no node has a slot for; `max_replicas` charges the same."""
-    trace = RequestTrace(t=np.asarray([0.0, 60.0]), context_tokens=np.zeros(2), generated_tokens=np.ones(2),
-                         source="two")
-    params = replace(IDEAL, cold_start_s=5.0, aggregate_above_rps=0.0 if aggregated else 50.0)
-    work = build_workload(trace, params)
+    work, params = _two_requests(aggregated)
     assert replay(work, _StepUp(5), params).live.max() == 5
     capped = replay(work, _StepUp(5), replace(params, max_replicas=2))
     assert capped.live.max() == 2 and capped.starts == 1
