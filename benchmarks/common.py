@@ -51,22 +51,40 @@ def report(title: str, rows: list[tuple[str, Any, str]], result: dict[str, Any],
         print(json.dumps(result), flush=True)
 
 
-def prewarm_process(args: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
+def prewarm_process(args: list[str], env: dict[str, str], log: Path | None = None,
+                    cpus: str | None = None) -> subprocess.Popen[bytes]:
     """Start `prewarm ARGS` from this checkout's environment.
 
     With `log`, stdout and stderr go to that file: a process that logs a lot under load
-    (a warning per failed request) must not block on a pipe nobody reads.
+    (a warning per failed request) must not block on a pipe nobody reads. With `cpus` (a
+    CPU list, `taskset -c`), it and its children run on those CPUs only.
     """
-    exe = Path(sys.executable).with_name("prewarm")
+    cmd = pinned([str(Path(sys.executable).with_name("prewarm")), *args], cpus)
     if log is None:
         return subprocess.Popen(
-            [str(exe), *args], env={**os.environ, **env}, cwd=ROOT,
+            cmd, env={**os.environ, **env}, cwd=ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [str(exe), *args], env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            cmd, env={**os.environ, **env}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """`cmd` run on the CPU list `cpus` only (`taskset -c`, util-linux); unchanged when None."""
+    return cmd if cpus is None else ["taskset", "-c", cpus, *cmd]
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list such as `0`, `0,2` or `0-3`; a clear error for anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. 0, 0,2 or 0-3)")
+        cpus.update(range(int(lo), int(hi if sep else lo) + 1))
+    return cpus
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -36,6 +36,11 @@ each replica sees the same load with and without the gateway and the difference 
 gateway's hop. Against one replica alone the gateway would look faster than direct (it has
 twice the capacity behind it), which says nothing about its cost; that figure is still
 reported as `one_replica_p99_ms`.
+
+`--replica-cpus LIST` runs the replicas on those CPUs only (`taskset -c`, and for vLLM its
+own OpenMP binding) and everything else on the rest, as in a deployment where the engine
+has its GPU node and the gateway its own pod: on a 2-core machine two vLLM processes per
+replica otherwise hold both cores, and the gateway's "overhead" is its wait for one.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from benchmarks import load_vllm
-from benchmarks.common import parser, percentile, prewarm_process, report, wait_http
+from benchmarks.common import cpu_list, parser, percentile, prewarm_process, report, wait_http
 from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
 from prewarm.core.domain import Replica, ReplicaState
 from prewarm.registry.embedded import EmbeddedRedis, free_port, stop_process
@@ -343,7 +348,27 @@ def _stop_all(procs: list[tuple[str, subprocess.Popen[bytes]]], say: Callable[[s
         say(f"{', '.join(n for n, _ in procs)} took {time.monotonic() - began:.1f}s to stop")
 
 
-def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str = "builtin") -> dict[str, Any]:
+def split_cpus(replica_cpus: str | None) -> tuple[str | None, str | None]:
+    """(the replicas' CPU list, everything else's) for `--replica-cpus`; (None, None): no pinning.
+    Everything else (the gateway, Redis, wrk, hey) gets the CPUs this process may use beside the replicas'."""
+    if replica_cpus is None:
+        return None, None
+    mine = os.sched_getaffinity(0)
+    want = cpu_list(replica_cpus)
+    if not want <= mine:
+        raise ValueError(f"--replica-cpus {replica_cpus}: CPUs {sorted(want - mine)} are not available "
+                         f"(this process may use {sorted(mine)})")
+    rest = mine - want
+    if not rest:
+        raise ValueError(f"--replica-cpus {replica_cpus} leaves no CPU for the gateway and the load generators")
+    return ",".join(map(str, sorted(want))), ",".join(map(str, sorted(rest)))
+
+
+def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str = "builtin",
+            replica_cpus: str | None = None) -> dict[str, Any]:
+    pin, rest = split_cpus(replica_cpus)
+    if rest is not None:  # the gateway, Redis, wrk and hey are started from here: they inherit it
+        os.sched_setaffinity(0, cpu_list(rest))
     sat_s = 10 if quick else 60
     lat_s, rounds = (3, 1) if quick else (5, 6)
     secret = secrets.token_hex(16)
@@ -365,13 +390,13 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str 
             key = secrets.token_hex(8)
             AUTH[:] = ["-H", f"Authorization: Bearer {key}"]
             env["PREWARM_RUNTIME_API_KEY"] = key
-            vllm_dir, vllm_procs = load_vllm.start_servers(tmp, MODEL, ports, key, settings)
+            vllm_dir, vllm_procs = load_vllm.start_servers(tmp, MODEL, ports, key, settings, cpus=pin)
             procs += [(f"vllm {slot}", p) for slot, p in enumerate(vllm_procs)]
             served_by = load_vllm.served_requests
         for slot, port in enumerate(ports if engine == "builtin" else []):
             procs.append((f"runtime {slot}", prewarm_process(
                 ["serve-model", "--model-dir", str(model_dir), "--port", str(port), "--model-name", MODEL,
-                 "--node", NODE, "--no-autoload"], env, log=tmp / f"runtime-{slot}.log")))
+                 "--node", NODE, "--no-autoload"], env, log=tmp / f"runtime-{slot}.log", cpus=pin)))
         gw_port = free_port()
         procs.insert(0, ("gateway", prewarm_process(["gateway", "--port", str(gw_port)], env, log=tmp / "gateway.log")))
         for port in ports:
@@ -472,6 +497,8 @@ def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str 
         "direct_latency_samples": len(d_lat),
         "replicas": replicas,
         "engine": engine,
+        "replica_cpus": pin,
+        "other_cpus": rest,
         "saturation_s": sat_s,
         "latency_s": lat_s * rounds,
         "quick": quick,
@@ -484,9 +511,17 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2, help="runtime replicas behind the gateway (default 2)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
                    help="vllm: the replicas are real vLLM servers (benchmarks/load_vllm.py; `make vllm-env`)")
+    p.add_argument("--replica-cpus", metavar="LIST",
+                   help="run the replicas on these CPUs only (e.g. 0) and the gateway, Redis and the load "
+                        "generators on the others, as where the engine has its own machine: the gateway's "
+                        "overhead without the replicas' compute taking its cores")
     args = p.parse_args()
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    try:
+        split_cpus(args.replica_cpus)
+    except ValueError as exc:
+        p.error(str(exc))
     for tool in ("wrk", "hey"):
         if shutil.which(tool) is None:
             p.error(f"{tool} is not installed (Debian package '{tool}')")
@@ -494,11 +529,14 @@ def main() -> None:
     began = time.monotonic()
     result = measure(args.quick, args.replicas,
                      lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True),
-                     args.engine)
+                     args.engine, args.replica_cpus)
     print(f"load [{time.monotonic() - began:5.1f}s] everything stopped", file=sys.stderr, flush=True)
     share = ", ".join(f"{x:.0%}" for x in result["replica_share"])
     rows = [
         ("requests", result["requests"], f"through the gateway in {result['saturation_s']}s at {CONNECTIONS} connections"),
+        ("replica_cpus", result["replica_cpus"] or "any",
+         f"the gateway, Redis, wrk and hey on {result['other_cpus']}" if result["other_cpus"] else
+         "not pinned: replicas, gateway and load generators share every CPU"),
         ("errors", result["errors"], f"target 0; non-2xx {result['non2xx']}, socket {result['socket_errors']}"),
         ("gateway", json.dumps(result["gateway_codes"]), "its /metrics during saturation: codes, routing outcomes"),
         ("throughput_rps", result["throughput_rps"], f"gateway -> {result['replicas']} replicas (share {share})"),

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from benchmarks.common import pinned
+
 from prewarm.adapters.vllm import VllmAdapter, expected_dtype, expected_max_context, server_command, server_env
 from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.metrics import Metrics
@@ -40,7 +42,9 @@ def python_path(settings: Settings) -> str:
     return str(path)
 
 
-def start_servers(tmp: Path, model: str, ports: list[int], key: str, settings: Settings) -> tuple[Path, list[subprocess.Popen[bytes]]]:
+def start_servers(tmp: Path, model: str, ports: list[int], key: str, settings: Settings,
+                  cpus: str | None = None) -> tuple[Path, list[subprocess.Popen[bytes]]]:
+    """One vLLM server per port; with `cpus`, pinned there (`taskset`, and vLLM's own OpenMP thread binding)."""
     if len(ports) > MAX_SERVERS:
         raise SystemExit(f"--engine vllm runs at most {MAX_SERVERS} replicas (each vLLM holds ~1.6 GB)")
     python = python_path(settings)
@@ -54,8 +58,8 @@ def start_servers(tmp: Path, model: str, ports: list[int], key: str, settings: S
                              enforce_eager=ecfg.vllm_enforce_eager, sleep_mode=False, dtype=expected_dtype(model_dir))
         with open(tmp / f"vllm-{slot}.log", "ab") as out:
             env = {**os.environ, **server_env(enforce_eager=ecfg.vllm_enforce_eager,
-                                              threads_bind=ecfg.vllm_cpu_threads_bind)}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              threads_bind=cpus or ecfg.vllm_cpu_threads_bind)}
+            procs.append(subprocess.Popen(pinned(cmd, cpus), env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     return model_dir, procs
 

@@ -185,3 +185,17 @@ def test_a_vllm_server_started_eager_has_torch_compile_off() -> None:
     assert SERVER_ENV.items() <= eager.items()
     # compiled (CUDA graphs, torch.compile): vLLM's compilation is left as it configures it
     assert "TORCHDYNAMO_DISABLE" not in server_env(enforce_eager=False, threads_bind="auto")
+
+
+def test_the_dtype_in_a_vllm_servers_start_up_line() -> None:
+    """The engine's start-up line names the dtype it resolved; the last one counts (a slot's log holds every
+    server it ran), and `kv_cache_dtype` further along the line is not it. No such line: None."""
+    from prewarm.adapters.vllm import dtype_in_log
+
+    line = ("(EngineCore pid=7) INFO 12-02 04:10:11 [core.py:134] Initializing a V1 LLM engine (v0.32.0) with "
+            "config: model='/m/tiny/r1', speculative_config=None, tokenizer='/m/tiny/r1', skip_tokenizer_init=False, "
+            "tokenizer_mode=auto, revision=None, trust_remote_code=False, dtype={}, max_seq_len=512, "
+            "kv_cache_dtype=auto, device_config=cpu, served_model_name=tiny\n")
+    assert dtype_in_log("starting\n" + line.format("torch.bfloat16") + "INFO ready\n") == "torch.bfloat16"
+    assert dtype_in_log(line.format("torch.bfloat16") + "--- restart\n" + line.format("torch.float32")) == "torch.float32"
+    assert dtype_in_log("INFO Starting vLLM API server on http://127.0.0.1:8000\n") is None

@@ -8,12 +8,16 @@ every 500 counted as an error.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import time
 from typing import Iterator
 
 import pytest
 
-from benchmarks.load import rate_plan, run_hey, run_wrk
+from benchmarks.common import cpu_list, pinned
+from benchmarks.load import rate_plan, run_hey, run_wrk, split_cpus
 from tests.httpservers import AppThread, Upstream
 
 pytestmark = pytest.mark.skipif(shutil.which("wrk") is None or shutil.which("hey") is None,
@@ -50,3 +54,33 @@ def test_hey_at_a_fixed_rate_splits_over_urls(servers: tuple[AppThread, Upstream
     assert len(result.latencies_s) == result.statuses["200"]
     with pytest.raises(ValueError, match="split evenly"):
         run_hey([f"{a.url}/v1/completions"] * 2, 1, 3, 1.0)
+
+
+def test_replica_cpus_split_the_machine_and_pin_what_is_started_there() -> None:
+    """`--replica-cpus`: the replicas on the CPUs named, the rest of this process's CPUs for everything else;
+    a list naming a CPU this process may not use, or every one of them, is refused, saying why."""
+    assert cpu_list("0-2,5") == {0, 1, 2, 5} and split_cpus(None) == (None, None)
+    mine = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="not available"):
+        split_cpus(str(max(mine) + 1))
+    with pytest.raises(ValueError, match="leaves no CPU"):
+        split_cpus(",".join(map(str, mine)))
+    with pytest.raises(ValueError, match="not a CPU list"):
+        cpu_list("first")
+    if len(mine) < 2:
+        pytest.skip("one CPU: nothing to split")
+    pin, rest = split_cpus(str(mine[0]))
+    assert pin == str(mine[0]) and rest is not None and cpu_list(rest) == set(mine[1:])
+    proc = subprocess.Popen(pinned(["sleep", "30"], pin))
+    try:
+        def allowed() -> str:
+            status = open(f"/proc/{proc.pid}/status").read()
+            return next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                        if line.startswith("Cpus_allowed_list"))
+        deadline = time.monotonic() + 10
+        while not open(f"/proc/{proc.pid}/cmdline").read().startswith("sleep") and time.monotonic() < deadline:
+            time.sleep(0.05)  # until taskset has set the mask and exec'd the command
+        assert allowed() == pin
+    finally:
+        proc.kill()
+        proc.wait()

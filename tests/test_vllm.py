@@ -400,6 +400,25 @@ def test_server_info_asked_in_the_background_gives_the_facts_a_synchronous_ask_g
     assert fresh.sleep_supported() is plain.sleep_supported() is False
 
 
+def test_the_dtype_is_read_from_the_servers_start_up_line_where_the_agent_keeps_its_log(world: World) -> None:
+    """Where the agent started the server, the dtype comes from the engine's start-up line in the slot's log,
+    from where that server's output starts: the same facts as /server_info, and no /server_info asked (its
+    pip run is what made warmup and validation cost a tenth of vLLM's own start on a loaded machine)."""
+    from prewarm.adapters.vllm import VllmAdapter
+
+    log = Path(world.env["PREWARM_AGENT_STATE_DIR"]) / NODE / "slot-0.log"
+    text = log.read_bytes()
+    start = text.rfind(b"\n--- ")  # the agent's marker before the running server's output
+    assert start >= 0, text[-2000:]
+    from_log = VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny", startup_log=(str(log), start))
+    assert from_log.load_status().loaded
+    assert from_log.logged_dtype() == "torch.float32" and not from_log._info_asked
+    assert from_log.facts() == VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny").facts()
+    # past the end of the log (a server that has not said it yet): /server_info, as for a pod
+    unsaid = VllmAdapter(world.endpoint(0), api_key=KEY, model="tiny", startup_log=(str(log), len(text)))
+    assert unsaid.logged_dtype() is None and unsaid.facts().dtype == "torch.float32"
+
+
 def test_the_node_view_reports_the_engines_answer_on_sleep_mode(world: World) -> None:
     """The agent asked vLLM at start (`current_platform.is_sleep_mode_available()`: False on CPU) and
     publishes the answer per model beside the built-in engine's: the planner plans no asleep tier for it."""

@@ -9,7 +9,9 @@ vLLM it runs itself:
 - `probes`: greedy continuations of the seeded prompts with their top logprobs, the input
   of the reference comparison (`prewarm.policy.reference`), and their latencies;
 - `facts`: the served model name and max context (`/v1/models`) and the dtype it computes
-  in (`/server_info`, present with `VLLM_SERVER_DEV_MODE=1`; None where absent);
+  in: from the engine's own start-up line in its log where the agent started it and the
+  line is there (`dtype_in_log`: free), else `/server_info` (present with
+  `VLLM_SERVER_DEV_MODE=1`, None where absent; its first answer costs seconds);
 - `engine_load`: `vllm:num_requests_running` + `vllm:num_requests_waiting` from /metrics;
 - `sleep_supported`: whether the server was started with sleep mode (read from the
   server, never assumed: on CPU vLLM refuses sleep mode).
@@ -20,6 +22,7 @@ Thin: it decides nothing; validation is the pure checks' job.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +37,12 @@ from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+#: The engine's start-up line ("Initializing a V1 LLM engine (v…) with config: model=…, dtype=torch.bfloat16, …"):
+#: the dtype it resolved and computes in, as it says when it starts.
+_ENGINE_CONFIG_DTYPE = re.compile(r"Initializing a V1 LLM engine .*? with config: .*?\bdtype=([\w.]+)")
+#: How much of a server's log `dtype_in_log` reads from where the server started (its line comes early).
+_LOG_READ_BYTES = 4 << 20
 
 #: Environment of a vLLM server prewarm starts: nothing is downloaded, `/server_info` and
 #: `/is_sleeping` are served (dev mode), and usage statistics are not reported.
@@ -97,9 +106,14 @@ class ProbeRun:
 class VllmAdapter(OpenAICompatibleAdapter):
     """One vLLM server. `has_sleep_mode` starts False and is read from the server (`refresh_facts`)."""
 
-    def __init__(self, base_url: str, *, api_key: str | None, model: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, *, api_key: str | None, model: str, timeout_s: float = 30.0,
+                 startup_log: tuple[str, int] | None = None) -> None:
+        """`startup_log`: the server's log file and the offset where this server's output starts, where the
+        agent started it (its dtype is read there, `logged_dtype`); None: `/server_info` only."""
         super().__init__(base_url, token=api_key, timeout_s=timeout_s, model=model, has_sleep_mode=False,
                          health_paths=("/health",))
+        self.startup_log = startup_log
+        self._logged_dtype: str | None = None  # once read: a server's start-up line does not change
         self._server_info: Mapping[str, Any] | None = None
         self._info_lock = threading.Lock()  # one /server_info in flight: a second caller waits for its answer
         self._info_asked = False
@@ -126,8 +140,10 @@ class VllmAdapter(OpenAICompatibleAdapter):
         """Start asking /server_info in a background thread (once): the validation's `facts` then finds its
         answer, or waits for the one in flight, instead of paying vLLM's slow first answer after the probes:
         asked when /health first answers (`load_status`), or at the latest when the warmup starts.
-        An error is left for that synchronous call to meet (and report)."""
-        if self._info_asked:
+        Not asked where the server's log already says its dtype (nothing else on the validation's path
+        reads it, and its pip run would take CPU from the warmup). An error is left for that synchronous
+        call to meet (and report)."""
+        if self._info_asked or self.logged_dtype() is not None:
             return
         self._info_asked = True
 
@@ -165,8 +181,22 @@ class VllmAdapter(OpenAICompatibleAdapter):
             ctx = entry.get("max_model_len")
         except (KeyError, IndexError, TypeError, StopIteration) as exc:
             raise RuntimeServerError(f"/v1/models answered {str(data)[:200]}: {exc!r}") from exc
-        dtype = (self.server_info() or {}).get("dtype")
+        dtype = self.logged_dtype() or (self.server_info() or {}).get("dtype")
         return EngineFacts(name, int(ctx) if isinstance(ctx, int) else None, str(dtype) if dtype else None)
+
+    def logged_dtype(self) -> str | None:
+        """The dtype this server's start-up line in its log names (None: no log, or no such line yet)."""
+        if self._logged_dtype is not None or self.startup_log is None:
+            return self._logged_dtype
+        path, offset = self.startup_log
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                text = fh.read(_LOG_READ_BYTES).decode(errors="replace")
+        except OSError:
+            return None
+        self._logged_dtype = dtype_in_log(text)
+        return self._logged_dtype
 
     def engine_load(self) -> int | None:
         """Requests running + waiting as the engine counts them; None where /metrics lacks them."""
@@ -220,6 +250,12 @@ def _probe_of(prompt: str, data: Any) -> Probe:
         raise RuntimeServerError(f"completion for a probe carries no usable logprobs ({exc!r}): {str(data)[:200]}") \
             from exc
     return Probe(prompt, steps)
+
+
+def dtype_in_log(text: str) -> str | None:
+    """The dtype named by the last engine start-up line in a vLLM server's output (None: no such line)."""
+    found = _ENGINE_CONFIG_DTYPE.findall(text)
+    return found[-1] if found else None
 
 
 def expected_dtype(model_dir: str | Path) -> str | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -40,7 +39,6 @@ class EngineServer(Protocol):
 
     def probes(self, prompts: Sequence[str], *, tokens: int, logprobs: int) -> ProbeRun: ...
     def facts(self) -> EngineFacts: ...
-    def sleep_supported(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -56,13 +54,10 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     adapter = server
     prompts = seeded_prompts(ecfg.probe_seed, ecfg.probe_prompts)
     t0 = time.monotonic()
-    with ThreadPoolExecutor(1, thread_name_prefix="engine-facts") as pool:
-        # its first /server_info is slow (vLLM collects its environment): asked while the probes run
-        asked = pool.submit(lambda: (adapter.facts(), adapter.sleep_supported()))
-        run = adapter.probes(prompts, tokens=ecfg.probe_tokens, logprobs=ecfg.probe_logprobs)
-        probes = run.probes
-        probed = time.monotonic() - t0
-        facts, _sleep = asked.result()
+    run = adapter.probes(prompts, tokens=ecfg.probe_tokens, logprobs=ecfg.probe_logprobs)
+    probes = run.probes
+    probed = time.monotonic() - t0
+    facts = adapter.facts()  # the dtype from the server's start-up line, or its /server_info (asked since /health)
     log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests), facts %.3fs", model,
              revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts), time.monotonic() - t0)
     structural = check_engine_structure(expected, facts)

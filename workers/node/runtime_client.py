@@ -109,6 +109,7 @@ class RuntimeClient(AdapterClient[BuiltinRuntimeAdapter]):
 class _Hosted(Protocol):
     endpoint: str
     engine: str
+    log: tuple[str, int] | None
 
     @property
     def replica(self) -> Replica: ...
@@ -119,5 +120,6 @@ def client_for(settings: Settings, hosted: _Hosted, *, timeout_s: float = 30.0) 
     if hosted.engine == "vllm":
         from workers.node.vllm_client import VllmClient
 
-        return VllmClient(settings, hosted.endpoint, model=hosted.replica.model, timeout_s=timeout_s)
+        return VllmClient(settings, hosted.endpoint, model=hosted.replica.model, timeout_s=timeout_s,
+                          startup_log=hosted.log)
     return RuntimeClient(settings, hosted.endpoint, timeout_s=timeout_s)

@@ -64,6 +64,8 @@ class HostedRuntime:
     adopted: bool = False
     proc: "subprocess.Popen[bytes] | None" = field(default=None, repr=False)
     engine: str = engines.BUILTIN  # which server runs here (workers/node/engines.py)
+    # the server's log and where this server's output starts in it (None: adopted, its start not seen)
+    log: tuple[str, int] | None = None
 
     @property
     def health_path(self) -> str:
@@ -257,12 +259,14 @@ class RuntimeSupervisor:
         with open(self.logfile(replica.slot), "ab") as logfh:
             logfh.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {replica.id}\n".encode())
             logfh.flush()
+            started_at_byte = logfh.tell()
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **server.env} if server is not None else None,
             )
         hosted = HostedRuntime(replica=replica, port=port, pid=proc.pid, model_dir=model_dir, started_at=now,
-                               endpoint=endpoint, proc=proc, engine=server.engine if server else engines.BUILTIN)
+                               endpoint=endpoint, proc=proc, engine=server.engine if server else engines.BUILTIN,
+                               log=(str(self.logfile(replica.slot)), started_at_byte))
         self._write_pidfile(hosted)
         log.info("started runtime for %s: pid %d on port %d", replica.id, proc.pid, port)
         return hosted

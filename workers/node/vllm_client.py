@@ -20,11 +20,12 @@ from workers.node.adapter_client import AdapterClient
 class VllmClient(AdapterClient[VllmAdapter]):
     engine = "vllm"
 
-    def __init__(self, settings: Settings, endpoint: str, *, model: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, settings: Settings, endpoint: str, *, model: str, timeout_s: float = 60.0,
+                 startup_log: tuple[str, int] | None = None) -> None:
         self.endpoint = endpoint.rstrip("/")
         key = settings.runtime.api_key
         self.adapter = VllmAdapter(self.endpoint, api_key=key.get_secret_value() if key is not None else None,
-                                   model=model, timeout_s=timeout_s)
+                                   model=model, timeout_s=timeout_s, startup_log=startup_log)
 
     def inflight(self) -> int | None:
         return self.adapter.inflight()
