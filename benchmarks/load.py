@@ -365,12 +365,13 @@ def split_cpus(replica_cpus: str | None) -> tuple[str | None, str | None]:
 
 
 def measure(quick: bool, replicas: int, say: Callable[[str], None], engine: str = "builtin",
-            replica_cpus: str | None = None) -> dict[str, Any]:
+            replica_cpus: str | None = None, rounds: int | None = None) -> dict[str, Any]:
     pin, rest = split_cpus(replica_cpus)
     if rest is not None:  # the gateway, Redis, wrk and hey are started from here: they inherit it
         os.sched_setaffinity(0, cpu_list(rest))
     sat_s = 10 if quick else 60
-    lat_s, rounds = (3, 1) if quick else (5, 6)
+    lat_s, default_rounds = (3, 1) if quick else (5, 6)
+    rounds = rounds or default_rounds
     secret = secrets.token_hex(16)
     settings = Settings.load()
     settings.warmup.secret = SecretStr(secret)  # the warmup requests are signed with the runtimes' secret
@@ -515,9 +516,13 @@ def main() -> None:
                    help="run the replicas on these CPUs only (e.g. 0) and the gateway, Redis and the load "
                         "generators on the others, as where the engine has its own machine: the gateway's "
                         "overhead without the replicas' compute taking its cores")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="latency rounds per path (default 6, 1 with --quick): more samples for a steadier p99")
     args = p.parse_args()
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be at least 1")
     try:
         split_cpus(args.replica_cpus)
     except ValueError as exc:
@@ -529,7 +534,7 @@ def main() -> None:
     began = time.monotonic()
     result = measure(args.quick, args.replicas,
                      lambda s: print(f"load [{time.monotonic() - began:5.1f}s] {s}", file=sys.stderr, flush=True),
-                     args.engine, args.replica_cpus)
+                     args.engine, args.replica_cpus, args.rounds)
     print(f"load [{time.monotonic() - began:5.1f}s] everything stopped", file=sys.stderr, flush=True)
     share = ", ".join(f"{x:.0%}" for x in result["replica_share"])
     rows = [
