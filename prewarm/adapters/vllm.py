@@ -41,7 +41,7 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: The engine's start-up line ("Initializing a V1 LLM engine (v…) with config: model=…, dtype=torch.bfloat16, …"):
 #: the dtype it resolved and computes in, as it says when it starts.
 _ENGINE_CONFIG_DTYPE = re.compile(r"Initializing a V1 LLM engine .*? with config: .*?\bdtype=([\w.]+)")
-#: How much of a server's log `dtype_in_log` reads from where the server started (its line comes early).
+#: How much of a server's log `logged_dtype` reads from where the server started (its line comes early).
 _LOG_READ_BYTES = 4 << 20
 
 #: Environment of a vLLM server prewarm starts: nothing is downloaded, `/server_info` and
@@ -192,10 +192,14 @@ class VllmAdapter(OpenAICompatibleAdapter):
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset)
-                text = fh.read(_LOG_READ_BYTES).decode(errors="replace")
+                # line by line up to the start-up line (it comes early): a long-running server's log, request
+                # lines and all, is not read again by every client the agent makes for it (keep-warm included)
+                for line in iter(lambda: fh.readline(_LOG_READ_BYTES), b""):
+                    self._logged_dtype = dtype_in_log(line.decode(errors="replace"))
+                    if self._logged_dtype is not None or fh.tell() - offset >= _LOG_READ_BYTES:
+                        break
         except OSError:
             return None
-        self._logged_dtype = dtype_in_log(text)
         return self._logged_dtype
 
     def engine_load(self) -> int | None:
