@@ -113,6 +113,10 @@ class Running:
     def sample(self, name: str, **labels: str) -> float:
         return self.ctx.metrics.registry.get_sample_value(name, labels) or 0.0
 
+    def counted(self, name: str, **labels: str) -> float:
+        """The sample once it is non-zero: the watcher thread marks a replica failed, then counts it."""
+        return wait_for(lambda: self.sample(name, **labels), 5, f"{name}{labels} to be counted")
+
     def state(self, rid: str) -> str | None:
         rec = self.ctx.registry.get(rid)
         return rec.state.value if rec else None
@@ -265,7 +269,7 @@ def test_pod_whose_server_answers_nan_is_failed(running: Running) -> None:
     rec = ctx.registry.get(rid)
     assert rec is not None and rec.state is ReplicaState.FAILED
     assert rec.reason.startswith("validation_failed") and "numeric" in rec.reason and "not finite" in rec.reason
-    assert running.sample("model_loading_failures_total", model="tiny", node="gpu-b", reason="validation_failed") == 1
+    assert running.counted("model_loading_failures_total", model="tiny", node="gpu-b", reason="validation_failed") == 1
     assert running.sample("prewarm_validation_results_total", model="tiny", check="numeric", result="failed") == 1
     assert ctx.registry.ready("tiny", Pool.SERVING, now=time.time()) == []
 
@@ -280,7 +284,7 @@ def test_pod_too_slow_against_its_baseline_is_failed_and_a_dead_server_is_unreac
     rec = ctx.registry.get(rid)
     assert rec is not None and rec.state is ReplicaState.FAILED
     assert "performance" in rec.reason and "exceeds" in rec.reason
-    assert running.sample("model_loading_failures_total", model="tiny", node="gpu-a", reason="validation_failed") == 1
+    assert running.counted("model_loading_failures_total", model="tiny", node="gpu-a", reason="validation_failed") == 1
 
     # a Ready pod whose server does not answer at all
     from prewarm.registry.embedded import free_port

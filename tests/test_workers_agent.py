@@ -273,7 +273,7 @@ def test_validation_failure_leaves_the_replica_failed_and_unroutable(world: Worl
     view = world.registry.view("slow", now=time.time())
     assert not view.serving and not view.warm and not view.loading
     assert ("warming", "failed") in world.transitions(rid)
-    assert 'model_loading_failures_total{model="slow",node="n1",reason="validation_failed"} 1.0' in world.metrics()
+    wait_for(lambda: 'model_loading_failures_total{model="slow",node="n1",reason="validation_failed"} 1.0' in world.metrics(), 5, 'the failure to be counted')  # marked failed, then counted
     assert 'prewarm_validation_results_total{check="performance",model="slow",result="failed"} 1.0' in world.metrics()
     wait_for(lambda: runtime_pids(world.settings.agent.port_base + 1) == [], 20, "the failed runtime to stop")
     world.assert_failure_not_retried(task.id, rid, "validation_failed")
@@ -294,7 +294,7 @@ def test_corrupt_weights_fail_without_retry(world: World) -> None:
     rec = world.wait_state(rid, "failed", "ready")
     assert rec.state is ReplicaState.FAILED
     assert "bad_weights" in rec.reason and entry.name in rec.reason, rec.reason
-    assert 'model_loading_failures_total{model="corrupt",node="n1",reason="bad_weights"} 1.0' in world.metrics()
+    wait_for(lambda: 'model_loading_failures_total{model="corrupt",node="n1",reason="bad_weights"} 1.0' in world.metrics(), 5, 'the failure to be counted')  # marked failed, then counted
     world.assert_failure_not_retried(task.id, rid, "bad_weights")
     shutil.rmtree(bad)
 
