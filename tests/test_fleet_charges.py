@@ -57,6 +57,18 @@ def test_sleeping_models_fit_in_host_memory_least_recently_used_out() -> None:
     assert run.sleeps == 1 and run.wakes == 1 and run.loads == 2 + 1
 
 
+def test_an_actuation_delay_keeps_a_load_later_and_more_requests_cold() -> None:
+    from dataclasses import replace
+
+    tr, env = _fleet([[6, 0], [6, 0]], mem=(8.0,) * 2)
+    ready_s = env.catalog.cards[0].time_to_ready(Tier.DISK)
+    keep = _Scripted({1: ([0], [])})  # loaded on demand at step 0 (ready one load time after its first request)
+    plain = simulate(tr, keep, env)
+    late = simulate(tr, keep, replace(env, actuation_s=60.0 - ready_s))  # ... and now ready after step 0 ends
+    assert plain.loads == late.loads == 1
+    assert 0 < plain.cold_requests < 6 < late.cold_requests < 12  # all of step 0 waited, and the first of step 1
+
+
 def test_a_sleep_holds_its_gpu_memory_during_the_copy() -> None:
     tr, env = _fleet([[1, 0], [0, 0], [0, 0]], mem=(30.0, 8.0))
     slept = simulate(tr, _Scripted({0: ([0], []), 1: ([], [0]), 2: ([], [0])}), env)

@@ -19,7 +19,7 @@ from prewarm.core.domain import Replica, ReplicaState
 from prewarm.core.metrics import Metrics
 from prewarm.core.settings import RegistrySettings
 from prewarm.registry.replicas import ReplicaRegistry
-from workers.up.fidelity import (actuation_delays, counted_since, gateway_waits_over, judge, registrations,
+from workers.up.fidelity import (actuation_delays, counted_since, demand_delays, gateway_waits_over, judge, registrations,
                                  replica_seconds, service_s)
 from workers.up.seed import seed_history
 from workers.up.workload import UpOptions, from_trace
@@ -33,6 +33,9 @@ def test_judge_applies_the_bar() -> None:
     assert judge(100.0, 100.0, 0, 3)["waited_within"]  # max(3, 20%): a short run may differ by three
     assert not judge(100.0, 100.0, 0, 4)["waited_within"]
     assert not judge(100.0, 100.0, 50, 61)["waited_within"]  # 20% of 50 is 10
+    fleet = judge(200.0, 150.0, 2, 4.6, quantity="gpu_mb_seconds")  # the fleet's: same bar, its own names
+    assert fleet["gpu_mb_seconds_ratio"] == pytest.approx(0.75) and not fleet["gpu_mb_seconds_within"]
+    assert fleet["waited_simulated"] == 5 and fleet["waited_within"] and "replica_seconds_ratio" not in fleet
 
 
 def test_replica_seconds_integrates_the_window_only() -> None:
@@ -151,3 +154,22 @@ def test_each_replayed_request_keeps_its_own_measured_latency() -> None:
 
     got = request_services(np.array([0.5, 1.25, 2.0]), [2.0, 0.5], [0.9, 0.1], 0.2)
     assert got.tolist() == [0.1, 0.2, 0.9]
+
+
+def test_demand_delays_match_each_on_demand_load_to_the_arrival_that_found_its_model_cold() -> None:
+    def ev(ts: float, rid: str, to: str) -> tuple[str, dict[str, str]]:
+        return ("0-0", {"ts": str(ts), "replica": rid, "to": to})
+
+    events = [
+        ev(100.5, "m@r/n/0", "pending"), ev(102.0, "m@r/n/0", "ready"),  # loaded on demand of the 100.0 arrival
+        ev(150.0, "m@r/n/0", "retired"),
+        ev(160.0, "m@r/n/1", "pending"), ev(163.0, "m@r/n/1", "ready"),  # no arrival found it cold: ahead of demand
+        ev(190.0, "m@r/n/1", "retired"),
+        ev(203.0, "m@r/n/0", "pending"),  # the 195 s arrival waited 8 s for the scan to start this load
+        ev(210.0, "m@r/n/2", "pending"),  # a second load while the first starts: no arrival left to match
+        ev(120.0, "other@r/n/0", "pending"),  # another model's registration is not this model's
+    ]
+    arrivals = [100.0, 101.0, 140.0, 161.0, 195.0, 196.0, 400.0]
+    assert demand_delays(arrivals, events, "m", window_s=30.0) == pytest.approx((0.5, 8.0))
+    assert demand_delays(arrivals, events, "m", window_s=5.0) == pytest.approx((0.5,))  # 195 is 8 s before 203
+    assert demand_delays([], events, "m", window_s=30.0) == ()

@@ -30,5 +30,13 @@ def test_up_with_three_models_plans_a_fleet_and_reports(tmp_path: Path) -> None:
     for m in models.values():
         assert m["ok"] == m["sent"] > 0, models  # the gateway held requests for cold models; none was lost
     assert [r["policy"] for r in report["simulated"]] == ["keepalive", "hybrid_histogram", "fleet", "oracle"]
+    # the fidelity check: the fleet planner replayed on the same arrivals against what the run held and made wait
+    fid = report["sim_vs_measured"]
+    assert set(fid["by_model"]) == set(models)
+    assert fid["gpu_mb_seconds_measured"] > 0 and fid["gpu_mb_seconds_simulated"] > 0
+    assert fid["gpu_mb_seconds_measured"] == pytest.approx(sum(m["gpu_mb_seconds_measured"]
+                                                              for m in fid["by_model"].values()))
+    assert fid["waited_measured"] == sum(m["waited_measured"] for m in fid["by_model"].values())
+    assert "fidelity: GPU MB·s ratio" in proc.stdout
     assert "tier" in proc.stdout
     assert _wait_gone(str(tmp_path)) == []

@@ -51,6 +51,10 @@ class FleetEnv:
     # putting a model to sleep copies its weights to pinned host memory: 0.1 s + GB / this (4.3 s for 8 GB,
     # 17.9 s for 30 GB measured on an H200, docs/fleet.md); GPU and host memory are both held meanwhile
     sleep_gbps: float = 1.75
+    # from the decision (or the first request of a cold model) to its load starting: the dispatch, the queue and
+    # the agent's task start. 0 in the fleet backtests (every policy alike); `prewarm up --models` replays its
+    # run with the delay it measured (`workers.up.fidelity.demand_delays`)
+    actuation_s: float = 0.0
 
     def sleep_s(self, mem_gb: np.ndarray | float) -> np.ndarray | float:
         """Seconds to put a model of `mem_gb` to sleep (the copy to host memory)."""

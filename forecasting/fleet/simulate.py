@@ -130,11 +130,11 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         off_tier[idx[fits & (last_used[idx] >= 0)]] = 1
         off_tier[asleep & ~want] = 0
         newly = want & ~gpu
-        ready_at[newly] = start + ready[newly, off_tier[newly]]
+        ready_at[newly] = start + env.actuation_s + ready[newly, off_tier[newly]]
         # on-demand loads: the first request of the step starts them
         demand = busy & ~want
         first = dt / (c + 1.0)
-        ready_at[demand] = start + first[demand] + ready[demand, off_tier[demand]]
+        ready_at[demand] = start + first[demand] + env.actuation_s + ready[demand, off_tier[demand]]
         from_tier = np.where(newly | demand, off_tier, -1)
         gpu = want | busy
         # the fleet's GPU capacity: evict least recently used models without requests this step

@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,22 @@ from forecasting.fleet.traces import FleetTrace
 from prewarm.core import keys
 from prewarm.core.settings import Settings
 from prewarm.runtime.model import load_manifest, make_model
+from workers.up.fidelity import (REPLICA_SECONDS_TOLERANCE, WAITED_MIN_SLACK, WAITED_TOLERANCE,
+                                 demand_delays, gateway_waits_over, judge, replica_seconds, summary)
 from workers.up.run import UpRun, run_to_end
 from workers.up.traffic import TrafficStats, drive
 from workers.up.workload import UpOptions
 
 SIZES = ("small", "tiny", "tiny", "small", "tiny")
 BUCKET_S = 10.0
+#: Replica states that hold a model's weights on GPU (the simulator charges loading as on GPU too).
+ON_GPU = ("pending", "loading", "warming", "ready", "draining")
+#: A request the gateway held longer than this for a replica waited for a load or a wake (a bucket bound of
+#: its wait histogram; a warm request is not held at all); the simulator counts every request that arrived
+#: before its model was ready.
+FIDELITY_WAIT_S = 0.1
+#: A registration is matched to the arrivals that found its model cold at most this long before it.
+DEMAND_WINDOW_S = 30.0
 
 
 def fleet_arrivals(n: int, duration_s: float, seed: int) -> list[np.ndarray]:
@@ -66,6 +77,8 @@ class FleetUpRun(UpRun):
         self.n = n_models
         self.models: list[tuple[str, str, float]] = []  # name, revision, GB
         self.per_model: dict[str, TrafficStats] = {}
+        self.gpu_t: list[float] = []  # monotonic sample times of `gpu_n`
+        self.gpu_n: dict[str, list[int]] = {}  # model -> replicas on GPU at each sample
 
     def _build(self) -> None:
         root = Path(self.settings.runtime.models_dir)
@@ -107,6 +120,17 @@ class FleetUpRun(UpRun):
         """Room for the dense model and about half of the rest: it cannot hold them all."""
         sizes = [gb for _, _, gb in self.models]
         return sizes[0] + 0.5 * sum(sizes[1:]) if len(sizes) > 1 else sizes[0]
+
+    def _sample_gpu(self) -> None:
+        """One sample of the replicas each model holds on GPU (monotonic time), for the fidelity check."""
+        try:
+            counts = self.registry.counts()
+        except Exception:  # noqa: BLE001 - a missed sample holds the previous one
+            return
+        self.gpu_t.append(time.monotonic())
+        for name, _, _ in self.models:
+            self.gpu_n.setdefault(name, []).append(sum(n for (m, state, _), n in counts.items()
+                                                       if m == name and state in ON_GPU))
 
     def _fleet_plan(self) -> dict[str, Any]:
         try:
@@ -150,8 +174,10 @@ class FleetUpRun(UpRun):
                                                         max_tokens=4)))
             while not all(task.done() for task in tasks):
                 self._check_children()
+                self._sample_gpu()
                 live.update(self._fleet_view("replaying (model 0 dense, the others sparse bursts)"))
                 await asyncio.sleep(1.0)
+            self._sample_gpu()
             for task in tasks:
                 task.result()
         return self._fleet_report(arrivals)
@@ -180,15 +206,66 @@ class FleetUpRun(UpRun):
             mt.add_row(name, f"{m['mem_mb']:.1f}", str(m["sent"]), str(m["ok"]), str(m["503"]),
                        f"{m['slow_share']:.1%}", f"{m['p99_s']:.2f}")
         self.console.print(mt)
-        out = {"models": measured, "simulated": sim, "budget_mb": self.budget_gb * 1e3}
+        fidelity = self._fidelity(arrivals)
+        ft = Table(title="the fleet planner, simulated vs measured over the whole replay "
+                         f"(bar: GPU MB·s within {REPLICA_SECONDS_TOLERANCE:.0%}, waited within "
+                         f"max({WAITED_MIN_SLACK}, {WAITED_TOLERANCE:.0%}))")
+        for col in ("model", "GPU MB·s measured", "simulated", "waited > 0.1 s measured", "simulated"):
+            ft.add_column(col, justify="right")
+        for name, row in fidelity["by_model"].items():
+            ft.add_row(name, f"{row['gpu_mb_seconds_measured']:.1f}", f"{row['gpu_mb_seconds_simulated']:.1f}",
+                       str(row["waited_measured"]), f"{row['waited_simulated']:.1f}")
+        ft.add_row("all", f"{fidelity['gpu_mb_seconds_measured']:.1f}", f"{fidelity['gpu_mb_seconds_simulated']:.1f}",
+                   str(fidelity["waited_measured"]), str(fidelity["waited_simulated"]))
+        self.console.print(ft)
+        self.console.print(f"demand to load start, measured: mean {fidelity['actuation_s']:.2f} s over "
+                           f"{fidelity['demand_delays']['n']} on-demand loads (the replay charges it)")
+        self.console.print(f"fidelity: GPU MB·s ratio {fidelity['gpu_mb_seconds_ratio']:.3f} "
+                           f"({'within' if fidelity['gpu_mb_seconds_within'] else 'OUTSIDE'} the bar), waited "
+                           f"{fidelity['waited_simulated']} simulated vs {fidelity['waited_measured']} measured "
+                           f"({'within' if fidelity['waited_within'] else 'OUTSIDE'} the bar)")
+        out = {"models": measured, "simulated": sim, "budget_mb": self.budget_gb * 1e3, "sim_vs_measured": fidelity}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "fleet-report.json").write_text(json.dumps(out, indent=2, default=float))
         self.console.print(f"report: {self.run_dir / 'fleet-report.json'}")
         return out
 
 
-def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray]) -> list[dict[str, Any]]:
-    """Keep-alive, hybrid histogram, the fleet planner and the oracle on these arrivals, 10 s steps."""
+    def _fidelity(self, arrivals: list[np.ndarray]) -> dict[str, Any]:
+        """`sim_vs_measured` of the fleet: the fleet planner replayed over the whole run (from the same cold
+        start) against what the run held on GPU (MB·s, each model's replicas weighted by its size) and the
+        requests the gateway held for a load or a wake, both per model and in all, judged by issue 16's bar."""
+        start = min(s.started_at for s in self.per_model.values())
+        end = start + self.opts.duration_s
+        with urllib.request.urlopen(self.gateway_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        wall0 = time.time() - time.monotonic() + start  # the replay's start, epoch s (registry events' clock)
+        events = self.registry.events(count=100_000)
+        delays = [d for (name, _, _), t in zip(self.models, arrivals)
+                  for d in demand_delays((wall0 + t).tolist(), events, name, window_s=DEMAND_WINDOW_S)]
+        actuation = float(np.mean(delays)) if delays else 0.0  # as the single-model check charges its delays
+        score = simulate_same_arrivals(self, arrivals, policies=("fleet",), score_after_s=0.0, scores=True,
+                                       actuation_s=actuation)[0]
+        by_model: dict[str, Any] = {}
+        for j, (name, _, gb) in enumerate(self.models):
+            mb_s = gb * 1e3 * replica_seconds(self.gpu_t, self.gpu_n.get(name, []), start, end)
+            by_model[name] = judge(mb_s, score.warm_gb_h_by_model[j] * 3.6e6,
+                                   gateway_waits_over(text, name, FIDELITY_WAIT_S), score.cold_by_model[j],
+                                   quantity="gpu_mb_seconds")
+        total = judge(sum(r["gpu_mb_seconds_measured"] for r in by_model.values()), score.warm_gb_h * 3.6e6,
+                      sum(r["waited_measured"] for r in by_model.values()), score.cold_requests,
+                      quantity="gpu_mb_seconds")
+        return total | {"wait_threshold_s": FIDELITY_WAIT_S, "actuation_s": actuation, "demand_delays": summary(delays),
+                        "by_model": by_model}
+
+
+def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
+                           policies: tuple[str, ...] = ("keepalive", "hybrid_histogram", "fleet", "oracle"),
+                           score_after_s: float | None = None, scores: bool = False,
+                           actuation_s: float = 0.0) -> list[Any]:
+    """Keep-alive, hybrid histogram, the fleet planner and the oracle on these arrivals, 10 s steps: their
+    report rows (or, with `scores`, their `FleetScore`s), scored after the first third unless told; every load
+    starts `actuation_s` after its decision or its first request."""
     steps = max(1, int(math.ceil(run.opts.duration_s / BUCKET_S)))
     counts = np.zeros((steps, len(arrivals)))
     for j, t in enumerate(arrivals):
@@ -209,13 +286,16 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray]) -> list[
     catalog = Catalog(tuple(cards))
     total = sum(gb for _, _, gb in run.models)
     env = FleetEnv(catalog=catalog, step_s=BUCKET_S, n_nodes=1, node_gpu_gb=run.budget_gb, node_host_gb=0.0,
-                   counts=counts)
+                   counts=counts, actuation_s=actuation_s)
     trace = FleetTrace(names, counts, BUCKET_S, "prewarm up --models", "demo")
-    rows = []
-    for name, knob in (("keepalive", 600.0), ("hybrid_histogram", None), ("fleet", run.budget_gb), ("oracle", None)):
-        score = simulate(trace, make_fleet_policy(name, knob), env, score_after_s=run.opts.duration_s / 3)
-        rows.append(dict(score.row(), all_models_gb=total))
-    return rows
+    knobs: dict[str, float | None] = {"keepalive": 600.0, "hybrid_histogram": None, "fleet": run.budget_gb,
+                                      "oracle": None}
+    after = run.opts.duration_s / 3 if score_after_s is None else score_after_s
+    out: list[Any] = []
+    for name in policies:
+        score = simulate(trace, make_fleet_policy(name, knobs[name]), env, score_after_s=after)
+        out.append(score if scores else dict(score.row(), all_models_gb=total))
+    return out
 
 
 def run(settings: Settings, opts: UpOptions, n_models: int) -> int:
