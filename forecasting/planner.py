@@ -35,6 +35,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    left unspent (the budget holds on average over `budget_window_s`, the state carries the
    account), so a step may pre-warm a rise the forecaster learned to expect; in reactive
    mode the budget holds at every step;
+   An interruption (`forecasting.interruption`: requests far below what the profile expects at an
+   hour it has always seen busy) keeps the live replicas for at most `interruption_hold_s`;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -55,7 +57,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from croniter import croniter
 
-from forecasting import budget, park
+from forecasting import budget, interruption, park
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.calibration import calibrate_margin, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
@@ -100,6 +102,10 @@ class PlannerParams:
     schedule_horizon_s: float = 3600.0  # how far ahead known batch rises are put in the target schedule
     batch_jobs: tuple[BatchJob, ...] = ()
     park_horizon_s: float = 0.0  # a replica released but needed again within this is parked asleep (0: retired)
+    # a fall the profile contradicts is held, not released (`forecasting.interruption`; reasons in docs/operating.md)
+    interruption_share: float = 0.1  # requests below this share of the profile's expectation: an interruption
+    interruption_min_requests: float = 20.0  # ... judged over recent buckets expecting at least this many
+    interruption_hold_s: float = 3600.0  # replicas held at most this long from the start of the fall
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
@@ -115,6 +121,8 @@ class PlannerParams:
             margin_initial=float(s.margin_initial),
             budget_gain=float(s.budget_gain), budget_calibration_s=float(s.budget_calibration_s),
             margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
+            interruption_share=float(s.interruption_share), interruption_min_requests=float(s.interruption_min_requests),
+            interruption_hold_s=float(s.interruption_hold_s),
         )
 
     @property
@@ -188,14 +196,16 @@ class PlannerState:
     warm_at: float | None = None
     margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: margin_initial)
     counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
+    quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
 
     def to_json(self) -> str:
         return json.dumps({
             "profile": None if self.profile is None else
             {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days,
-             "season_s": self.profile.season_s},
+             "season_s": self.profile.season_s, "level": self.profile.level},
             "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
             "warm_avg": self.warm_avg, "warm_at": self.warm_at, "margin": self.margin, "counted_end": self.counted_end,
+            "quiet_since": self.quiet_since,
         })
 
     @classmethod
@@ -205,9 +215,9 @@ class PlannerState:
         d = json.loads(raw)
         p = d.get("profile")
         profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]),
-                                                 float(p.get("season_s", 86400.0)))
+                                                 float(p.get("season_s", 86400.0)), float(p.get("level", 0.0)))
         return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
-                   d.get("warm_avg"), d.get("warm_at"), d.get("margin"), d.get("counted_end"))
+                   d.get("warm_avg"), d.get("warm_at"), d.get("margin"), d.get("counted_end"), d.get("quiet_since"))
 
 
 @dataclass(frozen=True)
@@ -535,6 +545,13 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                          replicas=max(1, target - budget_target), reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
+    quiet = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p)
+    quiet_since, held = interruption.hold(state.quiet_since, inp.now, quiet, p.interruption_hold_s)
+    state = replace(state, quiet_since=quiet_since)
+    if held and target < inp.replicas.live:
+        target = inp.replicas.live
+        why = (f"interruption: requests far below the profile's expectation since {quiet_since:.0f}: "
+               f"{target} held (at most {p.interruption_hold_s:.0f} s)")
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
     if p.park_horizon_s > 0:
         events = _parked(inp, events, state, target, lead, staffed)

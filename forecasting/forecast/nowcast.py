@@ -50,6 +50,7 @@ class Profile:
     values: tuple[float, ...]
     days: float  # seasons of history it was learned from
     season_s: float = DAY_S  # the period the shape repeats over (declared by the operator; a day by default)
+    level: float = 0.0  # the mean rate (req/s) the shape is relative to, over the history it was learned from (0: unknown)
 
     def at(self, ts: np.ndarray) -> np.ndarray:
         """The profile at epoch seconds ``ts``, linearly interpolated between bin centres (circular)."""
@@ -89,7 +90,7 @@ def fit_profile(rates: np.ndarray, start: float, bucket_s: float, *, bin_s: floa
     if not level > 0:
         return None
     return Profile(bin_s=bin_s, values=tuple(float(v) for v in smooth / level), days=y.size * bucket_s / season_s,
-                   season_s=season_s)
+                   season_s=season_s, level=level)
 
 
 @dataclass(frozen=True)

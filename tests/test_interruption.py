@@ -1,0 +1,78 @@
+"""A fall the learned season contradicts is held, not released (forecasting/interruption.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from forecasting.forecast.nowcast import Profile, fit_profile
+from forecasting.interruption import hold, interrupted
+from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
+from prewarm.core.domain import ModelSpec
+
+DAY = 86400.0
+P = PlannerParams()
+# busy by day (10 req/s from 06:00 to 18:00), nearly idle by night (0.01 req/s)
+FLAT_DAY = Profile(bin_s=3600.0, values=tuple(1.0 if 6 <= h < 18 else 0.001 for h in range(24)), days=3.0,
+                   level=10.0)
+
+
+def _busy(n: int, rate: float = 10.0) -> np.ndarray:
+    return np.full(n, rate * 10.0)  # requests per 10 s bucket
+
+
+def test_silence_at_a_busy_hour_is_an_interruption_and_at_a_quiet_one_is_not() -> None:
+    noon, night = 12 * 3600.0, 2 * 3600.0
+    requests = np.concatenate([_busy(29), [0.0]])  # the last bucket empty, 100 expected
+    assert interrupted(FLAT_DAY, requests, noon - 300, 10.0, 300.0, P)
+    assert not interrupted(FLAT_DAY, _busy(30), noon - 300, 10.0, 300.0, P)
+    assert not interrupted(FLAT_DAY, np.concatenate([_busy(29), [50.0]]), noon - 300, 10.0, 300.0, P)  # half: a dip
+    # at night 300 s expect 3 requests: too few to tell silence from chance
+    assert not interrupted(FLAT_DAY, np.zeros(30), night - 300, 10.0, 300.0, P)
+    # no profile (under two seasons of history), or one without its rate: nothing held
+    assert not interrupted(None, np.zeros(30), noon - 300, 10.0, 300.0, P)
+    assert not interrupted(Profile(3600.0, FLAT_DAY.values, 3.0), np.zeros(30), noon - 300, 10.0, 300.0, P)
+
+
+def test_a_quiet_model_is_judged_over_more_buckets() -> None:
+    quiet = Profile(FLAT_DAY.bin_s, FLAT_DAY.values, 3.0, level=0.5)  # 5 requests per bucket by day
+    noon = 12 * 3600.0
+    one_empty = np.concatenate([np.full(29, 5.0), [0.0]])
+    assert not interrupted(quiet, one_empty, noon - 300, 10.0, 300.0, P)  # 5 expected in one bucket: chance
+    four_empty = np.concatenate([np.full(26, 5.0), np.zeros(4)])
+    assert interrupted(quiet, four_empty, noon - 300, 10.0, 300.0, P)  # 20 expected over four: not chance
+
+
+def test_the_hold_lasts_from_the_start_of_the_fall_at_most_hold_s() -> None:
+    assert hold(None, 100.0, True, 3600.0) == (100.0, True)
+    assert hold(100.0, 3700.0, True, 3600.0) == (100.0, True)
+    assert hold(100.0, 3701.0, True, 3600.0) == (100.0, False)  # believed after the hold
+    assert hold(100.0, 200.0, False, 3600.0) == (None, False)  # traffic back: the next fall starts afresh
+
+
+def test_fit_profile_keeps_the_rate_it_was_learned_at() -> None:
+    t = np.arange(0, 3 * DAY, 60.0)
+    rates = np.where((t % DAY) < DAY / 2, 30.0, 10.0)
+    prof = fit_profile(rates, 0.0, 60.0, bin_s=1800.0)
+    assert prof is not None and abs(prof.level - 20.0) < 1e-9
+    assert PlannerState.from_json(PlannerState(profile=prof, quiet_since=5.0).to_json()).profile == prof
+
+
+def _step(requests: np.ndarray, now: float, state: PlannerState, live: int) -> tuple[int, PlannerState, str]:
+    obs = observed_from_counts(now - requests.size * 10.0, 10.0, requests, requests / 10.0, requests / 10.0 * 0.5)
+    inp = StepInputs(ModelSpec("m", "r1", slots=4), now, obs, ReplicaCounts(ready=live), P)
+    decision, state = step(inp, state)
+    return decision.target, state, " ".join(e.reason for e in decision.events)
+
+
+def test_the_planner_keeps_its_replicas_through_an_interruption_and_then_lets_them_go() -> None:
+    noon = 12 * 3600.0
+    state = PlannerState(profile=FLAT_DAY, profile_at=noon - 60, margin=0.0)
+    busy_then_silent = np.concatenate([_busy(420), np.zeros(60)])  # 70 min busy, then 10 min of nothing
+    target, state, _ = _step(busy_then_silent, noon, state, live=6)
+    assert target == 6 and state.quiet_since == noon  # held: the profile expects 10 req/s at noon
+    # the same silence without the profile is followed down
+    down, _, _ = _step(busy_then_silent, noon, PlannerState(margin=0.0), live=6)
+    assert down < 6
+    # past the hold the fall is believed
+    later, state2, _ = _step(busy_then_silent, noon + P.interruption_hold_s + 10, state, live=6)
+    assert later < 6 and state2.quiet_since == noon
