@@ -187,7 +187,7 @@ def replica_seconds(t: Sequence[float], live: Sequence[int], start: float, end: 
 
 
 def judge(measured_replica_s: float, simulated_replica_s: float, waited_measured: int,
-          waited_simulated: int, *, quantity: str = "replica_seconds") -> dict[str, Any]:
+          waited_simulated: float, *, quantity: str = "replica_seconds") -> dict[str, Any]:
     """`sim_vs_measured`: the ratio, both waited counts, and whether each is within the bar.
 
     `quantity` names the capacity compared (`replica_seconds`; the fleet's `gpu_mb_seconds`, replica-seconds

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_ready_s
 from forecasting.fleet.policies import FleetEnv, make_fleet_policy
-from forecasting.fleet.simulate import simulate
+from forecasting.fleet.simulate import FleetScore, simulate
 from forecasting.fleet.traces import FleetTrace
 from prewarm.core import keys
 from prewarm.core.settings import Settings
@@ -190,7 +190,8 @@ class FleetUpRun(UpRun):
                               "statuses": {str(k): v for k, v in sorted(s.statuses.items())},
                               "errors": dict(s.errors),
                               "slow_share": s.waits_over / max(1, s.ok), "p99_s": s.percentile(99)}
-        sim = simulate_same_arrivals(self, arrivals)
+        all_gb = sum(gb for _, _, gb in self.models)
+        sim = [dict(score.row(), all_models_gb=all_gb) for score in simulate_same_arrivals(self, arrivals)]
         table = Table(title="the same arrivals in the fleet simulator (same models, nodes and budget; "
                             "the first third is every policy's warm-up)")
         for col in ("policy", "cold %", "TTFT p99 s", "warm MB·s", "wasted MB·s"):
@@ -230,7 +231,6 @@ class FleetUpRun(UpRun):
         self.console.print(f"report: {self.run_dir / 'fleet-report.json'}")
         return out
 
-
     def _fidelity(self, arrivals: list[np.ndarray]) -> dict[str, Any]:
         """`sim_vs_measured` of the fleet: the fleet planner replayed over the whole run (from the same cold
         start) against what the run held on GPU (MB·s, each model's replicas weighted by its size) and the
@@ -244,7 +244,7 @@ class FleetUpRun(UpRun):
         delays = [d for (name, _, _), t in zip(self.models, arrivals)
                   for d in demand_delays((wall0 + t).tolist(), events, name, window_s=DEMAND_WINDOW_S)]
         actuation = float(np.mean(delays)) if delays else 0.0  # as the single-model check charges its delays
-        score = simulate_same_arrivals(self, arrivals, policies=("fleet",), score_after_s=0.0, scores=True,
+        score = simulate_same_arrivals(self, arrivals, policies=("fleet",), score_after_s=0.0,
                                        actuation_s=actuation)[0]
         by_model: dict[str, Any] = {}
         for j, (name, _, gb) in enumerate(self.models):
@@ -261,11 +261,9 @@ class FleetUpRun(UpRun):
 
 def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
                            policies: tuple[str, ...] = ("keepalive", "hybrid_histogram", "fleet", "oracle"),
-                           score_after_s: float | None = None, scores: bool = False,
-                           actuation_s: float = 0.0) -> list[Any]:
-    """Keep-alive, hybrid histogram, the fleet planner and the oracle on these arrivals, 10 s steps: their
-    report rows (or, with `scores`, their `FleetScore`s), scored after the first third unless told; every load
-    starts `actuation_s` after its decision or its first request."""
+                           score_after_s: float | None = None, actuation_s: float = 0.0) -> list[FleetScore]:
+    """Keep-alive, hybrid histogram, the fleet planner and the oracle on these arrivals, 10 s steps, scored
+    after the first third unless told; every load starts `actuation_s` after its decision or its first request."""
     steps = max(1, int(math.ceil(run.opts.duration_s / BUCKET_S)))
     counts = np.zeros((steps, len(arrivals)))
     for j, t in enumerate(arrivals):
@@ -284,18 +282,13 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
             ready = {Tier.ASLEEP: 0.2 * cold, Tier.CACHED: cold, Tier.DISK: cold, Tier.GPU: 0.0}
         cards.append(ModelCard(name=name, mem_gb=gb, ready_s={"default": ready}))
     catalog = Catalog(tuple(cards))
-    total = sum(gb for _, _, gb in run.models)
     env = FleetEnv(catalog=catalog, step_s=BUCKET_S, n_nodes=1, node_gpu_gb=run.budget_gb, node_host_gb=0.0,
                    counts=counts, actuation_s=actuation_s)
     trace = FleetTrace(names, counts, BUCKET_S, "prewarm up --models", "demo")
     knobs: dict[str, float | None] = {"keepalive": 600.0, "hybrid_histogram": None, "fleet": run.budget_gb,
                                       "oracle": None}
     after = run.opts.duration_s / 3 if score_after_s is None else score_after_s
-    out: list[Any] = []
-    for name in policies:
-        score = simulate(trace, make_fleet_policy(name, knobs[name]), env, score_after_s=after)
-        out.append(score if scores else dict(score.row(), all_models_gb=total))
-    return out
+    return [simulate(trace, make_fleet_policy(name, knobs[name]), env, score_after_s=after) for name in policies]
 
 
 def run(settings: Settings, opts: UpOptions, n_models: int) -> int:
