@@ -25,7 +25,9 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    reactive mode the forecast is of the peak in flight, which already holds the fluctuation
    the staffing beta stands for, so only the calibrated margin beyond `queue_beta` is added)
    (plus any batch job running within it), at least `min_serving`; in reactive mode never
-   below the recent observed need. A predicted fall is released as soon as the forecast over the next lead
+   below what it sizes for the largest peak observed within `stabilization_s` (the HPA's
+   stabilization over its own recommendations), and a fall within `scale_down_tolerance` of
+   the live replicas is not made (the HPA's tolerance). A predicted fall is released as soon as the forecast over the next lead
    stays below what is left: no window after the fact, no floor from another scaler, so
    the plan can go below what a stabilised reactive scaler keeps;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
@@ -52,7 +54,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from croniter import croniter
@@ -78,6 +80,7 @@ class PlannerParams:
     lead_margin_s: float = 10.0
     default_cold_start_s: float = 8.7
     stabilization_s: float = 300.0
+    scale_down_tolerance: float = 0.1  # reactive mode: a fall of at most this share of live replicas is not made
     warm_pool_size: int | None = None
     warm_pool_percent: float = 0.0
     budget_share: float = 0.12
@@ -113,6 +116,7 @@ class PlannerParams:
         return cls(
             quantile=s.quantile, headroom=s.headroom, lead_margin_s=s.lead_margin_s,
             default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,
+            scale_down_tolerance=float(s.scale_down_tolerance),
             warm_pool_size=s.warm_pool_size, warm_pool_percent=s.warm_pool_percent, budget_share=s.budget_share,
             bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
@@ -356,15 +360,17 @@ def _mode(fc: Forecast, p: PlannerParams) -> str:
     return PREDICTIVE if fc.error is not None and fc.error <= p.error_threshold else REACTIVE
 
 
-def _observed_need(inp: StepInputs, slots: int) -> int | None:
-    """The most replicas needed in the last `stabilization_s` (None: less history than that)."""
+def _observed_need(inp: StepInputs, margin: Callable[[float], float]) -> int | None:
+    """The replicas the planner sizes (`margin`: its sizing of a peak) for the largest peak in flight of the
+    last `stabilization_s` (None: less history than that). Sized as the target is: an unsized floor sits below
+    the target, which then follows each burst's forecast down within seconds and starts it again at the next."""
     obs, p = inp.observed, inp.params
     k = int(math.ceil(p.stabilization_s / obs.bucket_s))
     if k == 0:
         return 0  # no stabilization window: nothing observed holds capacity
     if obs.peak.size < k:
         return None
-    return replicas_needed(float(obs.peak[-k:].max()), slots, p.headroom)
+    return replicas_needed(margin(float(obs.peak[-k:].max())), inp.model.slots, p.headroom)
 
 
 def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
@@ -388,6 +394,9 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
             why = (f"reactive: {floor} observed within {p.stabilization_s:.0f} s" if observed_need is not None
                    else "reactive: less history than the stabilization window")
         target = min(live, floor)
+        if target < live and target >= live * (1.0 - p.scale_down_tolerance) - 1e-9:
+            why = f"reactive: {live - target} of {live} live is within the {p.scale_down_tolerance:.0%} tolerance"
+            target = live
     return target, why
 
 
@@ -532,7 +541,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                        max(need_next, p.min_serving), p.budget_share)[1]
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
-    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, slots))
+    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin))
     if batch_lead:
         why += f" (batch jobs {batch_lead})"
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)

@@ -22,6 +22,7 @@ from prewarm.cli import _build_parser
 from prewarm.adapters.k8s import API_CALLS
 from prewarm.gateway.keda import MODEL_KEY, TARGET_METRIC
 from tests.keda_crd import check_scaled_object
+from prewarm.core.planner_settings import PlannerSettings
 from prewarm.core.settings import _GROUPS, KubernetesSettings
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "prewarm"
@@ -177,6 +178,30 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
                                    "hpa": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}}}}),
                            "Deployment", "-planner"))
     assert keda_env["PREWARM_PLANNER_STABILIZATION_S"] == "90"
+
+
+def test_the_cold_start_budget_and_the_reactive_knobs_reach_the_planner_as_its_settings_read_them() -> None:
+    """The operator's goal (issue 17) is set from the chart: the budget, the reactive fallback's tolerance and
+    the interruption hold reach the planner and the beat, and the planner's own settings parse them."""
+    values = {"planner": {"coldStartBudget": 0.0005, "scaleDownTolerance": 0.2,
+                          "interruption": {"share": 0.05, "minRequests": 40, "holdSeconds": 1800}}}
+    docs = render(values)
+    for name in ("-planner", "-beat"):
+        env = env_of(find(docs, "Deployment", name))
+        planner = {k: v for k, v in env.items() if k.startswith("PREWARM_PLANNER_") and isinstance(v, str)}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in planner.items():
+                mp.setenv(k, v)
+            s = PlannerSettings()
+        assert (s.cold_start_budget, s.scale_down_tolerance) == (0.0005, 0.2)
+        assert (s.interruption_share, s.interruption_min_requests, s.interruption_hold_s) == (0.05, 40.0, 1800.0)
+    default = env_of(find(render(), "Deployment", "-planner"))
+    assert default["PREWARM_PLANNER_COLD_START_BUDGET"] == str(PlannerSettings().cold_start_budget)
+    chart = _chart()
+    for bad in ({"planner": {"coldStartBudget": 0}}, {"planner": {"scaleDownTolerance": 1}},
+                {"planner": {"interruption": {"share": -0.1}}}):
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.validate_schema(chart.merge_values(bad))
 
 
 def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:

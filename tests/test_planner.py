@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -115,6 +116,39 @@ def test_a_peak_is_not_staffed_twice_only_the_calibrated_margin_beyond_the_staff
     assert d.need_lead == 3  # 12 + 2 sqrt(12) = 18.9 slots
     d, _ = step(inputs([12.0] * 400, ready=1), PlannerState())
     assert d.mode == PREDICTIVE and d.need_lead == 3  # a mean load in flight is staffed: 12 + 1.5 sqrt(12) = 17.2
+
+
+def test_the_reactive_floor_is_sized_as_the_target_is() -> None:
+    """The reactive fallback keeps what it sizes for the largest peak of the stabilization window (the HPA's
+    stabilization over its own recommendations), not that peak unsized: sized below the target, the floor let
+    each burst's target fall within seconds, and the next burst started it again (Mooncake at 8.7 s: 105
+    replica starts where the HPA made 12)."""
+    rng = np.random.default_rng(0)
+    y = np.where(rng.random(400) < 0.2, 60.0, 2.0)
+    y[-5:] = 2.0  # the last burst, 50 s ago, peaked at 60 in flight
+    sized = replace(BASE, margin_initial=3.5)  # the budget's margin: 2 sqrt(peak) beyond the staffing beta
+    d, _ = step(inputs(y, ready=20, params=sized), PlannerState())
+    assert d.mode == REACTIVE
+    assert d.target == max(d.need_lead, 10)  # 60 + 2 sqrt(60) = 75.5 slots of 8, not 60 (8 replicas)
+
+
+def test_a_reactive_fall_within_the_tolerance_is_not_made() -> None:
+    """As the HPA's 10% tolerance: in reactive mode a fall of at most `scale_down_tolerance` of the live
+    replicas keeps them (a target wavering by one around a dozen replicas started one every few steps)."""
+    rng = np.random.default_rng(1)
+    y = np.where(rng.random(400) < 0.2, 100.0, 70.0)
+    y[-31:] = 70.0  # nothing above 70 in flight for 310 s: the floor holds 70's replicas only
+    free = replace(BASE, scale_down_tolerance=0.0)
+    d, _ = step(inputs(y, ready=40, params=free), PlannerState())
+    plain = d.target
+    assert d.mode == REACTIVE and plain >= 9  # one replica of ten or more is within 10%
+    d, _ = step(inputs(y, ready=plain + 1), PlannerState())
+    assert d.target == plain + 1 and d.events == ()
+    d, _ = step(inputs(y, ready=plain + 1, params=free), PlannerState())
+    assert d.target == plain
+    beyond = int(math.ceil(plain / 0.9)) + 1  # a fall of more than 10%: made, to the plain target
+    d, _ = step(inputs(y, ready=beyond), PlannerState())
+    assert d.target == plain
 
 
 def test_reactive_before_history_never_scales_down() -> None:

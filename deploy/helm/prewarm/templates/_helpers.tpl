@@ -85,6 +85,16 @@ prometheus.io/path: /metrics
   value: {{ .Values.planner.dryRun | quote }}
 - name: PREWARM_PLANNER_MIN_SERVING
   value: {{ .Values.planner.minServing | quote }}
+- name: PREWARM_PLANNER_COLD_START_BUDGET
+  value: {{ .Values.planner.coldStartBudget | quote }}
+- name: PREWARM_PLANNER_SCALE_DOWN_TOLERANCE
+  value: {{ .Values.planner.scaleDownTolerance | quote }}
+- name: PREWARM_PLANNER_INTERRUPTION_SHARE
+  value: {{ .Values.planner.interruption.share | quote }}
+- name: PREWARM_PLANNER_INTERRUPTION_MIN_REQUESTS
+  value: {{ .Values.planner.interruption.minRequests | quote }}
+- name: PREWARM_PLANNER_INTERRUPTION_HOLD_S
+  value: {{ .Values.planner.interruption.holdSeconds | quote }}
 {{- with .Values.planner.models }}
 - name: PREWARM_PLANNER_MODELS
   value: {{ toJson . | quote }}
