@@ -125,7 +125,11 @@ def test_planner_keeps_the_best_density_within_node_memory() -> None:
     assert sum(len(v) for v in plan.gpu.values()) == 3  # 120 GB of 120
     plan, _ = plan_fleet(_ctx([0.9, 0.5, 0.1], nodes, mems=(40.0, 40.0, 60.0)), FleetState(lam=0.0))
     assert set(plan.gpu) == {"m0", "m1"} and plan.gpu_gb <= 120.0
-    assert plan.asleep == {"m2": "a"}  # the next best sleeps in host memory
+    assert plan.asleep == {}  # m2 runs nowhere: no engine to put to sleep (a sleep is a running engine's)
+    ran = (FleetNode("a", gpu_gb=80.0, host_gb=100.0, resident={"m2": Tier.GPU}), nodes[1])
+    plan, _ = plan_fleet(_ctx([0.9, 0.5, 0.1], ran, mems=(40.0, 40.0, 60.0)), FleetState(lam=0.0))
+    assert set(plan.gpu) == {"m0", "m1"} and plan.asleep == {"m2": "a"}  # the next best sleeps where it ran
+    assert ("sleep", "m2", "a") in {(a.kind.value, a.model, a.node) for a in plan.actions}
 
 
 def test_planner_never_evicts_a_replica_with_requests_in_flight() -> None:

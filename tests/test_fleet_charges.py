@@ -69,6 +69,20 @@ def test_an_actuation_delay_keeps_a_load_later_and_more_requests_cold() -> None:
     assert 0 < plain.cold_requests < 6 < late.cold_requests < 12  # all of step 0 waited, and the first of step 1
 
 
+def test_a_model_brought_back_comes_from_where_its_weights_were() -> None:
+    """A model the policy puts back on GPU before its request is a wake if it slept the step before and a page
+    cache load if it was cached: not a load from disk whatever it was (the planner's pre-warmed wakes were all
+    charged as full loads)."""
+    tr, env = _fleet([[1, 0], [0, 0], [0, 0], [1, 0]], mem=(30.0, 8.0))
+    woken = simulate(tr, _Scripted({0: ([0], []), 1: ([], [0]), 2: ([0], []), 3: ([0], [])}), env)
+    assert (woken.loads, woken.sleeps, woken.wakes) == (1, 1, 1)
+    cached = simulate(tr, _Scripted({0: ([0], []), 1: ([], []), 2: ([0], []), 3: ([0], [])}), env)
+    assert (cached.loads, cached.wakes) == (2, 0)  # reloaded (from the page cache): a load, not a wake
+    assert woken.cold_requests == cached.cold_requests == 1.0  # only step 0's request, before anything was loaded
+    card = env.catalog.cards[0]
+    assert card.time_to_ready(Tier.ASLEEP) < card.time_to_ready(Tier.CACHED) < card.time_to_ready(Tier.DISK)
+
+
 def test_a_sleep_holds_its_gpu_memory_during_the_copy() -> None:
     tr, env = _fleet([[1, 0], [0, 0], [0, 0]], mem=(30.0, 8.0))
     slept = simulate(tr, _Scripted({0: ([0], []), 1: ([], [0]), 2: ([], [0])}), env)

@@ -57,7 +57,7 @@ def _round(cards: tuple[ModelCard, ...], nodes: tuple[FleetNode, ...]) -> tuple[
     every model on GPU goes to sleep where it may, else is evicted."""
     cat = Catalog(cards)
     ctx = FleetContext(now=0.0, catalog=cat, nodes=nodes, rate=np.full(len(cards), 0.5),
-                       burst_requests=np.full(len(cards), 50.0), params=FleetParams(host_price=0.0))
+                       burst_requests=np.full(len(cards), 50.0), params=FleetParams())
     plan, _ = plan_fleet(ctx, FleetState(lam=1e9))
     return dict(plan.asleep), sorted((a.kind.value, a.model, a.node) for a in plan.actions)
 
@@ -75,7 +75,8 @@ def test_the_fleet_puts_a_model_to_sleep_only_on_a_node_whose_engine_can() -> No
     cpu = FleetNode("cpu", gpu_gb=32.0, host_gb=64.0, resident={"v": Tier.GPU}, no_sleep=frozenset({"v"}))
     cuda = FleetNode("cuda", gpu_gb=32.0, host_gb=16.0)
     asleep, actions = _round((_card("v"),), (cpu, cuda))
-    assert asleep == {"v": "cuda"} and actions == [("evict", "v", "cpu")]  # never a sleep the cpu node refuses
+    # never a sleep the cpu node refuses, nor one on a node it does not run on (a sleep is a running engine's)
+    assert asleep == {} and actions == [("evict", "v", "cpu")]
     asleep, actions = _round((_card("v"),), (cpu,))
     assert asleep == {} and actions == [("evict", "v", "cpu")]
 
@@ -98,3 +99,23 @@ def test_a_scale_down_parks_only_where_the_engine_can_sleep(sleep_tier: bool,
     inp = replace(inp, replicas=ReplicaCounts(12, 0, 0), sleep_tier=sleep_tier)
     d, _ = step(inp, PlannerState(profile=_rising_profile(inp.now, 2.0), profile_at=inp.now))
     assert d.target == 7 and kinds(d) == expected
+
+
+def test_a_model_in_the_page_cache_takes_no_host_memory_from_one_leaving_gpu() -> None:
+    """Only a model on GPU (or asleep) can sleep: a cached one planned asleep was a plan the agents cannot carry
+    out, and it took the host memory the model leaving GPU needed (that one was evicted instead)."""
+    node = FleetNode("n1", gpu_gb=32.0, host_gb=12.0, resident={"c": Tier.CACHED, "g": Tier.GPU})  # 9 GB to sleep in
+    asleep, actions = _round((_card("c"), _card("g")), (node,))
+    assert asleep == {"g": "n1"} and actions == [("sleep", "g", "n1")]
+
+
+def test_a_model_leaving_gpu_sleeps_while_host_memory_lasts_whatever_a_wake_saves() -> None:
+    """Host memory is a capacity, not a price: a model whose bursts are single requests (a wake spares no more
+    of them than a load) still sleeps rather than leaving for the page cache while its node has room."""
+    cat = Catalog((_card("a"), _card("b")))
+    node = FleetNode("n1", gpu_gb=32.0, host_gb=12.0, resident={"a": Tier.GPU, "b": Tier.GPU})
+    ctx = FleetContext(now=0.0, catalog=cat, nodes=(node,), rate=np.array([0.01, 0.5]),
+                       burst_requests=np.ones(2), params=FleetParams())
+    plan, _ = plan_fleet(ctx, FleetState(lam=1e9))
+    assert dict(plan.asleep) == {"b": "n1"}  # one fits: the likelier to be asked for
+    assert sorted((a.kind.value, a.model) for a in plan.actions) == [("evict", "a"), ("sleep", "b")]

@@ -14,8 +14,8 @@ and decides for all models together:
   stay warm; a sparse model stays warm exactly while its own idle-time hazard pays for it,
   which gives it a keep-alive window and a pre-warm from its own distribution);
 - a model with requests in flight is never evicted;
-- below GPU, the next best models are put to sleep (weights in pinned host memory, woken in
-  a fraction of a load) while host memory lasts, on a node where their engine can sleep (a
+- a model that leaves GPU is put to sleep where it is (weights in pinned host memory, woken in
+  a fraction of a load) while that node's host memory lasts, best first, where its engine can sleep (a
   model whose engine reports no sleep mode has no asleep tier: `ModelCard.sleeps`,
   `FleetNode.no_sleep`); the rest stay in the page cache or on disk;
 - placement is one pass over all models of the round: a model stays where it is resident,
@@ -63,8 +63,7 @@ class FleetParams:
     """Knobs of the fleet planner.
 
     ``budget_gb``: the average GPU memory warm models may hold (None: the nodes' capacity,
-    with ``lam`` fixed); ``sleep_share``: share of host memory for sleeping models;
-    ``host_price``: host GB priced as this share of a GPU GB.
+    with ``lam`` fixed); ``sleep_share``: share of host memory for sleeping models.
     """
 
     step_s: float = 60.0
@@ -73,7 +72,6 @@ class FleetParams:
     lam0: float = 1e-3
     gain: float = 0.08
     sleep_share: float = 0.75
-    host_price: float = 0.001
     lam_min: float = 1e-9
     lam_max: float = 1e9
 
@@ -206,22 +204,21 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
         i = index[model]
         while len(gpu.get(model, [])) < want and place(i):
             pass
-    # 4. below GPU: the next best asleep in host memory (where they are, else the node with most room)
+    # 4. below GPU: what leaves it sleeps while host memory lasts (where it is), the best value of a wake over a
+    #    load first, then the best GPU density. Host memory is a capacity, not a price: the budget is GPU memory,
+    #    and a sleeping model costs the GPU only its copy out. Only a model on GPU or already asleep can sleep
+    #    (a sleep is a running engine's); a model in the page cache takes no host memory from one that can
     asleep: dict[str, str] = {}
-    host_lam = state.lam * params.host_price
-    host_order = np.argsort(-host_dens, kind="stable")
-    for i in host_order[(host_dens[host_order] >= host_lam) & (host_dens[host_order] > 0)]:
+    for i in np.lexsort((-dens, -host_dens)):
         name = cards[i].name
+        tiers = by_model.get(name, {})
         if name in gpu or not cards[i].sleeps:
             continue
-        tiers = by_model.get(name, {})
         can = [n for n in host_free if name not in no_sleep[n]]  # nodes where its engine can sleep
         cand = [n for n in tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.GPU, []) if n in can]
         host = next((n for n in cand if host_free[n] >= mem[i]), None)
         if host is None:
-            host = max(can, key=lambda n: host_free[n], default=None)
-            if host is None or host_free[host] < mem[i]:
-                continue
+            continue
         host_free[host] -= mem[i]
         asleep[name] = host
     # 5. what leaves GPU or host memory

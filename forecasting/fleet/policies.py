@@ -263,6 +263,8 @@ class FleetPlanner(FleetPolicy):
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
         self.est.observe(counts)
         self.busy = {self.names[i] for i in np.flatnonzero(counts > 0)}
+        on = {self.names[i] for i in np.flatnonzero(gpu)}  # what the replay evicted for capacity is gone
+        self.placed = {m: nodes for m, nodes in self.placed.items() if m in on}
         used = {n: 0.0 for n in self.node_names}
         for model, nodes in self.placed.items():
             for node in nodes:

@@ -98,6 +98,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     ready_at = np.zeros(m)
     last_used = np.full(m, -1.0)
     off_tier = np.full(m, 2, dtype=np.int64)  # index into _TIERS for models off GPU
+    was_tier = np.full(m, 2, dtype=np.int64)  # ... as it was during the last step
     first_scored = int(np.ceil(score_after_s / dt - 1e-9))
     req = cold = full = gb_s = waste_s = 0.0
     peak = 0.0
@@ -130,6 +131,9 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         off_tier[idx[fits & (last_used[idx] >= 0)]] = 1
         off_tier[asleep & ~want] = 0
         newly = want & ~gpu
+        # a model the policy brings back comes from where its weights were during the last step (asleep:
+        # a wake; page cache; disk), not from where a model it released now would go
+        off_tier[newly] = was_tier[newly]
         ready_at[newly] = start + env.actuation_s + ready[newly, off_tier[newly]]
         # on-demand loads: the first request of the step starts them
         demand = busy & ~want
@@ -148,6 +152,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
                 used -= mem[i]
         last_used[busy] = start
         slept = asleep & ~gpu
+        was_tier = np.where(gpu, 0, off_tier)  # where each model's weights are for the next step (GPU: moot)
         late = np.clip(ready_at - start, 0.0, dt)
         coldf = np.where(busy, np.minimum(1.0, late / dt), 0.0)
         cold_req = np.where(coldf > 0, np.minimum(c, np.maximum(1.0, c * coldf)), 0.0)
