@@ -38,3 +38,36 @@ def test_plan_dry_run_prints_the_events_and_changes_nothing(redis_client: "redis
     assert main(["plan", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "tiny@r1: predictive mode" in text and "would scale_up 4 (serving)" in text and "nothing done" in text
+
+
+def test_plan_dry_run_with_a_fleet_budget_prints_the_pool_round_and_changes_nothing(
+        redis_client: "redis.Redis[str]", redis_url: str, clean_env: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With `planner.fleet_budget_gb` the planner worker runs one fleet round over the pool: the dry run prints
+    that round (each model's tier, nodes and the actions the agents would get), not each model planned alone."""
+    clean_env.setenv("PREWARM_REDIS_URL", redis_url)
+    clean_env.setenv("PREWARM_PLANNER_MODELS", '["a@r1","b@r1"]')
+    clean_env.setenv("PREWARM_PLANNER_FLEET_BUDGET_GB", "40")
+    clean_env.setenv("PREWARM_PLANNER_MODEL_MEMORY_GB", json.dumps({"a": 40.0, "b": 40.0}))
+    redis_client.hset(keys.node_info("n1"), mapping={"name": "n1", "replica_slots": "2", "ready": "1",
+                                                     "gpu_memory_gb": "100", "host_memory_gb": "0"})
+    current = int(time.time() // 60) * 60
+    for ago in range(1, 120):  # a: every minute; b: one request, long ago
+        redis_client.set(keys.requests("a", 60, current - 60 * ago), 600)
+    redis_client.set(keys.requests("b", 60, current - 60 * 110), 1)
+    redis_client.sadd(keys.REQUEST_MODELS, "a", "b")
+    before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+
+    assert main(["plan", "--dry-run", "--json"]) == 0
+    out = {o["model"]: o for o in (json.loads(line) for line in capsys.readouterr().out.splitlines()
+                                   if line.startswith("{"))}
+    assert set(out) == {"a", "b"} and all(o["fleet"] for o in out.values())
+    assert out["a"]["tier"] == "gpu" and out["a"]["nodes"] == ["n1"] and out["a"]["actions"] == [
+        {"kind": "load", "node": "n1"}]
+    assert out["b"]["tier"] == "cold" and out["b"]["actions"] == []  # the budget holds one 40 GB model
+    assert {k: redis_client.dump(k) for k in redis_client.keys("*")} == before  # no task, no price, no plan written
+
+    assert main(["plan", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "fleet round:" in text and "of a 40 GB budget" in text and "nothing done" in text
+    assert "a@r1: gpu on n1, 1 replica(s) on GPU" in text and "would load on n1" in text

@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import Settings
@@ -250,11 +250,25 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
         settings.planner.dry_run = True
     ctx = WorkerContext.build(settings)
     now = time.time()
+    fleet = settings.planner.fleet_budget_gb > 0  # one fleet round over the pool, as the planner worker runs it
     if not args.dry_run:
-        for m in forecast_and_plan(ctx, now=now):
+        if fleet:
+            from workers.app import make_app
+            from workers.planning.fleet import fleet_and_plan
+
+            app = make_app(settings)
+            try:
+                plans = fleet_and_plan(ctx, app, now=now)
+            finally:
+                app.close()
+        else:
+            plans = forecast_and_plan(ctx, now=now)
+        for m in plans:
             print(json.dumps({"model": m.model, "status": m.status, "mode": m.mode, "events": list(m.events),
                               "new_events": list(m.new_events), "dropped": m.dropped}))
         return 0
+    if fleet:
+        return _print_fleet_decision(ctx, now=now, as_json=args.json)
     for spec, inp, d in decide(ctx, now=now):
         fc = d.forecast
         if args.json:
@@ -272,6 +286,38 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
             print("  no event")
         for x in d.dropped:
             print(f"  dropped {x.event.kind.value} {x.event.replicas}: {x.reason}")
+    return 0
+
+
+def _print_fleet_decision(ctx: Any, *, now: float, as_json: bool) -> int:
+    """`prewarm plan --dry-run` with a fleet budget: the pool's round, read-only (every model's tier, nodes and
+    the actions the agents would get), from the memory price the live round carries."""
+    import json
+
+    from forecasting.fleet.round import RoundState
+    from workers.planning.fleet import fleet_decide
+
+    decision, _ = fleet_decide(ctx, now=now, state=RoundState())
+    if decision is None:
+        return 0
+    plan, view = decision.result.plan, decision.view()
+    actions: dict[str, list[dict[str, str]]] = {m: [] for m in decision.names}
+    for a in plan.actions:
+        actions[a.model].append({"kind": a.kind.value, "node": a.node})
+    budget = ctx.settings.planner.fleet_budget_gb
+    if not as_json:
+        print(f"fleet round: {plan.gpu_gb:.0f} GB on GPU of a {budget:g} GB budget, memory price {plan.lam:.3g}, "
+              f"{len(plan.asleep)} asleep — dry run, nothing done")
+    for name in decision.names:
+        v = {**view[name], "actions": actions[name]}
+        if as_json:
+            print(json.dumps({"model": name, "revision": decision.specs[name].revision, "fleet": True, **v}))
+            continue
+        where = f" on {', '.join(v['nodes'])}" if v["nodes"] else ""
+        print(f"{name}@{decision.specs[name].revision}: {v['tier']}{where}, {v['replicas']} replica(s) on GPU, "
+              f"density {v['density']:.3g}{' (dense)' if v['dense'] else ''}")
+        for act in actions[name]:
+            print(f"  would {act['kind']} on {act['node']}")
     return 0
 
 

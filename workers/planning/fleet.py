@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,9 @@ from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundState, fleet_round
+from forecasting.fleet.round import RoundParams, RoundResult, RoundState, fleet_round
 from prewarm.core import keys
-from prewarm.core.domain import LIVE_STATES, Pool, ReplicaState, replica_id
+from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, ReplicaState, replica_id
 from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, can_sleep, parse_report, tier_absent
 from workers import names
 from workers.context import WorkerContext
@@ -129,7 +130,7 @@ def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket
     return rate_series(frame, model, bucket_s=int(bucket)) if not frame.empty else pd.Series(dtype=float)
 
 
-def _load_state(ctx: WorkerContext) -> FleetState:
+def load_state(ctx: WorkerContext) -> FleetState:
     raw = ctx.client.hgetall(keys.FLEET_STATE)
     try:
         return FleetState(lam=float(raw["lam"]), spent_gb_s=float(raw["spent_gb_s"]),
@@ -138,13 +139,37 @@ def _load_state(ctx: WorkerContext) -> FleetState:
         return FleetState()
 
 
-def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[ModelPlan]:
-    """One fleet round over every planned model; returns one `ModelPlan` per model."""
-    global _STATE
+@dataclass(frozen=True)
+class FleetDecision:
+    """A fleet round's decision, before anything is done with it: the planned models (sorted), their specs and
+    catalog, and the round's result (the plan: every model's tier and nodes, and the actions to get there)."""
+
+    names: tuple[str, ...]
+    specs: dict[str, ModelSpec]
+    catalog: Catalog
+    result: RoundResult
+
+    def view(self) -> dict[str, dict[str, Any]]:
+        """Per model: its tier (gpu, asleep, cold), nodes, replicas, density, outlook rate, footprint."""
+        plan, out = self.result.plan, {}
+        for j, name in enumerate(self.names):
+            tier = "gpu" if name in plan.gpu else "asleep" if name in plan.asleep else "cold"
+            out[name] = {"tier": tier, "nodes": list(plan.gpu.get(name, ())) or ([plan.asleep[name]] if name in
+                                                                                 plan.asleep else []),
+                         "density": float(plan.density[j]), "rate": float(self.result.rate[j]),
+                         "replicas": len(plan.gpu.get(name, ())), "dense": name in self.result.dense,
+                         "mem_gb": self.catalog.cards[j].mem_gb}
+        return out
+
+
+def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[FleetDecision | None, RoundState]:
+    """The fleet round's decision for every planned model, read-only: history, catalog and nodes from Redis,
+    the pure `fleet_round`; nothing written or sent (None: no model planned). `prewarm plan --dry-run`
+    prints it; `fleet_and_plan` acts on it."""
     p = ctx.settings.planner
     specs = {s.name: s for s in planned_models(ctx)}
     if not specs:
-        return []
+        return None, state
     names_ = sorted(specs)
     bucket = float(p.bucket_s)
     n = max(2, int(min(p.history_s, FLEET_HISTORY_S) // bucket))
@@ -164,8 +189,19 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
                          headroom=1.0 + p.headroom,
                          fleet=FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb,
                                            cap_gb=p.fleet_budget_gb))
-    _STATE.planner = _load_state(ctx)
-    result, _STATE = fleet_round(counts, catalog, nodes, now=now, params=params, state=_STATE)
+    result, state = fleet_round(counts, catalog, nodes, now=now, params=params,
+                                state=replace(state, planner=load_state(ctx)))
+    return FleetDecision(tuple(names_), specs, catalog, result), state
+
+
+def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[ModelPlan]:
+    """One fleet round over every planned model; returns one `ModelPlan` per model."""
+    global _STATE
+    p = ctx.settings.planner
+    decision, _STATE = fleet_decide(ctx, now=now, state=_STATE)
+    if decision is None:
+        return []
+    names_, specs, result = list(decision.names), decision.specs, decision.result
     plan = result.plan
     ctx.client.hset(keys.FLEET_STATE, mapping={"lam": repr(_STATE.planner.lam),
                                                "spent_gb_s": repr(_STATE.planner.spent_gb_s),
@@ -208,14 +244,7 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
                         log.info("dry run: would %s %s", action.kind.value, r.id)
                     else:
                         app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
-    view: dict[str, dict[str, Any]] = {}
-    for j, name in enumerate(names_):
-        tier = "gpu" if name in plan.gpu else "asleep" if name in plan.asleep else "cold"
-        view[name] = {"tier": tier, "nodes": list(plan.gpu.get(name, ())) or ([plan.asleep[name]] if name in
-                                                                             plan.asleep else []),
-                      "density": float(plan.density[j]), "rate": float(result.rate[j]),
-                      "replicas": len(plan.gpu.get(name, ())), "dense": name in result.dense,
-                      "mem_gb": catalog.cards[j].mem_gb}
+    view = decision.view()
     ctx.client.set(keys.FLEET_PLAN, json.dumps({"at": now, "lam": plan.lam, "gpu_gb": plan.gpu_gb,
                                                 "budget_gb": p.fleet_budget_gb, "refits": result.refits,
                                                 "models": view}))
