@@ -204,9 +204,7 @@ class PlannerState:
 
     def to_json(self) -> str:
         return json.dumps({
-            "profile": None if self.profile is None else
-            {"bin_s": self.profile.bin_s, "values": list(self.profile.values), "days": self.profile.days,
-             "season_s": self.profile.season_s, "level": self.profile.level},
+            "profile": None if self.profile is None else self.profile.to_dict(),
             "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
             "warm_avg": self.warm_avg, "warm_at": self.warm_at, "margin": self.margin, "counted_end": self.counted_end,
             "quiet_since": self.quiet_since,
@@ -218,9 +216,7 @@ class PlannerState:
             return cls()
         d = json.loads(raw)
         p = d.get("profile")
-        profile = None if p is None else Profile(float(p["bin_s"]), tuple(float(v) for v in p["values"]), float(p["days"]),
-                                                 float(p.get("season_s", 86400.0)), float(p.get("level", 0.0)))
-        return cls(profile, d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
+        return cls(None if p is None else Profile.from_dict(p), d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
                    d.get("warm_avg"), d.get("warm_at"), d.get("margin"), d.get("counted_end"), d.get("quiet_since"))
 
 

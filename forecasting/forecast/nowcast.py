@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -51,6 +52,16 @@ class Profile:
     days: float  # seasons of history it was learned from
     season_s: float = DAY_S  # the period the shape repeats over (declared by the operator; a day by default)
     level: float = 0.0  # the mean rate (req/s) the shape is relative to, over the history it was learned from (0: unknown)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bin_s": self.bin_s, "values": list(self.values), "days": self.days, "season_s": self.season_s,
+                "level": self.level}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
+        """The inverse of `to_dict` (a state saved before `season_s` or `level` existed: a day, level unknown)."""
+        return cls(float(d["bin_s"]), tuple(float(v) for v in d["values"]), float(d["days"]),
+                   float(d.get("season_s", DAY_S)), float(d.get("level", 0.0)))
 
     def at(self, ts: np.ndarray) -> np.ndarray:
         """The profile at epoch seconds ``ts``, linearly interpolated between bin centres (circular)."""
