@@ -17,6 +17,7 @@ from prewarm.registry.embedded import EmbeddedRedis
 from prewarm.gateway.server import Gateway
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import GatewaySettings, RedisSettings, RegistrySettings, Settings, WarmupSettings
+from workers.planning.tasks import unmet
 from tests.httpservers import AppThread, Upstream
 
 SECRET = "test-secret"
@@ -151,6 +152,42 @@ def test_hold_waits_for_a_replica_to_become_ready(redis_url: str) -> None:
         assert time.monotonic() - started >= 0.4
         assert h.reg.client.hget(keys.demand("m"), "count") == "1"
     finally:
+        h.close()
+
+
+def test_a_held_request_announces_its_demand_again_until_a_replica_is_ready(redis_url: str) -> None:
+    """The planner's answer to the first announcement may have come while the model's only replica was still
+    draining (to sleep): it started nothing, and nothing asked again until the beat's scan, up to 10 s later.
+    A held request now re-announces every `DEMAND_REANNOUNCE_S`, without counting the demand twice."""
+    h = Harness(redis_url, hold_timeout_s=2.6)
+    sub = h.reg.client.pubsub(ignore_subscribe_messages=True)
+    try:
+        sub.subscribe(keys.DEMAND_CHANNEL)
+        got: list[str] = []
+        r = h.add(0, Upstream("x"))
+        h.reg.transition(r.id, ReplicaState.DRAINING, now=time.time())  # on its way to sleep: routes nothing
+        status, _, _ = h.complete()
+        assert status == 503  # nothing became ready within the hold
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            msg = sub.get_message(timeout=0.1)
+            if msg:
+                got.append(msg["data"])
+        assert got.count("m") >= 3, got  # at arrival, then about every second of the 2.6 s hold
+        assert h.reg.client.hget(keys.demand("m"), "count") == "1"  # one request: one unit of demand
+        assert "met" not in h.reg.client.hgetall(keys.demand("m"))  # answered 503: still unmet
+
+        def ready_soon() -> None:
+            time.sleep(0.5)
+            h.add(1, Upstream("y"))
+
+        threading.Thread(target=ready_soon).start()
+        assert served_by(h.complete()) == "y"
+        demand = h.reg.client.hgetall(keys.demand("m"))
+        assert float(demand["met"]) >= float(demand["last"])  # the held request got a replica: the demand is met
+        assert not unmet(demand, time.time()) and unmet({**demand, "last": repr(time.time())}, time.time())
+    finally:
+        sub.close()
         h.close()
 
 

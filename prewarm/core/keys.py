@@ -108,6 +108,12 @@ def warmup_nonce(nonce: str) -> str:
 DEMAND_CHANNEL = f"{PREFIX}:demand"
 #: Demand records expire after this long without a new unmet request.
 DEMAND_TTL_S = 3600
+#: A request the gateway holds for a replica announces its demand again this often. The planner may
+#: have answered the first announcement while the model's only replica was still draining (to sleep, or
+#: out): it then started nothing, and no one asked again until the beat's demand scan, up to 10 s later
+#: (`prewarm up --models 3`: on-demand loads started after 0.15 s or after up to 10 s, nothing between).
+#: The planner's listener coalesces announcements (DEMAND_COALESCE_S), so a held burst costs one task a second.
+DEMAND_REANNOUNCE_S = 1.0
 
 # --- agent and planner ----------------------------------------------------------------------
 #: Hash of the recorded warm-latency baseline of a model on a node class (the median of the first

@@ -30,8 +30,8 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from prewarm.core import signing
-from prewarm.registry.counters import RequestCounter, record_demand
+from prewarm.core import keys, signing
+from prewarm.registry.counters import RequestCounter, announce_demand, demand_met, record_demand
 from prewarm.core.domain import ReplicaState
 from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
 from prewarm.core.metrics import Metrics, RegistryCollector
@@ -127,6 +127,7 @@ class Gateway:
         self.metrics_registry.register(RegistryCollector(self._replica_counts))
         self.session: aiohttp.ClientSession | None = None
         self._flusher: asyncio.Task[None] | None = None
+        self._announced: dict[str, float] = {}  # model -> when its unmet demand was last announced (monotonic)
 
     def _replica_counts(self) -> dict[tuple[str, str, str], int]:
         return self.registry.counts()
@@ -339,11 +340,15 @@ class Gateway:
             deadline = started + self.cfg.hold_timeout_s
             while decision.replica is None and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                if not warmup and time.monotonic() - self._announced.get(model, 0.0) >= keys.DEMAND_REANNOUNCE_S:
+                    await self._record_demand(model, again=True)  # still held: ask again, once for all held
                 decision = self._route(narrow(await self._view(model, fresh=True), rev), warmup)
                 if decision.outcome is RouteOutcome.SATURATED:
                     return self._saturated(model)
             if not warmup and (decision.replica is None or time.monotonic() - started > self.cfg.wait_threshold_s):
                 self.counter.waited(model, time.time())  # the cold-start budget's observation
+            if not warmup and decision.replica is not None:
+                await self._demand_met(model)
         self.metrics.routing_decisions.labels(model, decision.outcome.value if decision.replica else "unavailable").inc()
         if decision.replica is None:
             return self._unavailable(f"no replica of {model!r} is ready; one is being started")
@@ -383,9 +388,18 @@ class Gateway:
         return _error(429, f"every replica of {model!r} is at its limit of {self.cfg.replica_queue_limit} requests "
                            "in flight; retry shortly", "overloaded", headers={"Retry-After": str(self.limits.drain_s(model))})
 
-    async def _record_demand(self, model: str) -> None:
+    async def _demand_met(self, model: str) -> None:
         try:
-            await record_demand(self.redis, model, time.time())
+            await demand_met(self.redis, model, time.time())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("met demand for %s not recorded: %s", model, exc)
+
+    async def _record_demand(self, model: str, *, again: bool = False) -> None:
+        """Record a request's unmet demand, or (`again`) announce it anew while requests are held: at most once per
+        `keys.DEMAND_REANNOUNCE_S` per model in this gateway, however many requests wait."""
+        self._announced[model] = time.monotonic()
+        try:
+            await (announce_demand if again else record_demand)(self.redis, model, time.time())
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("demand for %s not recorded: %s", model, exc)
 

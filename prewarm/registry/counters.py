@@ -178,6 +178,24 @@ class RequestCounter:
         return len(batch)
 
 
+async def announce_demand(client: "aioredis.Redis[str]", model: str, now: float) -> None:
+    """Announce demand already recorded again (a request still held for a replica): fresh, not counted twice."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.demand(model), "last", repr(now))
+    pipe.expire(keys.demand(model), keys.DEMAND_TTL_S)
+    pipe.publish(keys.DEMAND_CHANNEL, model)
+    await pipe.execute()
+
+
+async def demand_met(client: "aioredis.Redis[str]", model: str, now: float) -> None:
+    """A held request got a replica: the demand announced until now is met (the planner's scan then starts
+    nothing for it; a new unmet request announces afresh)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.demand(model), "met", repr(now))
+    pipe.expire(keys.demand(model), keys.DEMAND_TTL_S)
+    await pipe.execute()
+
+
 async def record_demand(client: "aioredis.Redis[str]", model: str, now: float) -> None:
     """Record unmet demand for a model (nothing ready) and announce it: scale from zero."""
     key = keys.demand(model)

@@ -21,7 +21,7 @@ Placement reads the node views agents publish (`workers.planning.nodes`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from celery import Celery, Task
 
@@ -147,6 +147,19 @@ def handle_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
         ctx.client.expire(keys.demand_pending(req.model), keys.DEMAND_COALESCE_S)
 
 
+def unmet(demand: Mapping[str, str], now: float) -> bool:
+    """Whether a model's demand record (`keys.demand`) is unmet and fresh: a request found nothing ready within
+    `DEMAND_FRESH_S`, and no held request got a replica since (`met`). Met demand is not restarted by the scan:
+    it restarted every model the fleet round had just evicted for two minutes after its last cold request
+    (`prewarm up --models 3`: a sparse model reloaded every 10 s), against the planner's own decision."""
+    try:
+        last = float(demand["last"])
+        met = float(demand.get("met", "-inf"))
+    except (KeyError, ValueError):
+        return False
+    return last >= now - DEMAND_FRESH_S and last > met
+
+
 def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
     payload.parse_nothing("scan_demand", args, kwargs)
     ctx = _ctx(self)
@@ -154,10 +167,8 @@ def scan_demand(self: Task, *args: Any, **kwargs: Any) -> Any:
     prefix = keys.demand("")
     results = []
     for key in ctx.client.scan_iter(match=prefix + "*", count=200):
-        last = ctx.client.hget(key, "last")
-        if last is None or float(last) < now - DEMAND_FRESH_S:
-            continue
-        results.append(handle_demand_for(ctx, self.app, key[len(prefix):]))
+        if unmet(ctx.client.hgetall(key), now):
+            results.append(handle_demand_for(ctx, self.app, key[len(prefix):]))
     return {"handled": results}
 
 
