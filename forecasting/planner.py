@@ -42,7 +42,7 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
-7. `place`: the one placement function (snapshot holders first, then the least loaded).
+7. `place` (`forecasting.placement`): the one placement rule (snapshot holders first, then the least loaded).
 
 Warm cost has one definition here (`warm_cost`): the share of replica-time above need.
 """
@@ -54,7 +54,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from croniter import croniter
@@ -63,6 +63,7 @@ from forecasting import budget, interruption, park
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.calibration import calibrate_margin, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
+from forecasting.placement import place
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.settings import PlannerSettings
 
@@ -274,28 +275,6 @@ def event_id(model: ModelSpec, kind: ScaleEventKind, bucket_start: float, pool: 
     """Deterministic id: the same decision for the same bucket re-planned gives the same id."""
     raw = f"{model.key}|{kind.value}|{int(math.floor(bucket_start))}|{pool.value}"
     return f"{kind.value}-{hashlib.sha1(raw.encode()).hexdigest()[:16]}"
-
-
-def place(nodes: Iterable[NodeView], model_key: str, n: int, used: dict[str, int] | None = None) -> tuple[str, ...]:
-    """THE placement rule: a node for each of `n` replicas, snapshot holders first, then the least
-    loaded (live replicas over slots), then by name; `used` counts what earlier picks took."""
-    used = {} if used is None else used
-    pool = list(nodes)
-    chosen: list[str] = []
-    for _ in range(n):
-        best: tuple[tuple[int, float, str], NodeView] | None = None
-        for node in pool:
-            taken = used.get(node.name, 0)
-            if not node.ready or node.free_slots - taken <= 0:
-                continue
-            key = (0 if model_key in node.snapshots else 1, (node.replicas + taken) / max(1, node.replica_slots), node.name)
-            if best is None or key < best[0]:
-                best = (key, node)
-        if best is None:
-            break
-        used[best[1].name] = used.get(best[1].name, 0) + 1
-        chosen.append(best[1].name)
-    return tuple(chosen)
 
 
 # -- inputs, the same way for the live task and the simulator ----------------------------------------------------

@@ -18,10 +18,10 @@ from forecasting.planner import (
     StepInputs,
     event_id,
     observed_from_counts,
-    place,
     replicas_needed,
     step,
 )
+from forecasting.placement import place
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEventKind
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import PlannerSettings

@@ -128,6 +128,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._announced: dict[str, float] = {}  # model -> when its unmet demand was last announced (monotonic)
+        self._unmet: set[str] = set()  # models announced by this gateway and not yet marked met (one write per burst)
 
     def _replica_counts(self) -> dict[tuple[str, str, str], int]:
         return self.registry.counts()
@@ -389,6 +390,9 @@ class Gateway:
                            "in flight; retry shortly", "overloaded", headers={"Retry-After": str(self.limits.drain_s(model))})
 
     async def _demand_met(self, model: str) -> None:
+        if model not in self._unmet:
+            return  # already marked since this gateway last announced it: a burst served at once writes once
+        self._unmet.discard(model)
         try:
             await demand_met(self.redis, model, time.time())
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -398,6 +402,7 @@ class Gateway:
         """Record a request's unmet demand, or (`again`) announce it anew while requests are held: at most once per
         `keys.DEMAND_REANNOUNCE_S` per model in this gateway, however many requests wait."""
         self._announced[model] = time.monotonic()
+        self._unmet.add(model)
         try:
             await (announce_demand if again else record_demand)(self.redis, model, time.time())
         except (redis.ConnectionError, redis.TimeoutError) as exc:

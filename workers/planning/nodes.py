@@ -1,6 +1,6 @@
 """The live nodes the planner may place replicas on, read from what agents publish (`keys.node_info`).
 
-The choice of a node is the planner's one placement rule (`forecasting.planner.place`),
+The choice of a node is the planner's one placement rule (`forecasting.placement.place`),
 applied here to slots (`pick_slots`); `live_nodes` is the one read behind it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from forecasting.planner import place
+from forecasting.placement import place
 from prewarm.core import keys
 from prewarm.core.domain import NodeView
 from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, parse_report
@@ -30,7 +30,7 @@ class NodeSlots:
 def pick_slots(nodes: Iterable[NodeSlots], n: int, *, wanted: Sequence[str] = (), model_key: str = "",
                snapshots: Mapping[str, frozenset[str]] | None = None) -> list[tuple[str, int]]:
     """`n` (node, lowest free slot) pairs: the planner's placement (`wanted`) first where it still
-    fits, then `forecasting.planner.place` (snapshot holders, then the least loaded, then by name)."""
+    fits, then `forecasting.placement.place` (snapshot holders, then the least loaded, then by name)."""
     table = {ns.node: ns for ns in nodes}
     snaps = snapshots or {}
     chosen: list[tuple[str, int]] = []
