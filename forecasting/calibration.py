@@ -15,6 +15,12 @@ per window. It is an integrator of the overspend, so over a long run the realise
 the budget whatever the trace, as long as the margin stays within its bounds (the clip at
 [0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
 
+"Requests per calibration window" is the mean request rate over the budget's horizon
+(`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
+between steps, not the last hour's: normalised by the last hour, a miss at the daily peak
+weighed less than one at night, so the margin held an hourly average of shares and the share
+of requests (misses come with rises, at busy hours) ran over the budget.
+
 `sizing` applies the margin: to a mean load in flight whole, to a peak in flight (the
 planner's reactive mode) only beyond the staffing beta a peak already holds.
 
@@ -46,30 +52,41 @@ class BudgetParams(Protocol):
     def budget_calibration_s(self) -> float: ...
     @property
     def margin_max(self) -> float: ...
+    @property
+    def budget_horizon_s(self) -> float: ...
 
 
 def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
-                     margin: float | None, counted_end: float | None, p: BudgetParams) -> tuple[float, float | None]:
+                     margin: float | None, counted_end: float | None, rate: float | None,
+                     p: BudgetParams) -> tuple[float, float | None, float | None]:
     """The margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end after
-    `counted_end`, and the new `counted_end`. The first call counts nothing (it only marks where
-    counting starts): misses before the planner acted are not its own."""
+    `counted_end`, the new `counted_end`, and the request rate (per second) over the budget's horizon
+    that normalises the overspend (`rate`: the one carried from the last step; None: not measured yet).
+    The first call counts nothing (it only marks where counting starts): misses before the planner acted
+    are not its own."""
     beta = p.margin_initial if margin is None else float(margin)
     n = int(requests.size)
     end = start + n * bucket_s
     if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:
-        return beta, end if n else counted_end
+        return beta, end if n else counted_end, rate
     if counted_end is None:
-        return beta, end
+        return beta, end, rate
     first = max(0, int(math.ceil(round((counted_end - start) / bucket_s, 9))))
     if first >= n:
-        return beta, counted_end
+        return beta, counted_end, rate
     req = float(np.sum(requests[first:]))
     miss = float(np.sum(waited[first:]))
-    per_window = float(np.mean(requests)) * p.budget_calibration_s / bucket_s
+    span = (n - first) * bucket_s
+    # the overspend is weighed by the rate carried over the horizon (before these buckets join it); with none
+    # carried yet, the fine history read is the best estimate there is
+    norm = float(np.mean(requests)) / bucket_s if rate is None else rate
+    keep = math.exp(-span / p.budget_horizon_s)
+    rate = norm if rate is None else keep * rate + (1.0 - keep) * req / span
+    per_window = norm * p.budget_calibration_s
     if not per_window > 0:
-        return beta, end
+        return beta, end, rate
     beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
-    return min(p.margin_max, max(0.0, beta)), end
+    return min(p.margin_max, max(0.0, beta)), end, rate
 
 
 def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], float]:

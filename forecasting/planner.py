@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
@@ -91,10 +91,11 @@ class PlannerParams:
     interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
     min_serving: int = 1
     queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a) (reactive_sized's)
-    cold_start_budget: float = 0.0001  # share of requests that may wait for capacity (>= 1: no calibration)
+    cold_start_budget: float = 0.001  # share of requests that may wait for capacity (>= 1: no calibration)
     margin_initial: float = 6.0  # the calibrated margin's start: on the safe side until misses are measured
-    budget_gain: float = 0.1  # how far the margin (beta) moves when one calibration window's budget is overspent
+    budget_gain: float = 0.2  # how far the margin (beta) moves when one calibration window's budget is overspent
     budget_calibration_s: float = 3600.0  # the window whose requests the budget's overspend is measured against
+    budget_horizon_s: float = 86400.0  # the span the budget's share is meant over: the normaliser's average
     margin_max: float = 40.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
     error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
@@ -125,6 +126,7 @@ class PlannerParams:
             min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s), cold_start_budget=float(s.cold_start_budget),
             margin_initial=float(s.margin_initial),
             budget_gain=float(s.budget_gain), budget_calibration_s=float(s.budget_calibration_s),
+            budget_horizon_s=float(s.budget_horizon_s),
             margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
             interruption_share=float(s.interruption_share), interruption_min_requests=float(s.interruption_min_requests),
             interruption_hold_s=float(s.interruption_hold_s),
@@ -201,24 +203,21 @@ class PlannerState:
     warm_at: float | None = None
     margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: margin_initial)
     counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
+    counted_rate: float | None = None  # requests/s over `budget_horizon_s`: the calibration's normaliser
     quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "profile": None if self.profile is None else self.profile.to_dict(),
-            "profile_at": self.profile_at, "mode": self.mode, "mode_since": self.mode_since,
-            "warm_avg": self.warm_avg, "warm_at": self.warm_at, "margin": self.margin, "counted_end": self.counted_end,
-            "quiet_since": self.quiet_since,
-        })
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
+                          | {"profile": None if self.profile is None else self.profile.to_dict()})
 
     @classmethod
     def from_json(cls, raw: str | None) -> "PlannerState":
         if not raw:
             return cls()
-        d = json.loads(raw)
+        d, known = json.loads(raw), {f.name for f in fields(cls)}
         p = d.get("profile")
-        return cls(None if p is None else Profile.from_dict(p), d.get("profile_at"), str(d.get("mode", REACTIVE)), d.get("mode_since"),
-                   d.get("warm_avg"), d.get("warm_at"), d.get("margin"), d.get("counted_end"), d.get("quiet_since"))
+        return cls(**{k: v for k, v in d.items() if k in known}
+                   | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE))})
 
 
 @dataclass(frozen=True)
@@ -487,9 +486,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     p, slots = inp.params, inp.model.slots
     state = _learn(inp, state)
     obs = inp.observed
-    margin_now, counted_end = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
-                                               state.counted_end, p)
-    state = replace(state, margin=margin_now, counted_end=counted_end)
+    margin_now, counted_end, rate = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
+                                                     state.counted_end, state.counted_rate, p)
+    state = replace(state, margin=margin_now, counted_end=counted_end, counted_rate=rate)
     # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)

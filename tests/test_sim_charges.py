@@ -209,19 +209,19 @@ def test_rows_follow_the_output_contract() -> None:
         assert set(r) == ROW_KEYS | ({"cold_start_budget"} if r["policy"] == "prewarm" else set()) and r["default"] is True
         assert r["starts"] == out["policies"][r["policy"]]["cold_starts"]
     assert rows["reactive"]["gpu_hours_vs_reactive"] == 1.0
-    assert (rows["prewarm"]["knob"], rows["prewarm"]["value"]) == ("cold_start_budget", 0.0001)
-    assert rows["prewarm"]["cold_start_budget"] == 0.0001
+    assert (rows["prewarm"]["knob"], rows["prewarm"]["value"]) == ("cold_start_budget", 0.001)
+    assert rows["prewarm"]["cold_start_budget"] == 0.001
     assert (rows["reactive_sized"]["knob"], rows["reactive_sized"]["value"]) == ("queue_beta", 1.5)
 
 
 def test_sweep_gives_rows_points_and_the_equal_share_summary() -> None:
     knobs = {"reactive": ("target", (0.5, 0.7, 0.9), 0.7), "reactive_sized": ("queue_beta", (0.5, 1.5, 3.0), 1.5),
-             "prewarm": ("cold_start_budget", (0.001, 0.0001), 0.0001)}
+             "prewarm": ("cold_start_budget", (0.01, 0.001), 0.001)}
     out = run_sweep(_small_rate_trace(), SimParams(), ("reactive", "reactive_sized", "prewarm", "oracle"), knobs=knobs)
     assert len(out["points"]) == 3 + 3 + 2 + 1
     assert all(set(p) == ROW_KEYS | ({"cold_start_budget"} if p["policy"] == "prewarm" else set())
                for p in out["points"])
-    assert [p["cold_start_budget"] for p in out["points"] if p["policy"] == "prewarm"] == [0.001, 0.0001]
+    assert [p["cold_start_budget"] for p in out["points"] if p["policy"] == "prewarm"] == [0.01, 0.001]
     assert {r["policy"] for r in out["rows"]} == {"reactive", "reactive_sized", "prewarm", "oracle"}
     eq = out["at_equal_cold_start_share"]
     prewarm = next(r for r in out["rows"] if r["policy"] == "prewarm")

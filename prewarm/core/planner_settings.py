@@ -34,10 +34,11 @@ class PlannerSettings(_Group):
     warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
     # --- the cold-start budget (forecasting/calibration.py; reasons in docs/operating.md) ---
-    cold_start_budget: float = Field(0.0001, gt=0, le=1)  # share of requests that may wait for a load or a wake
+    cold_start_budget: float = Field(0.001, gt=0, le=1)  # share of requests that may wait for a load or a wake
     margin_initial: float = Field(6.0, ge=0)  # the margin's start, on the safe side until misses are measured
-    budget_gain: float = Field(0.1, gt=0)  # margin (beta) moved per calibration window's budget overspent
+    budget_gain: float = Field(0.2, gt=0)  # margin (beta) moved per calibration window's budget overspent
     budget_calibration_s: float = Field(3600.0, gt=0)  # the window the overspend is measured against
+    budget_horizon_s: float = Field(86400.0, gt=0)  # the span the budget's share is meant over (its normaliser)
     margin_max: float = Field(40.0, gt=0)  # the calibrated margin's ceiling (no integrator wind-up)
     season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
     profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
