@@ -57,36 +57,39 @@ class BudgetParams(Protocol):
 
 
 def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
-                     margin: float | None, counted_end: float | None, rate: float | None,
-                     p: BudgetParams) -> tuple[float, float | None, float | None]:
+                     margin: float | None, counted_end: float | None, rate: float | None, weight_s: float | None,
+                     p: BudgetParams) -> tuple[float, float | None, float | None, float | None]:
     """The margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end after
-    `counted_end`, the new `counted_end`, and the request rate (per second) over the budget's horizon
-    that normalises the overspend (`rate`: the one carried from the last step; None: not measured yet).
-    The first call counts nothing (it only marks where counting starts): misses before the planner acted
-    are not its own."""
+    `counted_end`; the new `counted_end`; and the request rate (per second) over the budget's horizon that
+    normalises the overspend, with the seconds of counting it rests on (`rate`, `weight_s`: carried from the
+    last step; None: nothing counted yet). The rate is an exponential average over `budget_horizon_s` of the
+    buckets counted, corrected for its start (the sum of decayed requests over the sum of decayed seconds), so
+    the zero buckets before a model had traffic, or before the planner acted, do not weigh in. The first call
+    counts nothing (it only marks where counting starts): misses before the planner acted are not its own."""
     beta = p.margin_initial if margin is None else float(margin)
     n = int(requests.size)
     end = start + n * bucket_s
     if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:
-        return beta, end if n else counted_end, rate
+        return beta, end if n else counted_end, rate, weight_s
     if counted_end is None:
-        return beta, end, rate
+        return beta, end, rate, weight_s
     first = max(0, int(math.ceil(round((counted_end - start) / bucket_s, 9))))
     if first >= n:
-        return beta, counted_end, rate
+        return beta, counted_end, rate, weight_s
     req = float(np.sum(requests[first:]))
     miss = float(np.sum(waited[first:]))
     span = (n - first) * bucket_s
-    # the overspend is weighed by the rate carried over the horizon (before these buckets join it); with none
-    # carried yet, the fine history read is the best estimate there is
-    norm = float(np.mean(requests)) / bucket_s if rate is None else rate
+    # weighed by the rate carried so far (before these buckets join it); with none yet, by these buckets' own
+    norm = rate if rate is not None and weight_s else req / span
     keep = math.exp(-span / p.budget_horizon_s)
-    rate = norm if rate is None else keep * rate + (1.0 - keep) * req / span
+    w = keep * (weight_s or 0.0)
+    weight_s = w + span
+    rate = (w * (rate or 0.0) + req) / weight_s
     per_window = norm * p.budget_calibration_s
     if not per_window > 0:
-        return beta, end, rate
+        return beta, end, rate, weight_s
     beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
-    return min(p.margin_max, max(0.0, beta)), end, rate
+    return min(p.margin_max, max(0.0, beta)), end, rate, weight_s
 
 
 def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], float]:

@@ -124,9 +124,8 @@ class PlannerParams:
             error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
             batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
             min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s), cold_start_budget=float(s.cold_start_budget),
-            margin_initial=float(s.margin_initial),
-            budget_gain=float(s.budget_gain), budget_calibration_s=float(s.budget_calibration_s),
-            budget_horizon_s=float(s.budget_horizon_s),
+            margin_initial=float(s.margin_initial), budget_gain=float(s.budget_gain),
+            budget_calibration_s=float(s.budget_calibration_s), budget_horizon_s=float(s.budget_horizon_s),
             margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
             interruption_share=float(s.interruption_share), interruption_min_requests=float(s.interruption_min_requests),
             interruption_hold_s=float(s.interruption_hold_s),
@@ -203,7 +202,8 @@ class PlannerState:
     warm_at: float | None = None
     margin: float | None = None  # the staffing margin calibrated on the cold-start budget (None: margin_initial)
     counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
-    counted_rate: float | None = None  # requests/s over `budget_horizon_s`: the calibration's normaliser
+    counted_rate: float | None = None  # requests/s over `budget_horizon_s` (the calibration's normaliser) and
+    counted_weight_s: float | None = None  # the decayed seconds of counting it rests on
     quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
 
     def to_json(self) -> str:
@@ -486,9 +486,10 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     p, slots = inp.params, inp.model.slots
     state = _learn(inp, state)
     obs = inp.observed
-    margin_now, counted_end, rate = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s, state.margin,
-                                                     state.counted_end, state.counted_rate, p)
-    state = replace(state, margin=margin_now, counted_end=counted_end, counted_rate=rate)
+    margin_now, counted_end, rate, weight = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s,
+                                                             state.margin, state.counted_end, state.counted_rate,
+                                                             state.counted_weight_s, p)
+    state = replace(state, margin=margin_now, counted_end=counted_end, counted_rate=rate, counted_weight_s=weight)
     # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)

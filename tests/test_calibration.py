@@ -32,32 +32,32 @@ def _counts(n: int, per_bucket: float = 100.0) -> np.ndarray:
 
 
 def test_the_first_count_only_marks_where_counting_starts() -> None:
-    beta, end, rate = calibrate_margin(_counts(6), np.full(6, 50.0), 1000.0, 10.0, None, None, None, P)
-    assert (beta, end, rate) == (2.0, 1060.0, None)  # misses before the planner acted are not its own
+    beta, end, rate, weight = calibrate_margin(_counts(6), np.full(6, 50.0), 1000.0, 10.0, None, None, None, None, P)
+    assert (beta, end, rate, weight) == (2.0, 1060.0, None, None)  # misses before the planner acted are not its own
 
 
 def test_misses_over_the_budget_raise_the_margin_in_proportion_to_the_window_budget_spent() -> None:
     req, waited = _counts(360), np.zeros(360)
     waited[-1] = 36.0  # one hour at 100 per bucket: the window's budget is 36 waits; this spends it once more
-    beta, end, rate = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 3590.0, None, P)
-    assert (end, rate) == (3600.0, 10.0)  # no rate carried yet: the fine history read is its estimate
+    beta, end, rate, weight = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 3590.0, None, None, P)
+    assert (end, rate, weight) == (3600.0, 10.0, 10.0)  # no rate carried yet: the bucket counted is its estimate
     assert beta == pytest.approx(2.0 + 0.1 * (36.0 - 0.001 * 100.0) / 36.0)
 
 
 def test_a_calm_window_lowers_the_margin_by_the_gain_and_the_bounds_hold() -> None:
     req, waited = _counts(360), np.zeros(360)
-    beta, _, _ = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 0.0, 10.0, P)
+    beta = calibrate_margin(req, waited, 0.0, 10.0, 2.0, 0.0, 10.0, 3600.0, P)[0]
     assert beta == pytest.approx(2.0 - 0.1)
-    assert calibrate_margin(req, waited, 0.0, 10.0, 0.01, 0.0, 10.0, P)[0] == 0.0
+    assert calibrate_margin(req, waited, 0.0, 10.0, 0.01, 0.0, 10.0, 3600.0, P)[0] == 0.0
     waited[-10:] = 1000.0
-    assert calibrate_margin(req, waited, 0.0, 10.0, 9.0, 0.0, 10.0, P)[0] == 10.0  # no wind-up past the ceiling
+    assert calibrate_margin(req, waited, 0.0, 10.0, 9.0, 0.0, 10.0, 3600.0, P)[0] == 10.0  # no wind-up past the ceiling
 
 
 def test_buckets_already_counted_are_not_counted_twice_and_no_counter_leaves_the_margin() -> None:
     req, waited = _counts(10), np.full(10, 5.0)
-    assert calibrate_margin(req, waited, 0.0, 10.0, 3.0, 100.0, 10.0, P) == (3.0, 100.0, 10.0)
-    assert calibrate_margin(req, None, 0.0, 10.0, 3.0, 50.0, 10.0, P) == (3.0, 100.0, 10.0)
-    beta, _, rate = calibrate_margin(req, waited, 0.0, 10.0, 3.0, 90.0, 10.0, P)  # only the last bucket is new
+    assert calibrate_margin(req, waited, 0.0, 10.0, 3.0, 100.0, 10.0, 60.0, P) == (3.0, 100.0, 10.0, 60.0)
+    assert calibrate_margin(req, None, 0.0, 10.0, 3.0, 50.0, 10.0, 60.0, P) == (3.0, 100.0, 10.0, 60.0)
+    beta, _, rate, _ = calibrate_margin(req, waited, 0.0, 10.0, 3.0, 90.0, 10.0, 60.0, P)  # only the last bucket is new
     per_window = 100.0 * 360
     assert rate == pytest.approx(10.0)
     assert beta == pytest.approx(3.0 + 0.1 * (5.0 - 0.1) / (0.001 * per_window))
@@ -71,18 +71,23 @@ def test_the_overspend_is_weighed_by_the_horizon_rate_so_the_budget_is_a_share_o
     one_miss = np.zeros(360)
     one_miss[-1] = 72.0
     horizon_rate = 50.5  # requests/s over the day: the busy and the quiet hour alike
-    at_busy, _, _ = calibrate_margin(busy, one_miss, 0.0, 10.0, 2.0, 3590.0, horizon_rate, P)
-    at_quiet, _, _ = calibrate_margin(quiet, one_miss, 0.0, 10.0, 2.0, 3590.0, horizon_rate, P)
+    at_busy = calibrate_margin(busy, one_miss, 0.0, 10.0, 2.0, 3590.0, horizon_rate, 86400.0, P)[0]
+    at_quiet = calibrate_margin(quiet, one_miss, 0.0, 10.0, 2.0, 3590.0, horizon_rate, 86400.0, P)[0]
     assert at_busy - 2.0 == pytest.approx(0.1 * (72.0 - 1.0) / (0.001 * horizon_rate * 3600.0))
     assert at_quiet - 2.0 == pytest.approx(0.1 * (72.0 - 0.01) / (0.001 * horizon_rate * 3600.0))
-    # the carried rate follows the traffic over the horizon (an exponential average), not the last bucket
-    _, _, r = calibrate_margin(busy, np.zeros(360), 0.0, 10.0, 2.0, 0.0, 1.0, P)
+    # the carried rate follows the traffic over the horizon (an exponential average of what was counted)
+    _, _, r, w = calibrate_margin(busy, np.zeros(360), 0.0, 10.0, 2.0, 0.0, 1.0, 7200.0, P)
     keep = math.exp(-3600.0 / P.budget_horizon_s)
-    assert r == pytest.approx(keep * 1.0 + (1 - keep) * 100.0)
+    assert w == pytest.approx(keep * 7200.0 + 3600.0)
+    assert r == pytest.approx((keep * 7200.0 * 1.0 + 360 * 1000.0) / w)
+    # before anything was counted the rate is what is counted first, whatever zeros the history held before
+    idle_then_busy = np.r_[np.zeros(354), np.full(6, 100.0)]
+    _, _, r0, w0 = calibrate_margin(idle_then_busy, np.zeros(360), 0.0, 10.0, 2.0, 3540.0, None, None, P)
+    assert (r0, w0) == (10.0, 60.0)
 
 
 def test_planner_state_carries_the_margin_through_json() -> None:
-    s = PlannerState(margin=4.25, counted_end=1234.0, counted_rate=12.5)
+    s = PlannerState(margin=4.25, counted_end=1234.0, counted_rate=12.5, counted_weight_s=600.0)
     assert PlannerState.from_json(s.to_json()) == s
 
 
@@ -145,12 +150,13 @@ def test_the_budget_moves_the_hits_on_off_grid_traffic() -> None:
 _NOT_HELD = pytest.mark.xfail(strict=True, reason=(
     "issue 17's target is not met on every seed: the budget's integrator learns from misses, and on this traffic "
     "they come as one or two large events a day (a step beyond the margin, then every request of a cold start "
-    "waits). Measured with the day-horizon normaliser, budget 0.1%, gain 0.2, seeds 3/5/7: 1.38x / 0.49x / 1.20x "
-    "the budget (0.01% and gain 0.1 before: 4.2x / 0x / 6.1x). "
+    "waits; on seed 5 none big enough comes, and the safe start is spent for nothing). Measured with the "
+    "day-horizon normaliser, budget 0.1%, gain 0.2, seeds 3/5/7: 0.92x / 0.35x / 0.89x the budget (0.01% and "
+    "gain 0.1 before: 4.2x / 0x / 6.1x). "
     "Remove this mark when the planner meets it; strict, so a pass is reported"))
 
 
-@pytest.mark.parametrize("seed", [pytest.param(3, marks=_NOT_HELD), pytest.param(5, marks=_NOT_HELD), 7])
+@pytest.mark.parametrize("seed", [3, pytest.param(5, marks=_NOT_HELD), 7])
 def test_the_budget_holds_over_a_day_on_off_grid_traffic(seed: int) -> None:
     """The operator's goal, held: over one day of traffic whose steps fall on no grid (a daily wave, a new rate
     every 200-1100 s), with default settings, the realised cold-start share is within 0.5x-1.25x the budget."""
