@@ -19,7 +19,10 @@ the budget whatever the trace, as long as the margin stays within its bounds (th
 (`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
 between steps, not the last hour's: normalised by the last hour, a miss at the daily peak
 weighed less than one at night, so the margin held an hourly average of shares and the share
-of requests (misses come with rises, at busy hours) ran over the budget.
+of requests (misses come with rises, at busy hours) ran over the budget. The average is of
+the buckets counted since the planner acted, corrected for its start: seeded with the fine
+history read, it took in the zero buckets a live gateway reports for the time before a run
+(the replay has none), and the live margin fell far faster than the replayed one.
 
 `sizing` applies the margin: to a mean load in flight whole, to a peak in flight (the
 planner's reactive mode) only beyond the staffing beta a peak already holds.
