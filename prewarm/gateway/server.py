@@ -399,8 +399,7 @@ class Gateway:
             log.warning("met demand for %s not recorded: %s", model, exc)
 
     async def _record_demand(self, model: str, *, again: bool = False) -> None:
-        """Record a request's unmet demand, or (`again`) announce it anew while requests are held: at most once per
-        `keys.DEMAND_REANNOUNCE_S` per model in this gateway, however many requests wait."""
+        """Record a request's unmet demand, or (`again`) announce it anew while held (once per `keys.DEMAND_REANNOUNCE_S`)."""
         self._announced[model] = time.monotonic()
         self._unmet.add(model)
         try:
