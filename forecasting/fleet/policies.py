@@ -14,8 +14,8 @@ comes (every policy does), charges memory, and counts cold requests.
 - `SleepTier` (`keepalive_sleep`, `hybrid_histogram_sleep`): either baseline with the
   planner's sleep tier: what it takes off GPU sleeps (LRU within the same host-memory share)
   and is woken on demand, so a comparison with the planner is tool for tool.
-- `FleetPlanner`: the pure fleet planner (`forecasting.fleet.planner`) fed by the online
-  `ArrivalEstimator`, with node placement and a fleet budget.
+- `FleetPlanner`: the live fleet round (`forecasting.fleet.round.fleet_round`: the online
+  `ArrivalEstimator` and the pure fleet planner), with node placement and a fleet budget.
 - `Oracle`: knows the future; loads each model exactly one load time before its next
   request and unloads it when a reload would cost less than staying: zero cold starts at
   the least memory (the bound to compare against).
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from forecasting.fleet.catalog import Catalog, Tier
-from forecasting.fleet.estimate import ArrivalEstimator
-from forecasting.fleet.planner import FleetContext, FleetNode, FleetParams, FleetState, plan_fleet
+from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
+from forecasting.fleet.round import RoundParams, RoundState, fleet_round
 
 
 @dataclass(frozen=True)
@@ -215,21 +216,24 @@ class SleepTier(FleetPolicy):
 
 
 class FleetPlanner(FleetPolicy):
-    """The fleet planner with its online estimator; ``budget_gb`` is the fleet's average warm GB."""
+    """The fleet round the live planner runs (`forecasting.fleet.round.fleet_round`: the online `ArrivalEstimator`
+    carried in its state, the pure fleet planner, node placement, a fleet budget), fed the counts of the steps
+    replayed; ``budget_gb`` is the fleet's average warm GB. The replay runs one replica per model, so no model
+    is sized as dense (``max_dense=0``): the replicas beyond the first would hold memory the replay never charges."""
 
     name = "fleet"
 
-    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, estimator: dict[str, Any] | None = None,
-                 **params: Any) -> None:
+    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, **params: Any) -> None:
         self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
-        self.est_kw = dict(estimator or {})
 
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
-        self.est = ArrivalEstimator(len(env.catalog), env.step_s, **self.est_kw)
         kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
-        self.params = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
-        self.state = FleetState(lam=self.lam0)
+        fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
+        self.round = RoundParams(bucket_s=env.step_s, max_dense=0, fleet=fleet)
+        self.state = RoundState(planner=FleetState(lam=self.lam0))
+        hour = max(1, int(3600 / env.step_s))  # what the round reads beyond the estimator: the last hour's rates
+        self.rows: deque[np.ndarray] = deque(maxlen=hour)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
         self.asleep: dict[str, str] = {}
@@ -250,10 +254,10 @@ class FleetPlanner(FleetPolicy):
                      for n in self.node_names)
 
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        out = self.est.outlook()
-        ctx = FleetContext(now=t * self.env.step_s, catalog=self.env.catalog, nodes=self._nodes(),
-                           rate=out.rate, burst_requests=out.burst_requests, params=self.params)
-        plan, self.state = plan_fleet(ctx, self.state)
+        counts = np.array(self.rows) if self.rows else np.zeros((0, len(self.names)))
+        result, self.state = fleet_round(counts, self.env.catalog, self._nodes(), now=t * self.env.step_s,
+                                         params=self.round, state=self.state)
+        plan = result.plan
         self.placed = dict(plan.gpu)
         self.asleep = dict(plan.asleep)
         gpu = np.array([n in plan.gpu for n in self.names])
@@ -261,7 +265,7 @@ class FleetPlanner(FleetPolicy):
         return gpu, asleep
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
-        self.est.observe(counts)
+        self.rows.append(np.asarray(counts, dtype=np.float64).copy())
         self.busy = {self.names[i] for i in np.flatnonzero(counts > 0)}
         on = {self.names[i] for i in np.flatnonzero(gpu)}  # what the replay evicted for capacity is gone
         self.placed = {m: nodes for m, nodes in self.placed.items() if m in on}

@@ -6,8 +6,12 @@ cores. A round here shares what can be shared:
 
 - every model's warmth outlook comes from one vectorised `ArrivalEstimator` over all
   series at once (idle-time hazards shrunk toward the histogram pooled over the fleet:
-  one shared model for the sparse series), rebuilt from the history each round, so there
-  is no per-model state to persist;
+  one shared model for the sparse series), carried in the round's state and fed only the
+  buckets completed since the last round; rebuilt from the history passed when the state
+  has none (a restarted planner), the models changed, or the history does not reach back
+  to what it last saw. The replay (`forecasting.fleet.policies.FleetPlanner`) and the live
+  round (`workers.planning.fleet`) call this same function, so the replay scores what
+  ships;
 - only the dense models (the busiest, above ``dense_rps``, at most ``max_dense``) get
   their own quantile forecaster, and each is refit at most every ``refit_every_s``; between
   refits the fitted model predicts from the latest history (a prediction, not a fit);
@@ -20,6 +24,7 @@ passed in; the fitted forecasters travel in the state.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -49,11 +54,15 @@ class RoundParams:
 
 @dataclass
 class RoundState:
-    """Fitted forecasters of the dense models (with their fit time) and the planner's memory price."""
+    """Fitted forecasters of the dense models (with their fit time), the planner's memory price, and the
+    arrival estimator with the models it is over and the end (epoch s) of the last bucket it has seen."""
 
     forecasters: dict[str, Any] = field(default_factory=dict)
     fitted_at: dict[str, float] = field(default_factory=dict)
     planner: FleetState = field(default_factory=FleetState)
+    estimator: ArrivalEstimator | None = None
+    models: tuple[str, ...] = ()
+    seen_to: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,21 @@ def estimator_from_history(counts: np.ndarray, bucket_s: float) -> ArrivalEstima
     return est
 
 
+def _estimator(counts: np.ndarray, end: float, bucket_s: float, models: tuple[str, ...],
+               state: RoundState) -> ArrivalEstimator:
+    """The state's estimator fed the buckets of ``counts`` (ending at ``end``) it has not seen, or one rebuilt
+    from ``counts`` where it cannot be carried on (none yet, other models, or a gap in what it saw)."""
+    seen = state.seen_to
+    if state.estimator is not None and seen is not None and state.models == models:
+        new = int(round((end - seen) / bucket_s))
+        if 0 <= new <= counts.shape[0]:
+            est = copy.deepcopy(state.estimator)  # the state passed in is left as it was (pure)
+            for row in counts[counts.shape[0] - new:]:
+                est.observe(row)
+            return est
+    return estimator_from_history(counts, bucket_s)
+
+
 def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ...], *, now: float,
                 params: RoundParams, state: RoundState,
                 make_forecaster: Callable[[float, float, int], Any] = default_forecaster) -> tuple[RoundResult, RoundState]:
@@ -88,7 +112,9 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     if counts.ndim != 2 or counts.shape[1] != len(catalog):
         raise ValueError(f"counts must be [buckets, {len(catalog)} models], got {counts.shape}")
     bucket = params.bucket_s
-    est = estimator_from_history(counts, bucket)
+    end = math.floor(now / bucket) * bucket
+    models = tuple(catalog.names)
+    est = _estimator(counts, end, bucket, models, state)
     out = est.outlook()
     recent = counts[-max(1, int(3600 / bucket)):].mean(axis=0) / bucket if counts.size else np.zeros(len(catalog))
     busy = np.argsort(-recent, kind="stable")[:params.max_dense]
@@ -97,7 +123,7 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     fitted_at = {k: v for k, v in state.fitted_at.items() if k in forecasters}
     replicas: dict[str, int] = {}
     refits = 0
-    start = math.floor(now / bucket) * bucket - bucket * counts.shape[0]
+    start = end - bucket * counts.shape[0]
     index = pd.Index(start + bucket * np.arange(counts.shape[0], dtype=float), name="ts")
     due = sorted((fitted_at.get(catalog.cards[i].name, -math.inf), i) for i in dense
                  if now - fitted_at.get(catalog.cards[i].name, -math.inf) >= params.refit_every_s)
@@ -123,4 +149,5 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     plan, planner_state = plan_fleet(ctx, state.planner)
     result = RoundResult(plan=plan, dense=tuple(catalog.cards[i].name for i in dense), replicas=replicas,
                          refits=refits, rate=out.rate)
-    return result, RoundState(forecasters=forecasters, fitted_at=fitted_at, planner=planner_state)
+    return result, RoundState(forecasters=forecasters, fitted_at=fitted_at, planner=planner_state, estimator=est,
+                              models=models, seen_to=end)

@@ -1,0 +1,88 @@
+"""The fleet round carries its arrival estimator between rounds (`forecasting.fleet.round`).
+
+The live planner and the replay call the same `fleet_round`; the live one reads a day of
+history per round, the replay passes the last hour. Carried on, the estimator must decide as
+one rebuilt from the whole history would, leave the state it was given as it was, and be
+rebuilt where it cannot be carried on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from forecasting.fleet.catalog import Catalog, ModelCard
+from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
+from forecasting.fleet.round import RoundParams, RoundState, estimator_from_history, fleet_round
+
+STEP = 60.0
+
+
+def _fleet(n_steps: int = 240, seed: int = 3) -> tuple[np.ndarray, Catalog, tuple[FleetNode, ...], RoundParams]:
+    rng = np.random.default_rng(seed)
+    # sparse models of different habits: a timer every 7 steps, bursts, a rare one, a steady one
+    counts = np.zeros((n_steps, 5))
+    counts[::7, 0] = 3
+    counts[:, 1] = rng.poisson(0.15, n_steps) * rng.integers(1, 20, n_steps)
+    counts[rng.random(n_steps) < 0.02, 2] = 1
+    counts[:, 3] = rng.poisson(4.0, n_steps)
+    counts[n_steps // 2:, 4] = rng.poisson(0.5, n_steps - n_steps // 2)
+    catalog = Catalog(tuple(ModelCard(name=f"m{i}", mem_gb=mem) for i, mem in enumerate((16, 40, 24, 80, 16))))
+    nodes = (FleetNode("a", gpu_gb=80.0, host_gb=120.0), FleetNode("b", gpu_gb=80.0, host_gb=120.0))
+    params = RoundParams(bucket_s=STEP, max_dense=0, fleet=FleetParams(step_s=STEP, budget_gb=60.0))
+    return counts, catalog, nodes, params
+
+
+def test_a_carried_estimator_decides_as_one_rebuilt_from_the_whole_history() -> None:
+    counts, catalog, nodes, params = _fleet()
+    carried = RoundState()
+    for t in range(1, counts.shape[0] + 1):
+        window = counts[max(0, t - 60):t]  # what the replay passes: the last hour
+        rebuilt, _ = fleet_round(counts[:t], catalog, nodes, now=t * STEP, params=params,
+                                 state=RoundState(planner=carried.planner))
+        before = carried.estimator
+        snapshot = None if before is None else (before.hist.copy(), before.idle.copy(), before.steps_seen)
+        result, carried = fleet_round(window, catalog, nodes, now=t * STEP, params=params, state=carried)
+        np.testing.assert_allclose(result.rate, rebuilt.rate)
+        assert result.plan.gpu == rebuilt.plan.gpu and result.plan.asleep == rebuilt.plan.asleep
+        assert carried.seen_to == t * STEP and carried.estimator is not None
+        assert carried.estimator.steps_seen == t
+        if snapshot is not None:  # the state passed in was left as it was
+            assert before is not None and before.steps_seen == snapshot[2]
+            np.testing.assert_array_equal(before.hist, snapshot[0])
+            np.testing.assert_array_equal(before.idle, snapshot[1])
+
+
+def test_an_estimator_that_cannot_be_carried_on_is_rebuilt_from_the_history_passed() -> None:
+    counts, catalog, nodes, params = _fleet()
+    _, state = fleet_round(counts[:100], catalog, nodes, now=100 * STEP, params=params, state=RoundState())
+    # a gap: the history passed starts after the last bucket the estimator saw (a planner down for an hour)
+    later = counts[160:220]
+    gap, _ = fleet_round(later, catalog, nodes, now=220 * STEP, params=params, state=state)
+    np.testing.assert_allclose(gap.rate, estimator_from_history(later, STEP).outlook().rate)
+    # other models: the estimator's rows would belong to others
+    other = Catalog(tuple(ModelCard(name=f"x{i}", mem_gb=16) for i in range(5)))
+    renamed, _ = fleet_round(counts[:120], other, nodes, now=120 * STEP, params=params, state=state)
+    np.testing.assert_allclose(renamed.rate, estimator_from_history(counts[:120], STEP).outlook().rate)
+    # the same round again (nothing new): nothing is observed twice
+    again, carried = fleet_round(counts[:100], catalog, nodes, now=100 * STEP, params=params, state=state)
+    assert carried.estimator is not None and carried.estimator.steps_seen == 100
+    np.testing.assert_allclose(again.rate, estimator_from_history(counts[:100], STEP).outlook().rate)
+
+
+def test_the_replay_plans_with_the_live_round() -> None:
+    """The replay's `fleet` policy is the live round: its plans are fleet_round's on the same counts."""
+    from forecasting.fleet.policies import FleetEnv, FleetPlanner
+
+    counts, catalog, nodes, params = _fleet(120)
+    env = FleetEnv(catalog=catalog, step_s=STEP, n_nodes=2, node_gpu_gb=80.0, node_host_gb=120.0)
+    policy = FleetPlanner(budget_gb=60.0)
+    policy.reset(env)
+    state = RoundState(planner=FleetState(lam=policy.lam0))
+    for t in range(counts.shape[0]):
+        nodes_now = policy._nodes()
+        gpu, asleep = policy.decide(t)
+        result, state = fleet_round(counts[max(0, t - 60):t], catalog, nodes_now, now=t * STEP,
+                                    params=policy.round, state=state)
+        assert [n for n, on in zip(catalog.names, gpu) if on] == sorted(result.plan.gpu, key=catalog.names.index)
+        assert [n for n, s in zip(catalog.names, asleep) if s] == sorted(result.plan.asleep, key=catalog.names.index)
+        policy.observe(t, counts[t], gpu)
