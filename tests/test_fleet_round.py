@@ -1,9 +1,11 @@
-"""The fleet round carries its arrival estimator between rounds (`forecasting.fleet.round`).
+"""The pool's one round (`forecasting.fleet.round`): count and tier of every model at once.
 
-The live planner and the replay call the same `fleet_round`; the live one reads a day of
-history per round, the replay passes the last hour. Carried on, the estimator must decide as
-one rebuilt from the whole history would, leave the state it was given as it was, and be
-rebuilt where it cannot be carried on.
+The dense models' counts are the count planner's (`forecasting.planner.step`, the same step,
+budget and margin as a model planned alone), placed by the fleet planner with every other
+model's tier. The live planner and the replay call the same `fleet_round`; the live one
+reads a day of history per round, the replay passes the last hour. Carried on, the arrival
+estimator must decide as one rebuilt from the whole history would, leave the state it was
+given as it was, and be rebuilt where it cannot be carried on.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import numpy as np
 
 from forecasting.fleet.catalog import Catalog, ModelCard
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundState, estimator_from_history, fleet_round
+from forecasting.fleet.round import RoundParams, RoundState, dense_models, estimator_from_history, fleet_round
+from forecasting.planner import PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
+from prewarm.core.domain import ModelSpec
 
 STEP = 60.0
 
@@ -86,3 +90,81 @@ def test_the_replay_plans_with_the_live_round() -> None:
         assert [n for n, on in zip(catalog.names, gpu) if on] == sorted(result.plan.gpu, key=catalog.names.index)
         assert [n for n, s in zip(catalog.names, asleep) if s] == sorted(result.plan.asleep, key=catalog.names.index)
         policy.observe(t, counts[t], gpu)
+
+
+def _busy_inputs(name: str, in_flight: float, now: float, ready: int = 1) -> StepInputs:
+    """A dense model's step inputs: an hour of 10 s buckets with `in_flight` requests in flight on average."""
+    n = 360
+    requests = np.full(n, in_flight * 10.0)
+    observed = observed_from_counts(now - n * 10.0, 10.0, requests, np.full(n, in_flight * 1.3),
+                                    np.full(n, in_flight * 10.0), np.zeros(n))
+    return StepInputs(ModelSpec(name=name, revision="r", slots=8), now, observed, ReplicaCounts(ready=ready))
+
+
+def test_the_dense_models_are_the_busiest_above_the_threshold() -> None:
+    counts, catalog, _, _ = _fleet()
+    params = RoundParams(bucket_s=STEP, dense_rps=0.05, max_dense=1)
+    assert dense_models(counts, catalog, params) == ("m3",)  # Poisson(4) a minute: the busiest
+    assert dense_models(counts, catalog, RoundParams(bucket_s=STEP, dense_rps=0.015)) == ("m3", "m1")
+    assert dense_models(counts, catalog, RoundParams(bucket_s=STEP, max_dense=0)) == ()
+    assert dense_models(counts[:0], catalog, params) == ()
+
+
+def test_a_dense_models_count_is_the_count_planners_and_its_budget_steers_it() -> None:
+    """The round asks for what `step` decides for the model alone (serving target plus warm pool), places that
+    many replicas within node memory, and passes the step's next state back; a margin the cold-start budget
+    has calibrated higher asks for more."""
+    counts, catalog, nodes, _ = _fleet()
+    nodes = (FleetNode("a", gpu_gb=640.0, host_gb=120.0), FleetNode("b", gpu_gb=640.0, host_gb=120.0))
+    params = RoundParams(bucket_s=STEP, fleet=FleetParams(step_s=STEP))
+    now = counts.shape[0] * STEP
+    inp = _busy_inputs("m3", in_flight=40.0, now=now)
+    alone, alone_state = step(inp, PlannerState())
+    result, _ = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(),
+                            dense={"m3": (inp, PlannerState())})
+    assert result.dense == ("m3",) and alone.cluster_target >= 5
+    assert result.replicas["m3"] == alone.cluster_target == len(result.plan.gpu["m3"])
+    assert result.states["m3"] == alone_state and result.decisions["m3"].target == alone.target
+    wary = PlannerState(margin=12.0, counted_end=now)  # the budget's feedback raised the margin
+    more, _ = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(),
+                          dense={"m3": (inp, wary)})
+    assert more.replicas["m3"] > result.replicas["m3"]
+    # node memory bounds it: two 160 GB nodes hold four of its 80 GB replicas at most, whatever it asks
+    small = (FleetNode("a", gpu_gb=160.0, host_gb=120.0), FleetNode("b", gpu_gb=160.0, host_gb=120.0))
+    capped, _ = fleet_round(counts, catalog, small, now=now, params=params, state=RoundState(),
+                            dense={"m3": (inp, PlannerState())})
+    assert capped.replicas["m3"] == alone.cluster_target and 1 <= len(capped.plan.gpu["m3"]) <= 4
+    assert capped.plan.gpu_gb <= 320.0
+
+
+def test_a_dense_model_not_in_the_catalog_is_refused_by_name() -> None:
+    counts, catalog, nodes, params = _fleet()
+    import pytest
+
+    with pytest.raises(ValueError, match="dense models not in the catalog: ghost"):
+        fleet_round(counts, catalog, nodes, now=counts.shape[0] * STEP, params=params, state=RoundState(),
+                    dense={"ghost": (_busy_inputs("ghost", 5.0, counts.shape[0] * STEP), PlannerState())})
+
+
+def test_a_dense_models_replicas_share_nodes_and_only_the_surplus_leaves() -> None:
+    """Three replicas of m3 run on node a. Asked for two, the fleet planner keeps two there and evicts one (no
+    load); asked for five, it keeps the three and loads two more, on the node without one first."""
+    from forecasting.fleet.planner import ActionKind, FleetContext, plan_fleet
+    from forecasting.fleet.catalog import Tier
+
+    _, catalog, _, _ = _fleet()
+    nodes = (FleetNode("a", gpu_gb=640.0, host_gb=0.0, resident={"m3": Tier.GPU}, replicas={"m3": 3}),
+             FleetNode("b", gpu_gb=640.0, host_gb=0.0))
+
+    def plan(want: int) -> tuple[tuple[str, ...], list[tuple[str, str]]]:
+        ctx = FleetContext(now=0.0, catalog=catalog, nodes=nodes, rate=np.zeros(5), burst_requests=np.ones(5),
+                           params=FleetParams(step_s=STEP), replicas={"m3": want})
+        out, _ = plan_fleet(ctx, FleetState(lam=1.0))
+        return out.gpu["m3"], [(a.kind.value, a.node) for a in out.actions if a.model == "m3"]
+
+    kept, actions = plan(2)
+    assert kept == ("a", "a") and actions == [(ActionKind.EVICT.value, "a")]
+    kept, actions = plan(5)
+    assert sorted(kept) == ["a", "a", "a", "b", "b"] and actions == [("load", "b"), ("load", "b")]
+    kept, actions = plan(3)
+    assert kept == ("a", "a", "a") and actions == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from forecasting.planner import PlannerParams, PlannerState
+from forecasting.planner import PlannerParams, PlannerState, step
 from prewarm.core import keys
 from prewarm.core.domain import ModelSpec
 from prewarm.core.settings import Settings
@@ -123,3 +123,41 @@ def test_the_planners_lead_is_its_revisions_then_its_models(redis_url: str, clea
     assert inputs(ctx, new, PlannerState(), params, now=time.time()).cold_start_p95_s == 40.0
     ctx.registry.record_load_time("llama", 12.0, revision="r2", node_class="h100")
     assert inputs(ctx, new, PlannerState(), params, now=time.time()).cold_start_p95_s == 12.0
+
+
+def test_a_dense_models_count_in_the_pool_is_the_count_planners(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 17 "one planner": the pool round sizes a dense model with the count planner, on the inputs and state
+    a model planned alone gets, so its count is what `step` decides for it (here more than one replica, two of
+    them on one node) and the round saves the step's state where `plan_model` keeps it."""
+    with KubeDouble() as double:
+        for dep in DEPLOYMENTS.values():
+            double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+        ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "none",
+                         PREWARM_PLANNER_FLEET_BUDGET_GB="400", PREWARM_PLANNER_MODEL_MEMORY_GB=json.dumps(
+                             {"a": 20.0, "b": 40.0, "c": 40.0}))
+        _traffic(ctx)
+        now = time.time()
+        fine = int(now // 10) * 10
+        for k in range(1, 200):  # `a` holds 30 requests in flight on average, at 3 a second
+            start = fine - 10 * k
+            ctx.client.set(keys.requests("a", 10, start), 30)
+            ctx.client.set(keys.inflight_peak("a", 10, start), 36)
+            ctx.client.set(keys.busy("a", 10, start), 300.0)
+        ctx.client.hset(keys.REQUESTS_FIRST, "a", fine - 2000)
+        spec = ModelSpec("a", "r1", slots=ctx.settings.gateway.replica_concurrency,
+                         capacity_rps=ctx.settings.planner.capacity_rps)
+        params = PlannerParams.from_settings(ctx.settings.planner)
+        alone, after = step(inputs(ctx, spec, PlannerState(), params, now=now), PlannerState())
+        assert alone.cluster_target >= 3, alone  # the case at hand: a dense model needs several replicas
+        app = make_app(ctx.settings)
+        try:
+            plans = {p.model: p for p in fleet_and_plan(ctx, app, now=now)}
+        finally:
+            app.close()
+        plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
+        assert plan["a"]["dense"] and plan["a"]["replicas"] == alone.cluster_target == plans["a"].need_now, plan
+        assert len(set(plan["a"]["nodes"])) < len(plan["a"]["nodes"])  # more replicas than nodes: they share
+        assert double.replicas(NS, "dep-a") == alone.cluster_target  # to its Deployment's one owner
+        saved = PlannerState.from_json(ctx.client.get(keys.planner_state("a")))
+        assert saved.margin == after.margin and saved.counted_end == after.counted_end

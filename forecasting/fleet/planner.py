@@ -19,7 +19,9 @@ and decides for all models together:
   model whose engine reports no sleep mode has no asleep tier: `ModelCard.sleeps`,
   `FleetNode.no_sleep`); the rest stay in the page cache or on disk;
 - placement is one pass over all models of the round: a model stays where it is resident,
-  else goes where it is asleep or cached (the fastest wake), else to the best-fitting node.
+  else goes where it is asleep or cached (the fastest wake), else to the best-fitting node;
+  a dense model's replicas (the count planner's, `FleetContext.replicas`) go to the nodes
+  with the fewest of them first, and may share a node (`FleetNode.replicas`: how many run there).
 
 Pure: no I/O, `now` and the outlook are passed in, state is passed through.
 """
@@ -55,6 +57,7 @@ class FleetNode:
     node_class: str = "default"
     resident: Mapping[str, Tier] = field(default_factory=dict)
     in_flight: Mapping[str, int] = field(default_factory=dict)
+    replicas: Mapping[str, int] = field(default_factory=dict)  # replicas on GPU here, per model resident on GPU (absent: 1)
     no_sleep: frozenset[str] = frozenset()  # models whose engine reports it cannot sleep here (no asleep tier)
 
 
@@ -161,30 +164,36 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     host_free = {n.name: n.host_gb * params.sleep_share for n in ctx.nodes}
     no_sleep = {n.name: n.no_sleep for n in ctx.nodes}
     by_model = _where(ctx.nodes)
+    on_gpu = {(m, n.name): max(1, int(n.replicas.get(m, 1))) for n in ctx.nodes for m, t in n.resident.items()
+              if t is Tier.GPU}
     gpu: dict[str, list[str]] = {}
     actions: list[FleetAction] = []
 
     def put(i: int, node: str) -> None:
+        name = cards[i].name
         free[node] -= mem[i]
-        gpu.setdefault(cards[i].name, []).append(node)
-        tiers = by_model.get(cards[i].name, {})
-        if node not in tiers.get(Tier.GPU, []):
-            kind = ActionKind.WAKE if node in tiers.get(Tier.ASLEEP, []) else ActionKind.LOAD
-            actions.append(FleetAction(kind, cards[i].name, node, float(dens[i])))
+        gpu.setdefault(name, []).append(node)
+        tiers = by_model.get(name, {})
+        if gpu[name].count(node) > on_gpu.get((name, node), 0):  # one more than runs there: woken or loaded
+            woken = node in tiers.get(Tier.ASLEEP, []) and gpu[name].count(node) == 1
+            actions.append(FleetAction(ActionKind.WAKE if woken else ActionKind.LOAD, name, node, float(dens[i])))
 
     def place(i: int) -> bool:
+        """One more replica of model i: where one runs and is not yet kept, else where it sleeps or is cached,
+        else on the node with the fewest of its replicas, best fit among those (a dense model's spread out)."""
         name = cards[i].name
         tiers = by_model.get(name, {})
         placed = gpu.get(name, [])
-        prefer = tiers.get(Tier.GPU, []) + tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.CACHED, [])
         if params.cap_gb is not None and total_gb - sum(free.values()) + mem[i] > params.cap_gb + 1e-9:
             return False
-        node = next((n for n in prefer if n not in placed and free[n] >= mem[i]), None)
+        kept = [n for n in tiers.get(Tier.GPU, []) if placed.count(n) < on_gpu.get((name, n), 0)]
+        prefer = kept + [n for n in tiers.get(Tier.ASLEEP, []) + tiers.get(Tier.CACHED, []) if n not in placed]
+        node = next((n for n in prefer if free[n] >= mem[i]), None)
         if node is None:
-            fits = [n for n in free if n not in placed and free[n] >= mem[i]]
+            fits = [n for n in free if free[n] >= mem[i]]
             if not fits:
                 return False
-            node = min(fits, key=lambda n: free[n])  # best fit
+            node = min(fits, key=lambda n: (placed.count(n), free[n]))  # the fewest of its replicas, then best fit
         put(i, node)
         return True
 
@@ -221,14 +230,17 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
             continue
         host_free[host] -= mem[i]
         asleep[name] = host
-    # 5. what leaves GPU or host memory
+    # 5. what leaves GPU or host memory: the replicas beyond those kept on each node (one put to sleep where the
+    #    model sleeps and none is kept, the others evicted)
     for model, tiers in by_model.items():
         i = index[model]
         on = gpu.get(model, [])
         for node in tiers.get(Tier.GPU, []):
-            if node not in on:
-                kind = ActionKind.SLEEP if asleep.get(model) == node else ActionKind.EVICT
-                actions.append(FleetAction(kind, model, node, float(dens[i])))
+            surplus = on_gpu[(model, node)] - on.count(node)
+            for k in range(max(0, surplus)):
+                sleeps = k == 0 and node not in on and asleep.get(model) == node
+                actions.append(FleetAction(ActionKind.SLEEP if sleeps else ActionKind.EVICT, model, node,
+                                           float(dens[i])))
         for node in tiers.get(Tier.ASLEEP, []):
             if asleep.get(model) != node and node not in on:
                 actions.append(FleetAction(ActionKind.EVICT, model, node, float(dens[i])))

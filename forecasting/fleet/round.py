@@ -1,8 +1,8 @@
-"""One planning round for a whole fleet, cheap enough for a thousand models per interval.
+"""One planning round for a whole pool: every model's count and tier in one pass, cheap enough for a
+thousand models per interval.
 
-Refitting a gradient-boosting forecaster per model per round costs a fit per model (tens
-to hundreds of milliseconds each): a thousand models would not fit in a 60 s round on two
-cores. A round here shares what can be shared:
+The dense case (many replicas of one model) and the sparse case (which of many models are
+warm) are two regimes of this one decision:
 
 - every model's warmth outlook comes from one vectorised `ArrivalEstimator` over all
   series at once (idle-time hazards shrunk toward the histogram pooled over the fleet:
@@ -12,14 +12,17 @@ cores. A round here shares what can be shared:
   to what it last saw. The replay (`forecasting.fleet.policies.FleetPlanner`) and the live
   round (`workers.planning.fleet`) call this same function, so the replay scores what
   ships;
-- only the dense models (the busiest, above ``dense_rps``, at most ``max_dense``) get
-  their own quantile forecaster, and each is refit at most every ``refit_every_s``; between
-  refits the fitted model predicts from the latest history (a prediction, not a fit);
+- the dense models (`dense_models`: the busiest, above ``dense_rps`` over the last hour,
+  at most ``max_dense``) are sized by the count planner, `forecasting.planner.step`, on
+  the inputs the caller built for them as the single-model loop builds them (the gateway's
+  fine counters, the live replicas, the measured cold start): the same step, cold-start
+  budget and calibrated margin as a model planned alone, its state carried per model. The
+  round asks for that many replicas (serving target plus warm pool) on GPU;
 - the long tail's forecast is the estimator's outlook: no model of its own.
 
-Then the pure fleet planner decides every model's tier and node in one pass, with the
-dense models' replica counts from their forecasts. Pure: history, nodes and `now` are
-passed in; the fitted forecasters travel in the state.
+Then the pure fleet planner (`plan_fleet`) decides every model's tier and node in one pass,
+within each node's GPU and host memory and the fleet budget, the dense models' counts
+included. Pure: history, step inputs, nodes and `now` are passed in; states are passed through.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import numpy as np
-import pandas as pd
 
 from forecasting.fleet.catalog import Catalog
 from forecasting.fleet.estimate import ArrivalEstimator
 from forecasting.fleet.planner import FleetContext, FleetNode, FleetParams, FleetPlan, FleetState, plan_fleet
+from forecasting.planner import Decision, PlannerState, StepInputs, step
 
 
 @dataclass(frozen=True)
@@ -42,23 +45,17 @@ class RoundParams:
     """Knobs of a fleet round (``bucket_s``: the history's bucket and the planner's step)."""
 
     bucket_s: float = 60.0
-    horizon: int = 15
-    quantile: float = 0.9
-    headroom: float = 1.2
-    dense_rps: float = 1.0
-    max_dense: int = 32
-    refit_every_s: float = 3600.0
-    max_refits: int = 4  # fits per round at most (the stalest first), so refits never pile into one round
+    dense_rps: float = 1.0  # a model above this many requests/s over the last hour is sized by the count planner
+    max_dense: int = 32  # ... the busiest this many at most (the others' outlook is the estimator's)
     fleet: FleetParams = field(default_factory=FleetParams)
 
 
 @dataclass
 class RoundState:
-    """Fitted forecasters of the dense models (with their fit time), the planner's memory price, and the
-    arrival estimator with the models it is over and the end (epoch s) of the last bucket it has seen."""
+    """The fleet planner's memory price, and the arrival estimator with the models it is over and the end
+    (epoch s) of the last bucket it has seen. (The dense models' count-planner states travel with their
+    inputs: the live loop keeps them where a model planned alone keeps its own.)"""
 
-    forecasters: dict[str, Any] = field(default_factory=dict)
-    fitted_at: dict[str, float] = field(default_factory=dict)
     planner: FleetState = field(default_factory=FleetState)
     estimator: ArrivalEstimator | None = None
     models: tuple[str, ...] = ()
@@ -69,17 +66,20 @@ class RoundState:
 class RoundResult:
     plan: FleetPlan
     dense: tuple[str, ...]
-    replicas: Mapping[str, int]
-    refits: int
+    replicas: Mapping[str, int]  # dense models: the replicas the count planner asks for
     rate: np.ndarray
+    decisions: Mapping[str, Decision] = field(default_factory=dict)  # dense models: the count planner's decision
+    states: Mapping[str, PlannerState] = field(default_factory=dict)  # ... and its next state
 
 
-def default_forecaster(quantile: float, bucket_s: float, horizon: int) -> Any:
-    """The dense models' forecaster: `QuantileForecaster` (single thread)."""
-    from forecasting.forecast.models import QuantileForecaster
-
-    return QuantileForecaster(quantiles=tuple(sorted({0.5, quantile})), bucket_s=bucket_s, max_horizon=horizon,
-                              max_iter=40, max_train_rows=3000)
+def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
+    """The models the count planner sizes: the busiest over the last hour of ``counts`` (requests per bucket,
+    oldest first), at least ``dense_rps``, at most ``max_dense`` of them."""
+    if not counts.size or params.max_dense <= 0:
+        return ()
+    recent = counts[-max(1, int(3600 / params.bucket_s)):].mean(axis=0) / params.bucket_s
+    busy = np.argsort(-recent, kind="stable")[:params.max_dense]
+    return tuple(catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps)
 
 
 def estimator_from_history(counts: np.ndarray, bucket_s: float) -> ArrivalEstimator:
@@ -107,47 +107,28 @@ def _estimator(counts: np.ndarray, end: float, bucket_s: float, models: tuple[st
 
 def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ...], *, now: float,
                 params: RoundParams, state: RoundState,
-                make_forecaster: Callable[[float, float, int], Any] = default_forecaster) -> tuple[RoundResult, RoundState]:
-    """Plan every model of ``catalog`` from ``counts`` (complete buckets up to ``now``), in one pass."""
+                dense: Mapping[str, tuple[StepInputs, PlannerState]] | None = None) -> tuple[RoundResult, RoundState]:
+    """Plan every model of ``catalog`` from ``counts`` (complete buckets up to ``now``), in one pass; the models
+    of ``dense`` (`dense_models`, with the count planner's inputs and state each) sized by `step`."""
     if counts.ndim != 2 or counts.shape[1] != len(catalog):
         raise ValueError(f"counts must be [buckets, {len(catalog)} models], got {counts.shape}")
+    unknown = sorted(set(dense or {}) - set(catalog.names))
+    if unknown:
+        raise ValueError(f"dense models not in the catalog: {', '.join(unknown)}")
     bucket = params.bucket_s
     end = math.floor(now / bucket) * bucket
     models = tuple(catalog.names)
     est = _estimator(counts, end, bucket, models, state)
     out = est.outlook()
-    recent = counts[-max(1, int(3600 / bucket)):].mean(axis=0) / bucket if counts.size else np.zeros(len(catalog))
-    busy = np.argsort(-recent, kind="stable")[:params.max_dense]
-    dense = [int(i) for i in busy if recent[i] >= params.dense_rps]
-    forecasters = {k: v for k, v in state.forecasters.items() if k in {catalog.cards[i].name for i in dense}}
-    fitted_at = {k: v for k, v in state.fitted_at.items() if k in forecasters}
+    decisions: dict[str, Decision] = {}
+    states: dict[str, PlannerState] = {}
     replicas: dict[str, int] = {}
-    refits = 0
-    start = end - bucket * counts.shape[0]
-    index = pd.Index(start + bucket * np.arange(counts.shape[0], dtype=float), name="ts")
-    due = sorted((fitted_at.get(catalog.cards[i].name, -math.inf), i) for i in dense
-                 if now - fitted_at.get(catalog.cards[i].name, -math.inf) >= params.refit_every_s)
-    refit = {i for _, i in due[:params.max_refits]}
-    hour = max(1, int(3600 / bucket))
-    for i in dense:
-        card = catalog.cards[i]
-        y = pd.Series(counts[:, i] / bucket, index=index)
-        if i in refit:
-            forecasters[card.name] = make_forecaster(params.quantile, bucket, params.horizon).fit(y)
-            fitted_at[card.name] = now
-            refits += 1
-        model = forecasters.get(card.name)
-        if model is not None:
-            fc = model.predict(y, params.horizon)
-            col = f"q{params.quantile:g}"
-            peak = float(fc[col].max()) if col in fc.columns else float(fc.iloc[:, -1].max())
-        else:  # not fitted yet (its turn comes): the last hour's peak stands in
-            peak = float(counts[-hour:, i].max() / bucket)
-        replicas[card.name] = max(1, int(math.ceil(peak * params.headroom / card.capacity_rps - 1e-9)))
+    for name, (inp, planner_state) in (dense or {}).items():
+        decisions[name], states[name] = step(inp, planner_state)
+        replicas[name] = max(1, decisions[name].cluster_target)
     ctx = FleetContext(now=now, catalog=catalog, nodes=nodes, rate=out.rate, burst_requests=out.burst_requests,
                        params=params.fleet, replicas=replicas)
-    plan, planner_state = plan_fleet(ctx, state.planner)
-    result = RoundResult(plan=plan, dense=tuple(catalog.cards[i].name for i in dense), replicas=replicas,
-                         refits=refits, rate=out.rate)
-    return result, RoundState(forecasters=forecasters, fitted_at=fitted_at, planner=planner_state, estimator=est,
-                              models=models, seen_to=end)
+    plan, planner_state_ = plan_fleet(ctx, state.planner)
+    result = RoundResult(plan=plan, dense=tuple(dense or {}), replicas=replicas, rate=out.rate,
+                         decisions=decisions, states=states)
+    return result, RoundState(planner=planner_state_, estimator=est, models=models, seen_to=end)

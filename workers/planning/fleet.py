@@ -10,8 +10,11 @@ model alone:
 3. nodes: what agents publish (`keys.node_info`: `gpu_memory_gb`, `host_memory_gb`) and
    which models are live on each (the registry); a model with a request in the last bucket
    counts as in flight there, so the planner never evicts it;
-4. plan: the pure `forecasting.fleet.round.fleet_round` (one shared estimator, dense
-   models' own forecasters on a slower cadence, the fleet planner);
+4. plan: the pure `forecasting.fleet.round.fleet_round`: one shared arrival estimator for
+   every model, the dense models (`dense_models`) sized by the count planner's `step` on the
+   inputs `plan_model` builds for a model planned alone (`workers.planning.forecast.inputs`:
+   fine counters, live replicas, measured cold start; its state in `keys.planner_state`,
+   saved by the round that acts), and the fleet planner for every model's tier and node;
 5. act, with `kubernetes.enabled`: each model's count goes to its Deployment's one owner
    (`publish_cluster_target`: KEDA, the HPA's metric or the scale subresource), the pods
    parked asleep included where they can sleep, and no agent gets a task (the pod warmer
@@ -20,8 +23,8 @@ model alone:
    SLEEP `sleep_replica` (engine level-1 sleep: weights to host memory), an EVICT
    `evict_replica` (the weights stay in the node's snapshot: the cached tier); sleep and
    evict wait for requests in flight (`workers.node.tiers`). The plan is written to `keys.FLEET_PLAN` for the live view.
-The memory price is carried in `keys.FLEET_STATE`; the dense models' fitted forecasters
-live in this process (a restarted planner refits them, staggered).
+The memory price is carried in `keys.FLEET_STATE`; the arrival estimator in this process (a
+restarted planner rebuilds it from a day of history).
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundResult, RoundState, fleet_round
+from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round
+from forecasting.planner import PlannerParams
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, ReplicaState, replica_id
 from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, can_sleep, parse_report, tier_absent
 from workers import names
 from workers.context import WorkerContext
-from workers.planning.forecast import ModelPlan, planned_models, publish_cluster_target
+from workers.planning.forecast import ModelPlan, inputs, load_planner_state, planned_models, publish_cluster_target, \
+    save_planner_state
 from workers.planning.kubernetes import owns_replicas
 from workers.planning.nodes import live_nodes, measured_ready_p95, sleep_reports
 
@@ -54,8 +59,6 @@ log = logging.getLogger("prewarm.planner.fleet")
 
 #: How much history a fleet round reads per model (its estimator needs gaps, not weeks).
 FLEET_HISTORY_S = 86_400
-#: How far the dense models' forecasts look ahead.
-FLEET_HORIZON_S = 900
 _STATE = RoundState()
 
 
@@ -98,9 +101,12 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
         gpu = float(info.get("gpu_memory_gb") or 0.0) or ns.slots * biggest  # a slots-only node: a slot per model
         host = float(info.get("host_memory_gb") or 0.0)
         resident: dict[str, Tier] = {}
+        replicas: dict[str, int] = {}  # replicas on GPU per model (a dense model may run several here)
         for r in ctx.registry.live_on_node(ns.node):
             if r.model in catalog.index and r.state in LIVE_STATES:
                 tier = Tier.ASLEEP if r.state is ReplicaState.ASLEEP else Tier.GPU
+                if tier is Tier.GPU:
+                    replicas[r.model] = replicas.get(r.model, 0) + 1
                 if resident.get(r.model) is not Tier.GPU:
                     resident[r.model] = tier
         for snap in (s for s in info.get("snapshots", "").split(",") if s):
@@ -108,8 +114,8 @@ def _nodes(ctx: WorkerContext, catalog: Catalog, busy: set[str]) -> tuple[FleetN
         resident = {m: t for m, t in resident.items() if m in catalog.index}
         report = parse_report(info.get(SLEEP_FIELD))
         out.append(FleetNode(name=ns.node, gpu_gb=gpu, host_gb=host, node_class=info.get("node_class", "default"),
-                             resident=resident, in_flight={m: 1 for m, t in resident.items()
-                                                           if t is Tier.GPU and m in busy},
+                             resident=resident, replicas=replicas, in_flight={m: 1 for m, t in resident.items()
+                                                                             if t is Tier.GPU and m in busy},
                              no_sleep=frozenset(m for m in catalog.names if can_sleep(report, m) is False)))
     return tuple(out)
 
@@ -185,12 +191,15 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     catalog = fleet_catalog(ctx, names_)
     busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
     nodes = _nodes(ctx, catalog, busy)
-    params = RoundParams(bucket_s=bucket, horizon=max(1, int(FLEET_HORIZON_S // bucket)), quantile=p.quantile,
-                         headroom=1.0 + p.headroom,
-                         fleet=FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb,
-                                           cap_gb=p.fleet_budget_gb))
+    params = RoundParams(bucket_s=bucket, fleet=FleetParams(step_s=max(bucket, p.interval_s),
+                                                            budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb))
+    planner = PlannerParams.from_settings(p)
+    dense = {}
+    for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone
+        planner_state = load_planner_state(ctx, name)
+        dense[name] = (inputs(ctx, specs[name], planner_state, planner, now=now), planner_state)
     result, state = fleet_round(counts, catalog, nodes, now=now, params=params,
-                                state=replace(state, planner=load_state(ctx)))
+                                state=replace(state, planner=load_state(ctx)), dense=dense)
     return FleetDecision(tuple(names_), specs, catalog, result), state
 
 
@@ -203,6 +212,8 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
         return []
     names_, specs, result = list(decision.names), decision.specs, decision.result
     plan = result.plan
+    for name, planner_state in result.states.items():  # the dense models' count planner, as `plan_model` saves it
+        save_planner_state(ctx, name, planner_state)
     ctx.client.hset(keys.FLEET_STATE, mapping={"lam": repr(_STATE.planner.lam),
                                                "spent_gb_s": repr(_STATE.planner.spent_gb_s),
                                                "elapsed_s": repr(_STATE.planner.elapsed_s)})
@@ -210,15 +221,17 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     used_slots = {ns.node: set(ns.used) for ns in live_nodes(ctx)}
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
     cluster = owns_replicas(ctx.settings.kubernetes)  # the pods are Kubernetes' to start: no agent task then
+    taken: set[str] = set()  # replicas an action of this round already has: each action moves one
     for action in () if cluster else plan.actions:
         spec = specs[action.model]
-        asleep_here = [r.id for r in ctx.registry.live_on_node(action.node)
-                       if r.model == action.model and r.state is ReplicaState.ASLEEP]
+        here = [r for r in ctx.registry.live_on_node(action.node) if r.model == action.model and r.id not in taken]
+        asleep_here = [r.id for r in here if r.state is ReplicaState.ASLEEP]
         if action.kind is ActionKind.WAKE and asleep_here:  # a sleeping replica there: wake it, no load
             if p.dry_run:
                 log.info("dry run: would wake %s", asleep_here[0])
             else:
                 app.send_task(names.WAKE, args=[asleep_here[0]])
+            taken.add(asleep_here[0])
             sent[action.model].append(asleep_here[0])
         elif action.kind in (ActionKind.LOAD, ActionKind.WAKE):
             free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
@@ -235,18 +248,21 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
         else:
             # SLEEP: drain and sleep (weights to host memory); EVICT: drain and retire (the snapshot keeps
             # the weights). Both wait for requests in flight to finish (workers.node.tiers).
+            # One ready replica per action (the surplus on GPU; one still loading is left to the next round);
+            # an eviction from a node where the model only sleeps clears what sleeps there.
             task = names.SLEEP if action.kind is ActionKind.SLEEP else names.EVICT
-            for r in ctx.registry.live_on_node(action.node):
-                if r.model == action.model and (r.state is ReplicaState.READY or (
-                        task == names.EVICT and r.state is ReplicaState.ASLEEP)):
-                    why = f"fleet: {action.kind.value} (density {action.density:.3g} below the memory price)"[:200]
-                    if p.dry_run:
-                        log.info("dry run: would %s %s", action.kind.value, r.id)
-                    else:
-                        app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
+            ready = [r for r in here if r.state is ReplicaState.READY]
+            only_asleep = task == names.EVICT and bool(here) and all(r.state is ReplicaState.ASLEEP for r in here)
+            for r in ready[:1] or (here if only_asleep else []):
+                taken.add(r.id)
+                why = f"fleet: {action.kind.value} (density {action.density:.3g} below the memory price)"[:200]
+                if p.dry_run:
+                    log.info("dry run: would %s %s", action.kind.value, r.id)
+                else:
+                    app.send_task(task, args=[r.id] if task == names.SLEEP else [r.id, why])
     view = decision.view()
     ctx.client.set(keys.FLEET_PLAN, json.dumps({"at": now, "lam": plan.lam, "gpu_gb": plan.gpu_gb,
-                                                "budget_gb": p.fleet_budget_gb, "refits": result.refits,
+                                                "budget_gb": p.fleet_budget_gb,
                                                 "models": view}))
     out = []
     for name in names_:
@@ -257,6 +273,6 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
             publish_cluster_target(ctx, name, view[name]["replicas"], int(name in plan.asleep), now=now,
                                    revision=specs[name].revision)
         out.append(ModelPlan(name, status, (), tuple(sent[name]), 0, view[name]["replicas"]))
-    log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d refit(s)",
-             len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), result.refits)
+    log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d dense",
+             len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), len(result.dense))
     return out

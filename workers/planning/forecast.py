@@ -90,7 +90,7 @@ def planned_models(ctx: WorkerContext) -> list[ModelSpec]:
     return [replace(s, revision=planned_revision(ctx, s.name, s.revision)[0]) for s in specs.values()]
 
 
-def _state_load(ctx: WorkerContext, model: str) -> PlannerState:
+def load_planner_state(ctx: WorkerContext, model: str) -> PlannerState:
     try:
         return PlannerState.from_json(ctx.client.get(keys.planner_state(model)))
     except (KeyError, ValueError, TypeError):
@@ -98,7 +98,7 @@ def _state_load(ctx: WorkerContext, model: str) -> PlannerState:
         return PlannerState()
 
 
-def _state_save(ctx: WorkerContext, model: str, state: PlannerState) -> None:
+def save_planner_state(ctx: WorkerContext, model: str, state: PlannerState) -> None:
     ctx.client.set(keys.planner_state(model), state.to_json())
 
 
@@ -227,7 +227,7 @@ def decide(ctx: WorkerContext, *, now: float) -> list[tuple[ModelSpec, StepInput
     params = PlannerParams.from_settings(ctx.settings.planner)
     out = []
     for spec in planned_models(ctx):
-        state = _state_load(ctx, spec.name)
+        state = load_planner_state(ctx, spec.name)
         inp = inputs(ctx, spec, state, params, now=now)
         decision, _ = step(inp, state)
         out.append((spec, inp, decision))
@@ -237,10 +237,10 @@ def decide(ctx: WorkerContext, *, now: float) -> list[tuple[ModelSpec, StepInput
 def plan_model(ctx: WorkerContext, spec: ModelSpec, *, now: float) -> ModelPlan:
     """history → forecast → plan → act, for one model (the forecast is inside the pure step)."""
     params = PlannerParams.from_settings(ctx.settings.planner)
-    state = _state_load(ctx, spec.name)
+    state = load_planner_state(ctx, spec.name)
     inp = inputs(ctx, spec, state, params, now=now)
     decision, state = step(inp, state)
-    _state_save(ctx, spec.name, state)
+    save_planner_state(ctx, spec.name, state)
     schedule = schedule_of(ctx, spec, decision, now=now)
     new = act(ctx, spec, decision, schedule)
     status = "dry_run" if ctx.settings.planner.dry_run else "planned"
