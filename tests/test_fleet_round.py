@@ -108,6 +108,10 @@ def test_the_dense_models_are_the_busiest_above_the_threshold() -> None:
     assert dense_models(counts, catalog, RoundParams(bucket_s=STEP, dense_rps=0.015)) == ("m3", "m1")
     assert dense_models(counts, catalog, RoundParams(bucket_s=STEP, max_dense=0)) == ()
     assert dense_models(counts[:0], catalog, params) == ()
+    # a model whose traffic began two minutes ago, at 3 requests a second: its rate is since then, not the hour's
+    fresh = np.zeros_like(counts)
+    fresh[-2:, 2] = 180
+    assert dense_models(fresh, catalog, RoundParams(bucket_s=STEP)) == ("m2",)
 
 
 def test_a_dense_models_count_is_the_count_planners_and_its_budget_steers_it() -> None:

@@ -74,10 +74,15 @@ class RoundResult:
 
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
     """The models the count planner sizes: the busiest over the last hour of ``counts`` (requests per bucket,
-    oldest first), at least ``dense_rps``, at most ``max_dense`` of them."""
+    oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over the hour, or
+    since its first request when that is later: the buckets before its traffic began (a model just deployed,
+    the zeros a live history holds before the gateway counted) are not its rate."""
     if not counts.size or params.max_dense <= 0:
         return ()
-    recent = counts[-max(1, int(3600 / params.bucket_s)):].mean(axis=0) / params.bucket_s
+    window = counts[-max(1, int(3600 / params.bucket_s)):]
+    active = window > 0
+    first = np.where(active.any(axis=0), active.argmax(axis=0), window.shape[0] - 1)
+    recent = window.sum(axis=0) / ((window.shape[0] - first) * params.bucket_s)
     busy = np.argsort(-recent, kind="stable")[:params.max_dense]
     return tuple(catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps)
 
