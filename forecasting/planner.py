@@ -76,7 +76,7 @@ MODES = (PREDICTIVE, REACTIVE)
 class PlannerParams:
     """Mirror of `prewarm.core.settings.PlannerSettings` (the fields the pure planner reads)."""
 
-    quantile: float = 0.9
+    quantile: float = 0.9  # the nowcast's upper quantile the calibrated margin sizes on: not a knob (docs/operating.md)
     headroom: float = 0.0
     lead_margin_s: float = 10.0
     default_cold_start_s: float = 8.7
@@ -116,7 +116,7 @@ class PlannerParams:
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
         """Build from the `planner` settings group."""
         return cls(
-            quantile=s.quantile, headroom=s.headroom, lead_margin_s=s.lead_margin_s,
+            headroom=s.headroom, lead_margin_s=s.lead_margin_s,
             default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,
             scale_down_tolerance=float(s.scale_down_tolerance),
             warm_pool_size=s.warm_pool_size, warm_pool_percent=s.warm_pool_percent, budget_share=s.budget_share,

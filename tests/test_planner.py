@@ -281,7 +281,7 @@ def test_state_round_trips_through_json() -> None:
 def test_params_from_settings() -> None:
     s = PlannerSettings(batch_jobs=[{"cron": "0 2 * * *", "model": "m", "replicas": 2, "duration_s": 600}])
     p = PlannerParams.from_settings(s)
-    assert p.quantile == s.quantile and p.stabilization_s == 300.0 and p.budget_share == 0.12
+    assert p.stabilization_s == 300.0 and p.budget_share == 0.12 and p.cold_start_budget == s.cold_start_budget
     assert p.interval_s == s.interval_s and p.fine_bucket_s == s.fine_bucket_s
     assert p.batch_jobs[0].replicas == 2
 
@@ -363,3 +363,15 @@ def test_a_rise_parked_replicas_can_cover_is_planned_one_measured_wake_ahead() -
     assert short.lead_s == pytest.approx(180.0)
     unmeasured, _ = step(replace(inp, replicas=ReplicaCounts(5, 0, 0, asleep=2)), PlannerState())
     assert unmeasured.lead_s == pytest.approx(180.0)
+
+
+def test_the_planning_quantile_is_no_longer_a_knob_and_says_what_replaced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: the operator's goal is the cold-start budget; a deployment still setting the quantile that barely
+    moved the waits gets an error naming the setting to use, not a silently ignored variable."""
+    monkeypatch.setenv("PREWARM_PLANNER_QUANTILE", "0.99")
+    with pytest.raises(ValueError, match="PREWARM_PLANNER_QUANTILE is no longer a setting.*COLD_START_BUDGET"):
+        PlannerSettings()
+    monkeypatch.delenv("PREWARM_PLANNER_QUANTILE")
+    with pytest.raises(ValueError, match="no longer a setting"):
+        PlannerSettings(quantile=0.99)
+    assert "quantile" not in PlannerSettings.model_fields

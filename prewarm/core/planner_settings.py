@@ -4,6 +4,7 @@ constant with its reason. Part of the one settings root (`prewarm.core.settings`
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
@@ -22,8 +23,7 @@ class PlannerSettings(_Group):
     interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
     bucket_s: int = Field(60, gt=0)  # coarse buckets (a multiple of 10 or 60 s): the seasonal profile's history
     fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a multiple of the 10 s counters): what the nowcast reads
-    quantile: float = Field(0.9, gt=0, lt=1)  # forecast quantile used for planning
-    headroom: float = Field(0.0, ge=0)  # on top of the planning quantile of the peak in flight
+    headroom: float = Field(0.0, ge=0)  # on top of the forecast the calibrated margin sizes
     lead_margin_s: float = Field(10.0, ge=0)
     default_cold_start_s: float = Field(8.7, gt=0)
     stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
@@ -31,7 +31,7 @@ class PlannerSettings(_Group):
     queue_beta: float = Field(1.5, ge=0)  # square-root staffing margin: slots for a mean load a are a + beta sqrt(a)
     error_threshold: float = Field(0.1, gt=0)  # recent relative MAE above which scale-downs turn reactive
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
-    warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the planning quantile is the spare capacity
+    warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the calibrated margin is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
     # --- the cold-start budget (forecasting/calibration.py; reasons in docs/operating.md) ---
     cold_start_budget: float = Field(0.001, gt=0, le=1)  # share of requests that may wait for a load or a wake
@@ -46,6 +46,17 @@ class PlannerSettings(_Group):
     interruption_share: float = Field(0.1, ge=0, lt=1)  # below this share of the expected requests (0: never held)
     interruption_min_requests: float = Field(20.0, gt=0)  # judged over recent buckets expecting at least this many
     interruption_hold_s: float = Field(3600.0, ge=0)  # held at most this long from the start of the fall
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_quantile_knob(cls, data: Any) -> Any:
+        """The planning quantile was the operator's knob until the cold-start budget replaced it (issue 17: it
+        barely moved the waits): a deployment still setting it is told what to set instead, not ignored."""
+        if os.environ.get("PREWARM_PLANNER_QUANTILE") is not None or (isinstance(data, dict) and "quantile" in data):
+            raise ValueError("PREWARM_PLANNER_QUANTILE is no longer a setting: the planner steers to "
+                             "PREWARM_PLANNER_COLD_START_BUDGET (the share of requests that may wait for a load "
+                             "or a wake; docs/operating.md, 'The cold-start budget')")
+        return data
 
     @model_validator(mode="after")
     def _bin_within_season(self) -> "PlannerSettings":
