@@ -89,7 +89,7 @@ def test_catalog_defaults_are_stable_and_tiers_ordered(tmp_path: Path) -> None:
 
 # --- estimator -------------------------------------------------------------------------------
 def test_estimator_learns_a_period_and_bridges_the_gap() -> None:
-    est = ArrivalEstimator(2, 60.0)
+    est = ArrivalEstimator(2, 60.0, slot_s=600.0, day_s=86_400.0)
     for t in range(600):
         est.observe(np.array([1.0 if t % 10 == 0 else 0.0, 0.0]))
     out = est.outlook()  # idle 9 steps into a period of 10: the next step is the arrival
@@ -102,7 +102,7 @@ def test_estimator_learns_a_period_and_bridges_the_gap() -> None:
 
 def test_estimator_fades_past_every_gap_it_has_seen() -> None:
     """A model idle far longer than any gap of the fleet: a small chance (about 1/idle), never 1."""
-    est = ArrivalEstimator(2, 60.0)
+    est = ArrivalEstimator(2, 60.0, slot_s=600.0, day_s=86_400.0)
     est.observe(np.array([0.0, 1.0]))
     for t in range(300):
         est.observe(np.array([1.0, 0.0]))  # model 0 busy every step: the fleet has no gaps at all

@@ -62,15 +62,15 @@ def test_an_estimator_that_cannot_be_carried_on_is_rebuilt_from_the_history_pass
     # a gap: the history passed starts after the last bucket the estimator saw (a planner down for an hour)
     later = counts[160:220]
     gap, _ = fleet_round(later, catalog, nodes, now=220 * STEP, params=params, state=state)
-    np.testing.assert_allclose(gap.rate, estimator_from_history(later, STEP).outlook().rate)
+    np.testing.assert_allclose(gap.rate, estimator_from_history(later, params).outlook().rate)
     # other models: the estimator's rows would belong to others
     other = Catalog(tuple(ModelCard(name=f"x{i}", mem_gb=16) for i in range(5)))
     renamed, _ = fleet_round(counts[:120], other, nodes, now=120 * STEP, params=params, state=state)
-    np.testing.assert_allclose(renamed.rate, estimator_from_history(counts[:120], STEP).outlook().rate)
+    np.testing.assert_allclose(renamed.rate, estimator_from_history(counts[:120], params).outlook().rate)
     # the same round again (nothing new): nothing is observed twice
     again, carried = fleet_round(counts[:100], catalog, nodes, now=100 * STEP, params=params, state=state)
     assert carried.estimator is not None and carried.estimator.steps_seen == 100
-    np.testing.assert_allclose(again.rate, estimator_from_history(counts[:100], STEP).outlook().rate)
+    np.testing.assert_allclose(again.rate, estimator_from_history(counts[:100], params).outlook().rate)
 
 
 def test_the_replay_plans_with_the_live_round() -> None:

@@ -65,6 +65,7 @@ class FleetSetup:
     seed: int = 0
     sleep_share: float = 0.75  # host memory share for sleeping models (planner and sleep baselines alike)
     sleep_gbps: float = 1.75  # the copy to host memory when a model is put to sleep (docs/fleet.md)
+    planner: Mapping[str, Any] = field(default_factory=dict)  # the fleet policy's round settings (the live planner's)
 
     def __post_init__(self) -> None:
         if not 0 <= self.sleep_share <= 1:
@@ -83,7 +84,7 @@ def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup:
          progress: Callable[[str], None] | None) -> FleetScore:
     if progress is not None:
         progress(f"{name} {'' if knob is None else knob}")
-    policy = make_fleet_policy(name, knob)
+    policy = make_fleet_policy(name, knob, **(setup.planner if name == "fleet" else {}))
     score = simulate(trace, policy, env, score_after_s=min(setup.score_after_s, trace.duration_s / 2))
     return replace(score, knob=knob)
 

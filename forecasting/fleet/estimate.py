@@ -61,7 +61,7 @@ class ArrivalEstimator:
     fleet histogram mixed into each model's own.
     """
 
-    def __init__(self, n_models: int, step_s: float, *, slot_s: float = 600.0, day_s: float = 86_400.0,
+    def __init__(self, n_models: int, step_s: float, *, slot_s: float, day_s: float,
                  prior_weight: float = 2.0, exact_bins: int = 10, bin_growth: float = 1.2) -> None:
         self.n = n_models
         self.step_s = float(step_s)

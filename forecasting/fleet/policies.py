@@ -223,14 +223,18 @@ class FleetPlanner(FleetPolicy):
 
     name = "fleet"
 
-    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, **params: Any) -> None:
+    def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, *,
+                 profile_bin_s: float = RoundParams.profile_bin_s, season_s: float = RoundParams.season_s,
+                 **params: Any) -> None:
         self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
+        self.profile_bin_s, self.season_s = profile_bin_s, season_s
 
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
         kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
         fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
-        self.round = RoundParams(bucket_s=env.step_s, max_dense=0, fleet=fleet)
+        self.round = RoundParams(bucket_s=env.step_s, max_dense=0, profile_bin_s=self.profile_bin_s,
+                                 season_s=self.season_s, fleet=fleet)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
         hour = max(1, int(3600 / env.step_s))  # what the round reads beyond the estimator: the last hour's rates
         self.rows: deque[np.ndarray] = deque(maxlen=hour)

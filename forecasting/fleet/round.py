@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from forecasting.fleet.catalog import Catalog
 from forecasting.fleet.estimate import ArrivalEstimator
 from forecasting.fleet.planner import FleetContext, FleetNode, FleetParams, FleetPlan, FleetState, plan_fleet
 from forecasting.planner import Decision, PlannerState, StepInputs, step
+from prewarm.core.planner_settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RoundParams:
     bucket_s: float = 60.0
     dense_rps: float = 1.0  # a model above this many requests/s over the last hour is sized by the count planner
     max_dense: int = 32  # ... the busiest this many at most (the others' outlook is the estimator's)
+    profile_bin_s: float = 1_800.0  # the estimator's time-of-day slot: the learned profile's (`planner.profile_bin_s`)
+    season_s: float = 86_400.0  # ... and the period its slots repeat over (`planner.season_s`)
     fleet: FleetParams = field(default_factory=FleetParams)
 
 
@@ -72,6 +75,11 @@ class RoundResult:
     states: Mapping[str, PlannerState] = field(default_factory=dict)  # ... and its next state
 
 
+def round_settings(planner: PlannerSettings) -> dict[str, Any]:
+    """The round's settings from the `planner` settings group: what the live round reads, for a replay to run with."""
+    return {"profile_bin_s": float(planner.profile_bin_s), "season_s": float(planner.season_s)}
+
+
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
     """The models the count planner sizes: the busiest over the last hour of ``counts`` (requests per bucket,
     oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over the hour, or
@@ -87,27 +95,27 @@ def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> t
     return tuple(catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps)
 
 
-def estimator_from_history(counts: np.ndarray, bucket_s: float) -> ArrivalEstimator:
+def estimator_from_history(counts: np.ndarray, params: RoundParams) -> ArrivalEstimator:
     """An estimator that has seen ``counts[t, model]`` (requests per bucket), oldest first."""
-    est = ArrivalEstimator(counts.shape[1], bucket_s)
+    est = ArrivalEstimator(counts.shape[1], params.bucket_s, slot_s=params.profile_bin_s, day_s=params.season_s)
     for row in counts:
         est.observe(row)
     return est
 
 
-def _estimator(counts: np.ndarray, end: float, bucket_s: float, models: tuple[str, ...],
+def _estimator(counts: np.ndarray, end: float, params: RoundParams, models: tuple[str, ...],
                state: RoundState) -> ArrivalEstimator:
     """The state's estimator fed the buckets of ``counts`` (ending at ``end``) it has not seen, or one rebuilt
     from ``counts`` where it cannot be carried on (none yet, other models, or a gap in what it saw)."""
     seen = state.seen_to
     if state.estimator is not None and seen is not None and state.models == models:
-        new = int(round((end - seen) / bucket_s))
+        new = int(round((end - seen) / params.bucket_s))
         if 0 <= new <= counts.shape[0]:
             est = copy.deepcopy(state.estimator)  # the state passed in is left as it was (pure)
             for row in counts[counts.shape[0] - new:]:
                 est.observe(row)
             return est
-    return estimator_from_history(counts, bucket_s)
+    return estimator_from_history(counts, params)
 
 
 def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ...], *, now: float,
@@ -123,7 +131,7 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     bucket = params.bucket_s
     end = math.floor(now / bucket) * bucket
     models = tuple(catalog.names)
-    est = _estimator(counts, end, bucket, models, state)
+    est = _estimator(counts, end, params, models, state)
     out = est.outlook()
     decisions: dict[str, Decision] = {}
     states: dict[str, PlannerState] = {}

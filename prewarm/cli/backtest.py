@@ -115,10 +115,11 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                    help="GB/s of the copy that puts a model to sleep (its GPU memory is held meanwhile)")
 
 
-def _cmd_fleet_backtest(args: argparse.Namespace) -> int:
+def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
     from forecasting.fleet.backtest import FleetSetup, run_fleet_backtest
+    from forecasting.fleet.round import round_settings
     from forecasting.fleet.catalog import load_catalog
     from forecasting.fleet.policies import FLEET_POLICIES
     from forecasting.fleet.report import plot_curves, print_fleet
@@ -134,7 +135,8 @@ def _cmd_fleet_backtest(args: argparse.Namespace) -> int:
         setup = FleetSetup(n_nodes=args.nodes, node_gpu_gb=args.node_gpu_gb, node_host_gb=args.node_host_gb,
                            capacity_share=args.capacity_share, step_s=args.step,
                            score_after_s=args.score_after or 86_400.0, poisson=not args.even_counts,
-                           seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps)
+                           seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps,
+                           planner=round_settings(settings.planner))
         policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
         out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
                                  progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from forecasting.fleet.traces import is_fleet_trace
 
     if args.fleet or args.time_column or args.model_column or is_fleet_trace(args.trace[0]):
-        return _cmd_fleet_backtest(args)
+        return _cmd_fleet_backtest(args, settings)
 
     from forecasting.sim.report import print_table, progress_bar
     from forecasting.sim.policies import POLICIES

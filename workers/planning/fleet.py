@@ -43,7 +43,7 @@ from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round
+from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, ReplicaState, replica_id
@@ -191,8 +191,8 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     catalog = fleet_catalog(ctx, names_)
     busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
     nodes = _nodes(ctx, catalog, busy)
-    params = RoundParams(bucket_s=bucket, fleet=FleetParams(step_s=max(bucket, p.interval_s),
-                                                            budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb))
+    fleet = FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb)
+    params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
     for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_ready_s
 from forecasting.fleet.policies import FleetEnv, make_fleet_policy
+from forecasting.fleet.round import round_settings
 from forecasting.fleet.simulate import FleetScore, simulate
 from forecasting.fleet.traces import FleetTrace
 from prewarm.core import keys
@@ -288,7 +289,9 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
     knobs: dict[str, float | None] = {"keepalive": 600.0, "hybrid_histogram": None, "fleet": run.budget_gb,
                                       "oracle": None}
     after = run.opts.duration_s / 3 if score_after_s is None else score_after_s
-    return [simulate(trace, make_fleet_policy(name, knobs[name]), env, score_after_s=after) for name in policies]
+    return [simulate(trace, make_fleet_policy(name, knobs[name], **(round_settings(run.settings.planner)
+                                                                    if name == "fleet" else {})),
+                     env, score_after_s=after) for name in policies]
 
 
 def run(settings: Settings, opts: UpOptions, n_models: int) -> int:
