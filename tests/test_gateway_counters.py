@@ -140,3 +140,33 @@ def test_busy_time_of_a_request_still_in_flight_is_credited_as_it_passes(redis_u
     # and the two peaks it left are this gateway's: its part of each bucket's sum
     assert client.hget(keys.inflight_peaks("m", FINE, first), "g1") == "1"
     client.close()
+
+
+def test_an_engines_level_counts_once_however_many_gateways_report_it(redis_url: str) -> None:
+    """The engines' own queue counts every gateway's requests. Folded into each gateway's peak, the sum over
+    gateways counted it once per gateway (two gateways reporting a queue of 12 recorded 24); now it is the
+    largest level any gateway saw, and the planner reads the larger of it and the gateways' summed peaks."""
+    from forecasting.data.history import load_fine_counters
+
+    client: "redis.Redis[str]" = redis.Redis.from_url(redis_url, decode_responses=True)
+    model = "engine-level"
+    gateways = [RequestCounter(instance="g1"), RequestCounter(instance="g2")]
+    for g in gateways:
+        for _ in range(3):
+            g.begin(model, 2001.0)  # 3 in flight at each gateway: 6 in all
+        g.observe(model, 2002.0, 12)  # both see the engines report 12 (every gateway's requests, and queued ones)
+        for _ in range(3):
+            g.end(model, 2008.0, 2001.0)
+        g.observe(model, 2013.0, 4)  # the next bucket: the engines' queue drained to 4
+    gateways[1].observe(model, 2004.0, 13)  # a later heartbeat one gateway saw
+    for g, n in zip(gateways, (5, 6)):  # ... then 5 and 6 of the gateways' own in flight: 11
+        for _ in range(n):
+            g.begin(model, 2015.0)
+        for _ in range(n):
+            g.end(model, 2019.0, 2015.0)
+    for g in gateways:
+        _flush(g, redis_url)
+    _, requests, peak, _, _ = load_fine_counters(client, model, start=2000, end=2020, bucket_s=FINE)
+    assert client.get(keys.engine_peak(model, FINE, 2000)) == "13"
+    assert list(peak) == [13.0, 11.0]  # not 3 + 13 + 3 + 12; the gateways' own sum where it is larger
+    client.close()

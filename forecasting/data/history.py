@@ -367,7 +367,8 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
                        bucket_s: int) -> tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The gateway's fine counters of one model: (first bucket start, requests, peak in flight,
     request-seconds, requests that waited for capacity) per `bucket_s` bucket whose start lies in
-    [start, end); missing keys are 0.
+    [start, end); missing keys are 0. The peak is the gateways' own peaks summed or the engines'
+    reported level (`keys.engine_peak`, every gateway's requests), whichever is larger.
 
     The gateway records them at `keys.FINE_RESOLUTION_S`; a coarser `bucket_s` (a whole multiple)
     sums the requests and request-seconds and takes the largest peak of the buckets it covers.
@@ -383,7 +384,7 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
     n = max(0, math.ceil((end - first) / bucket_s))
     starts = first + np.arange(n * k, dtype=np.int64) * res
     out = []
-    for key_of in (keys.requests, keys.inflight_peak, keys.busy, keys.waited):
+    for key_of in (keys.requests, keys.inflight_peak, keys.busy, keys.waited, keys.engine_peak):
         names = [key_of(model, res, int(b)) for b in starts]
         values = np.zeros(starts.size, dtype=np.float64)
         for lo in range(0, len(names), MGET_CHUNK):
@@ -396,5 +397,6 @@ def load_fine_counters(client: _RedisLike, model: str, *, start: float, end: flo
                 except ValueError:
                     continue
         per = values.reshape(n, k)
-        out.append(per.max(axis=1) if key_of is keys.inflight_peak else per.sum(axis=1))
-    return float(first), out[0], out[1], out[2], out[3]
+        out.append(per.max(axis=1) if key_of in (keys.inflight_peak, keys.engine_peak) else per.sum(axis=1))
+    # the peak in flight: the gateways' own peaks summed, or the engines' count of every gateway's, the larger
+    return float(first), out[0], np.maximum(out[1], out[4]), out[2], out[3]

@@ -68,6 +68,13 @@ def inflight_peaks(model: str, resolution_s: int, bucket_start: int) -> str:
     return f"{PREFIX}:inflight-gateways:{model}:{resolution_s}:{bucket_start}"
 
 
+#: The highest requests in flight the model's engines reported during one fine bucket (their own count of every
+#: gateway's requests: the largest any gateway saw, not a sum). The planner's peak is the larger of it and
+#: `inflight_peak`.
+def engine_peak(model: str, resolution_s: int, bucket_start: int) -> str:
+    return f"{PREFIX}:inflight-engines:{model}:{resolution_s}:{bucket_start}"
+
+
 #: Request-seconds of the user requests of a model in flight during one fine bucket, each request's time
 #: split over the buckets it spans (the bucket's mean requests in flight x its length).
 def busy(model: str, resolution_s: int, bucket_start: int) -> str:

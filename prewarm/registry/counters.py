@@ -7,7 +7,10 @@ burst and mean-load signals, with the semantics the simulator replays:
 
 - peak user requests in flight: each gateway's own peak in the bucket, SUMMED over the
   gateways (a small Lua script keeps every gateway's part in a hash and the total beside
-  it), so two gateways at 5 each record 10, not 5;
+  it), so two gateways at 5 each record 10, not 5; beside it, the highest level the
+  model's engines reported (their own queues count every gateway's requests), kept as the
+  MAXIMUM over gateways: folded into each gateway's peak, it was summed too, and N gateways
+  recorded N times an engine's queue. The planner reads the larger of the two;
 - busy request-seconds: the time integral of the requests in flight, each request's time
   split over the buckets it spans and credited as it passes (every flush), not at its end,
   so a bucket holds its own load when the planner reads it just after it ends. A request
@@ -53,6 +56,15 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 """
 
+#: The engines' level in one bucket (ARGV[1]) replaces KEYS[1] when higher (the maximum over gateways), TTL ARGV[2].
+_PEAK_MAX = """
+local old = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > old then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+"""
+
 
 def split_over_buckets(start: float, end: float, resolution_s: int) -> list[tuple[int, float]]:
     """The parts of the interval [start, end) in each bucket it spans: (bucket start, seconds)."""
@@ -78,6 +90,7 @@ class RequestCounter:
         self._peak: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> this gateway's peak in flight
         self._busy: dict[tuple[str, int], float] = {}  # (model, fine bucket) -> request-seconds not yet flushed
         self._waited: Counter[tuple[str, int]] = Counter()  # (model, fine bucket) -> requests that waited for capacity
+        self._engine: dict[tuple[str, int], int] = {}  # (model, fine bucket) -> the engines' highest reported level
 
     def add(self, model: str, now: float, n: int = 1) -> None:
         for res in self.resolutions:
@@ -116,14 +129,15 @@ class RequestCounter:
         self._waited[(model, bucket_start(now, keys.FINE_RESOLUTION_S))] += 1
 
     def observe(self, model: str, now: float, level: int) -> None:
-        """A level of requests in flight seen elsewhere (the engines' own counts): the bucket's peak follows it."""
+        """A level of requests in flight the model's engines report (every gateway's requests): recorded as the
+        bucket's engine peak, the maximum over gateways (`keys.engine_peak`), not into this gateway's own part."""
         if level > 0:
             key = (model, bucket_start(now, keys.FINE_RESOLUTION_S))
-            self._peak[key] = max(self._peak.get(key, 0), level)
+            self._engine[key] = max(self._engine.get(key, 0), level)
 
     async def flush(self, client: "aioredis.Redis[str]") -> int:
         """Write pending counts; on a Redis error keep them for the next flush. Returns buckets written."""
-        if not self._pending and not self._peak and not self._busy and not self._waited \
+        if not self._pending and not self._peak and not self._busy and not self._waited and not self._engine \
                 and not any(self.inflight.values()):
             return 0
         now = time.time()
@@ -133,6 +147,7 @@ class RequestCounter:
         peaks, self._peak = self._peak, {}
         busy, self._busy = self._busy, {}
         waited, self._waited = self._waited, Counter()
+        engine, self._engine = self._engine, {}
         # a bucket still in progress keeps its in-flight level as the floor of its peak
         for model, n in self.inflight.items():
             if n:
@@ -144,6 +159,8 @@ class RequestCounter:
         for (model, start), peak in peaks.items():
             pipe.eval(_PEAK_SUM, 2, keys.inflight_peak(model, fine, start), keys.inflight_peaks(model, fine, start),
                       self.instance, peak, ttl)
+        for (model, start), level in engine.items():
+            pipe.eval(_PEAK_MAX, 1, keys.engine_peak(model, fine, start), level, ttl)
         for (model, start), secs in busy.items():
             if abs(secs) < 1e-9:
                 continue
@@ -173,6 +190,8 @@ class RequestCounter:
                 self._busy[k] = self._busy.get(k, 0.0) + secs
             for k, v in peaks.items():
                 self._peak[k] = max(self._peak.get(k, 0), v)
+            for k, v in engine.items():
+                self._engine[k] = max(self._engine.get(k, 0), v)
             log.warning("request counters not flushed, kept for retry (%d buckets): %s", len(batch), exc)
             return 0
         return len(batch)
