@@ -162,6 +162,7 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
     with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     assert 'prewarm_rollout_weight{model="tiny",revision="r2"} 100.0' in text
+    assert 'prewarm_rollout_weight{model="tiny",revision="r1"}' not in text  # not left at its last 50
     assert 'prewarm_rollout_phase{model="tiny",phase="completed"} 1.0' in text
     # the split holds while a stable replica is still live, then is cleared: a revision deployed later
     # without a rollout gets traffic (no weights = any ready revision)
@@ -173,6 +174,8 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
     plan_tick(planner, tick)
     wait_for(lambda: store.weights("tiny") == [], 30, lambda: f"the split cleared (planner log:\n{planner['proc'].log()[-3000:]})")
     assert client.get(keys.revision_weights("tiny")) == "[]"
+    with urllib.request.urlopen(f"http://127.0.0.1:{planner['metrics_port']}/metrics", timeout=5) as resp:
+        assert "prewarm_rollout_weight{" not in resp.read().decode()  # settled: no split, no weight series
     assert "Traceback" not in planner["proc"].log()
 
 

@@ -194,8 +194,15 @@ def _cause(reason: str) -> str:
 
 
 def _export(ctx: WorkerContext, state: rp.RolloutState) -> None:
+    """The rollout's weights and phase as gauges; a revision the split no longer names (the stable one once the
+    rollout completed, every one once it settled) has its weight series removed, not left at its last value."""
     m, spec = ctx.metrics, state.spec
-    for rev, w in rp.weights(state):
+    current = dict(rp.weights(state))
+    stale = {s.labels["revision"] for metric in m.rollout_weight.collect() for s in metric.samples
+             if s.labels.get("model") == spec.model and s.labels.get("revision") not in current}
+    for rev in stale:
+        m.rollout_weight.remove(spec.model, rev)
+    for rev, w in current.items():
         m.rollout_weight.labels(spec.model, rev).set(w)
     for phase in rp.RolloutPhase:
         m.rollout_phase.labels(spec.model, phase.value).set(1.0 if phase is state.phase else 0.0)
@@ -208,7 +215,6 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
     if before is None:
         return None
     if before.phase in rp.TERMINAL:  # nothing to decide; a rolled-back canary stays retired (idempotent)
-        _export(ctx, before)
         if before.phase is rp.RolloutPhase.ROLLED_BACK:
             _retire_canary(ctx, app, before, now=now)
         elif owns_replicas(ctx.settings.kubernetes):  # completed: the retired stable revision's target stays 0
@@ -216,6 +222,7 @@ def tick(ctx: WorkerContext, app: Celery, model: str, *, now: float) -> RolloutT
             publish_revision_target(ctx, model, before.spec.stable, [(now, 0)], now=now)
         if not before.settled:
             _settle(ctx, store, model, now=now)
+        _export(ctx, store.get(model) or before)  # as it is now: settled, no weight series is left
         return None
     decided: list[rp.RolloutDecision] = []
 
