@@ -204,6 +204,37 @@ def test_the_cold_start_budget_and_the_reactive_knobs_reach_the_planner_as_its_s
             chart.validate_schema(chart.merge_values(bad))
 
 
+def test_the_outbox_settings_reach_every_process_as_its_settings_read_them() -> None:
+    """The task outbox's four settings (issue 20) are set from the chart: how many Redis replicas must hold a
+    record (WAIT) and for how long, when a lost task is sent again and how often the sweep looks. Every process
+    that sends tasks gets them, and the settings classes parse the rendered env."""
+    from prewarm.core.settings import AgentSettings, RedisSettings
+
+    values = {"redis": {"enabled": False, "url": "sentinel://s1:26379/0", "sentinelMaster": "main",
+                        "waitReplicas": 2, "waitTimeoutMs": 250},
+              "outbox": {"resendAfterSeconds": 45, "sweepIntervalSeconds": 2}}
+    docs = render(values)
+    for kind, name in (("Deployment", "-planner"), ("Deployment", "-beat"), ("Deployment", "-gateway"),
+                       ("DaemonSet", "-agent")):
+        env = {k: v for k, v in env_of(find(docs, kind, name)).items() if isinstance(v, str)}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                if k.startswith(("PREWARM_REDIS_", "PREWARM_AGENT_OUTBOX_")):
+                    mp.setenv(k, v)
+            redis_s, agent_s = RedisSettings(), AgentSettings()
+        assert (redis_s.wait_replicas, redis_s.wait_timeout_ms) == (2, 250), name
+        assert (agent_s.outbox_resend_after_s, agent_s.outbox_sweep_interval_s) == (45.0, 2.0), name
+    default = env_of(find(render(), "Deployment", "-beat"))
+    assert "PREWARM_REDIS_WAIT_REPLICAS" not in default  # unset: the settings' own rule (1 with sentinel://, else 0)
+    assert float(default["PREWARM_AGENT_OUTBOX_RESEND_AFTER_S"]) == AgentSettings().outbox_resend_after_s
+    assert int(default["PREWARM_REDIS_WAIT_TIMEOUT_MS"]) == RedisSettings().wait_timeout_ms
+    chart = _chart()
+    for bad in ({"redis": {"waitReplicas": -1}}, {"redis": {"waitTimeoutMs": 0}},
+                {"outbox": {"resendAfterSeconds": 0}}, {"outbox": {"sweepIntervalSeconds": -5}}):
+        with pytest.raises(helm_python.HelmValuesError):
+            chart.validate_schema(chart.merge_values(bad))
+
+
 def test_agent_daemonset_runs_on_labeled_gpu_nodes() -> None:
     docs = render({"agent": {"modelTypes": ["llama", "mistral"], "replicaSlots": 2}})
     ds = find(docs, "DaemonSet", "-agent")

@@ -56,6 +56,16 @@ prometheus.io/path: /metrics
 - name: PREWARM_REDIS_SENTINEL_MASTER
   value: {{ .Values.redis.sentinelMaster | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" .Values.redis.waitReplicas) }}
+- name: PREWARM_REDIS_WAIT_REPLICAS
+  value: {{ .Values.redis.waitReplicas | quote }}
+{{- end }}
+- name: PREWARM_REDIS_WAIT_TIMEOUT_MS
+  value: {{ .Values.redis.waitTimeoutMs | default 100 | quote }}
+- name: PREWARM_AGENT_OUTBOX_RESEND_AFTER_S
+  value: {{ .Values.outbox.resendAfterSeconds | default 30 | quote }}
+- name: PREWARM_AGENT_OUTBOX_SWEEP_INTERVAL_S
+  value: {{ .Values.outbox.sweepIntervalSeconds | default 5 | quote }}
 - name: PREWARM_WARMUP_SECRET
   valueFrom:
     secretKeyRef:
