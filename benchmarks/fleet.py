@@ -126,7 +126,7 @@ def main() -> None:
             (f"{n} models: every model planned alone, round s (baseline)", r["per_model_baseline_round_s"],
              f"{r['per_model_step_s'] * 1e3:.1f} ms/step x {n}; fleet round {r['speedup_vs_per_model']:.0f}x faster"),
         ]
-    report("fleet planning at scale (2 cores, single-threaded boosting)", rows,
+    report("fleet planning at scale (2 cores)", rows,
            {"interval_s": INTERVAL_S, "results": results}, args.json)
 
 
