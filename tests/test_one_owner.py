@@ -161,3 +161,30 @@ def test_a_dense_models_count_in_the_pool_is_the_count_planners(
         assert double.replicas(NS, "dep-a") == alone.cluster_target  # to its Deployment's one owner
         saved = PlannerState.from_json(ctx.client.get(keys.planner_state("a")))
         assert saved.margin == after.margin and saved.counted_end == after.counted_end
+
+
+def test_a_dense_model_whose_inputs_cannot_be_read_is_planned_by_its_outlook(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One dense model's count-planner inputs failing (its history unreadable) does not fail the pool's round:
+    that model is planned by its arrival outlook this round, the others as usual, and the log says so."""
+    import workers.planning.fleet as fleet_mod
+    from forecasting.data.traces import HistoryError
+
+    with KubeDouble() as double:
+        for dep in DEPLOYMENTS.values():
+            double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+        ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "none")
+        _traffic(ctx)
+
+        def broken(*args: object, **kw: object) -> object:
+            raise HistoryError("counters of 'a' unreadable")
+
+        clean_env.setattr(fleet_mod, "inputs", broken)
+        app = make_app(ctx.settings)
+        try:
+            plans = {p.model: p for p in fleet_and_plan(ctx, app, now=time.time())}
+        finally:
+            app.close()
+        plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
+        assert set(plans) == {"a", "b", "c"} and not plan["a"]["dense"] and plan["a"]["tier"] == "gpu", plan
+        assert "a not sized by the count planner this round: counters of 'a' unreadable" in caplog.text

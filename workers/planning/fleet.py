@@ -197,7 +197,10 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     dense = {}
     for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone
         planner_state = load_planner_state(ctx, name)
-        dense[name] = (inputs(ctx, specs[name], planner_state, planner, now=now), planner_state)
+        try:
+            dense[name] = (inputs(ctx, specs[name], planner_state, planner, now=now), planner_state)
+        except (HistoryError, ValueError) as exc:  # its counters unreadable: planned by its outlook this round
+            log.error("fleet: %s not sized by the count planner this round: %s", name, exc)
     result, state = fleet_round(counts, catalog, nodes, now=now, params=params,
                                 state=replace(state, planner=load_state(ctx)), dense=dense)
     return FleetDecision(tuple(names_), specs, catalog, result), state
