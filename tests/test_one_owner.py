@@ -188,3 +188,24 @@ def test_a_dense_model_whose_inputs_cannot_be_read_is_planned_by_its_outlook(
         plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
         assert set(plans) == {"a", "b", "c"} and not plan["a"]["dense"] and plan["a"]["tier"] == "gpu", plan
         assert "a not sized by the count planner this round: counters of 'a' unreadable" in caplog.text
+
+
+def test_which_models_the_count_planner_sizes_is_a_setting(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`planner.fleet_dense_rps` / `planner.fleet_max_dense`: above the threshold `a` (10 requests a second) is dense;
+    with the threshold above its rate, or no dense model allowed, its tier and count come from its outlook."""
+    for extra, dense in (({}, True), ({"PREWARM_PLANNER_FLEET_DENSE_RPS": "50"}, False),
+                         ({"PREWARM_PLANNER_FLEET_MAX_DENSE": "0"}, False)):
+        with KubeDouble() as double:
+            for dep in DEPLOYMENTS.values():
+                double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+            ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "keda", **extra)
+            ctx.client.flushdb()
+            _traffic(ctx)
+            app = make_app(ctx.settings)
+            try:
+                fleet_and_plan(ctx, app, now=time.time())
+            finally:
+                app.close()
+            plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
+            assert plan["a"]["dense"] is dense, (extra, plan)

@@ -47,7 +47,7 @@ class RoundParams:
 
     bucket_s: float = 60.0
     dense_rps: float = 1.0  # a model above this many requests/s over the last hour is sized by the count planner
-    max_dense: int = 32  # ... the busiest this many at most (the others' outlook is the estimator's)
+    max_dense: int = 32  # ... the busiest this many at most (`planner.fleet_dense_rps`, `planner.fleet_max_dense`)
     profile_bin_s: float = 1_800.0  # the estimator's time-of-day slot: the learned profile's (`planner.profile_bin_s`)
     season_s: float = 86_400.0  # ... and the period its slots repeat over (`planner.season_s`)
     fleet: FleetParams = field(default_factory=FleetParams)
