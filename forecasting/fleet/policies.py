@@ -236,8 +236,8 @@ class FleetPlanner(FleetPolicy):
         self.round = RoundParams(bucket_s=env.step_s, max_dense=0, profile_bin_s=self.profile_bin_s,
                                  season_s=self.season_s, fleet=fleet)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
-        hour = max(1, int(3600 / env.step_s))  # what the round reads beyond the estimator: the last hour's rates
-        self.rows: deque[np.ndarray] = deque(maxlen=hour)
+        # what the round reads: the bucket since its last round (its estimator carries the rest; no model is dense)
+        self.rows: deque[np.ndarray] = deque(maxlen=1)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
         self.asleep: dict[str, str] = {}

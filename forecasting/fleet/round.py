@@ -12,7 +12,7 @@ warm) are two regimes of this one decision:
   to what it last saw. The replay (`forecasting.fleet.policies.FleetPlanner`) and the live
   round (`workers.planning.fleet`) call this same function, so the replay scores what
   ships;
-- the dense models (`dense_models`: the busiest, above ``dense_rps`` over the last hour,
+- the dense models (`dense_models`: the busiest, above ``dense_rps`` over ``dense_window_s``,
   at most ``max_dense``) are sized by the count planner, `forecasting.planner.step`, on
   the inputs the caller built for them as the single-model loop builds them (the gateway's
   fine counters, the live replicas, the measured cold start): the same step, cold-start
@@ -46,8 +46,9 @@ class RoundParams:
     """Knobs of a fleet round (``bucket_s``: the history's bucket and the planner's step)."""
 
     bucket_s: float = 60.0
-    dense_rps: float = 1.0  # a model above this many requests/s over the last hour is sized by the count planner
-    max_dense: int = 32  # ... the busiest this many at most (`planner.fleet_dense_rps`, `planner.fleet_max_dense`)
+    dense_rps: float = 1.0  # a model above this many requests/s over `dense_window_s` is sized by the count planner
+    max_dense: int = 32  # ... the busiest this many at most
+    dense_window_s: float = 3_600.0  # (`planner.fleet_dense_rps`, `planner.fleet_max_dense`, `planner.fleet_dense_window_s`)
     profile_bin_s: float = 1_800.0  # the estimator's time-of-day slot: the learned profile's (`planner.profile_bin_s`)
     season_s: float = 86_400.0  # ... and the period its slots repeat over (`planner.season_s`)
     fleet: FleetParams = field(default_factory=FleetParams)
@@ -81,13 +82,13 @@ def round_settings(planner: PlannerSettings) -> dict[str, Any]:
 
 
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
-    """The models the count planner sizes: the busiest over the last hour of ``counts`` (requests per bucket,
-    oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over the hour, or
-    since its first request when that is later: the buckets before its traffic began (a model just deployed,
+    """The models the count planner sizes: the busiest over the last ``dense_window_s`` of ``counts`` (requests
+    per bucket, oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over that
+    window, or since its first request when that is later: the buckets before its traffic began (a model just deployed,
     the zeros a live history holds before the gateway counted) are not its rate."""
     if not counts.size or params.max_dense <= 0:
         return ()
-    window = counts[-max(1, int(3600 / params.bucket_s)):]
+    window = counts[-max(1, int(params.dense_window_s / params.bucket_s)):]
     active = window > 0
     first = np.where(active.any(axis=0), active.argmax(axis=0), window.shape[0] - 1)
     recent = window.sum(axis=0) / ((window.shape[0] - first) * params.bucket_s)

@@ -126,7 +126,8 @@ class PlannerSettings(_Group):
     fleet_budget_gb: float = Field(0.0, ge=0)  # > 0: one fleet round plans every model within this much GPU memory
     model_memory_gb: dict[str, float] = Field(default_factory=dict)  # GPU footprint of one replica, per model
     model_priority: dict[str, float] = Field(default_factory=dict)  # weight of a model's requests (default 1)
-    # a model busier than this (requests/s over the last hour, or since its first request) has its replica count
-    # sized by the count planner in the fleet round (reasons in docs/operating.md); at most fleet_max_dense of them
+    # a model busier than this (requests/s over fleet_dense_window_s, or since its first request) has its replica
+    # count sized by the count planner in the fleet round (reasons in docs/operating.md); at most fleet_max_dense
     fleet_dense_rps: float = Field(1.0, ge=0)
     fleet_max_dense: int = Field(32, ge=0)
+    fleet_dense_window_s: float = Field(3600.0, gt=0)

@@ -46,7 +46,7 @@ from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetS
 from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core import keys
-from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, ReplicaState, replica_id
+from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, Replica, ReplicaState, replica_id
 from prewarm.policy.sleep_tier import FIELD as SLEEP_FIELD, can_sleep, parse_report, tier_absent
 from workers import names
 from workers.context import WorkerContext
@@ -193,7 +193,7 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     nodes = _nodes(ctx, catalog, busy)
     fleet = FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb)
     params = RoundParams(bucket_s=bucket, fleet=fleet, dense_rps=p.fleet_dense_rps, max_dense=p.fleet_max_dense,
-                         **round_settings(p))  # the estimator's settings: what the replays run with too
+                         dense_window_s=p.fleet_dense_window_s, **round_settings(p))  # the estimator's settings: what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
     for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone
@@ -226,9 +226,12 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
     cluster = owns_replicas(ctx.settings.kubernetes)  # the pods are Kubernetes' to start: no agent task then
     taken: set[str] = set()  # replicas an action of this round already has: each action moves one
+    on_node: dict[str, list[Replica]] = {}  # one registry read per node acted on
     for action in () if cluster else plan.actions:
         spec = specs[action.model]
-        here = [r for r in ctx.registry.live_on_node(action.node) if r.model == action.model and r.id not in taken]
+        if action.node not in on_node:
+            on_node[action.node] = list(ctx.registry.live_on_node(action.node))
+        here = [r for r in on_node[action.node] if r.model == action.model and r.id not in taken]
         asleep_here = [r.id for r in here if r.state is ReplicaState.ASLEEP]
         if action.kind is ActionKind.WAKE and asleep_here:  # a sleeping replica there: wake it, no load
             if p.dry_run:
