@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from forecasting.curves import at_equal_share
+from forecasting.fleet.capacity import throughput_gb
 from forecasting.fleet.catalog import Catalog, default_catalog
 from forecasting.fleet.policies import FLEET_POLICIES, FleetEnv, make_fleet_policy
 from forecasting.fleet.simulate import FleetScore, simulate
@@ -29,6 +30,9 @@ KEEPALIVE_S = (60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 4 * 3600.0)
 HH_TAIL_PCT = (50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
 #: The planner's budgets: reactive's average warm GB plus these shares of the hybrid histogram's extra over it.
 FLEET_BUDGET_SHARE = (0.25, 0.5, 0.75, 1.0, 1.5)
+#: The HPA targets each baseline's curve also sweeps, at its default knob: more replicas of its busy models for
+#: fewer requests waiting for a slot (the planner's dense models are sized by its cold-start budget instead).
+HPA_TARGETS = (0.5, 0.35, 0.25)
 
 
 def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
@@ -51,7 +55,9 @@ def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
 class FleetSetup:
     """The fleet a backtest runs on: nodes and their memory, sized from the catalog when not given."""
 
-    n_nodes: int = 0  # 0: enough nodes of ``node_gpu_gb`` for ``capacity_share`` of all footprints
+    # 0: enough nodes of ``node_gpu_gb`` for ``capacity_share`` of all footprints, plus the replicas beyond each
+    # model's first that its busiest steps need (`forecasting.fleet.capacity.throughput_gb`)
+    n_nodes: int = 0
     node_gpu_gb: float = 640.0
     node_host_gb: float = 1024.0
     capacity_share: float = 0.4
@@ -74,17 +80,21 @@ class FleetSetup:
             raise ValueError(f"sleep_gbps must be > 0, got {self.sleep_gbps}")
 
     def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
-        n = self.n_nodes or max(1, int(math.ceil(self.capacity_share * catalog.total_gb() / self.node_gpu_gb)))
+        gb = self.capacity_share * catalog.total_gb()
+        if counts is not None:  # the busy models' replicas beyond their first fit on top: tiers stay the question
+            gb += throughput_gb(catalog.mem_array, np.array([c.capacity_rps for c in catalog.cards]), counts,
+                                self.step_s, target=FleetEnv.hpa_target)
+        n = self.n_nodes or max(1, int(math.ceil(gb / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
                         node_host_gb=self.node_host_gb, counts=counts, sleep_share=self.sleep_share,
                         sleep_gbps=self.sleep_gbps)
 
 
 def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
-         progress: Callable[[str], None] | None) -> FleetScore:
+         progress: Callable[[str], None] | None, hpa_target: float | None = None) -> FleetScore:
     if progress is not None:
-        progress(f"{name} {'' if knob is None else knob}")
-    policy = make_fleet_policy(name, knob, **(setup.planner if name == "fleet" else {}))
+        progress(f"{name} {'' if knob is None else knob}{'' if hpa_target is None else f' hpa {hpa_target}'}")
+    policy = make_fleet_policy(name, knob, hpa_target=hpa_target, **(setup.planner if name == "fleet" else {}))
     score = simulate(trace, policy, env, score_after_s=min(setup.score_after_s, trace.duration_s / 2))
     return replace(score, knob=knob)
 
@@ -92,11 +102,18 @@ def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup:
 def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, setup: FleetSetup = FleetSetup(),
                        policies: Sequence[str] = FLEET_POLICIES, curve: bool = True,
                        progress: Callable[[str], None] | None = None,
-                       knobs: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+                       knobs: Mapping[str, Sequence[float]] | None = None,
+                       hpa_targets: Sequence[float] = HPA_TARGETS) -> dict[str, Any]:
     """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram.
 
     ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
-    hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`)."""
+    hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`); each
+    baseline's curve also has its default at each of ``hpa_targets``.
+
+    The planner is given the hybrid histogram's average warm memory as its budget, tightened
+    while it overshoots a little; a larger overshoot is what its dense models' replicas
+    need beyond the budget (the count planner sizes them on its cold-start budget, and the
+    fleet budget prices only warmth), and is reported as it is (``within_budget``)."""
     trace = resample(trace, setup.step_s)
     if setup.poisson and trace.kind == "client_rates":
         rng = np.random.default_rng(setup.seed)
@@ -114,8 +131,8 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     if "fleet" in policies:
         budget = hh.avg_warm_gb
         fleet = _run(trace, env, "fleet", budget, setup, progress)
-        for _ in range(4):  # the budget is an average the controller tracks: tighten if it overshot
-            if fleet.warm_gb_h <= hh.warm_gb_h:
+        for _ in range(4):  # the budget is an average the controller tracks: tighten if it overshot a little
+            if fleet.warm_gb_h <= hh.warm_gb_h or fleet.warm_gb_h > 1.05 * hh.warm_gb_h:
                 break
             budget *= 0.998 * hh.warm_gb_h / fleet.warm_gb_h
             fleet = _run(trace, env, "fleet", budget, setup, progress)
@@ -125,6 +142,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
             "hybrid_cold_share": hh.cold_share, "fleet_cold_share": fleet.cold_share,
             "cold_ratio": fleet.cold_share / hh.cold_share if hh.cold_share > 0 else float("nan"),
             "hybrid_warm_gb_h": hh.warm_gb_h, "fleet_warm_gb_h": fleet.warm_gb_h,
+            "within_budget": bool(fleet.warm_gb_h <= hh.warm_gb_h * 1.0001),
             "met": bool(fleet.warm_gb_h <= hh.warm_gb_h * 1.0001 and fleet.cold_share <= 0.5 * hh.cold_share),
         }
     curves: dict[str, list[dict[str, Any]]] = {}
@@ -140,6 +158,8 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
         for name, values in chosen.items():
             if name in policies:
                 curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
+                if name != "fleet":
+                    curves[name] += [_run(trace, env, name, None, setup, progress, h).row() for h in hpa_targets]
     return {
         "trace": trace.source, "kind": trace.kind, "models": trace.n_models, "steps": trace.n_steps,
         "step_s": trace.step_s, "requests": trace.total_requests,

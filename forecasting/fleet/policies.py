@@ -33,7 +33,8 @@ import numpy as np
 
 from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundState, fleet_round
+from forecasting.fleet.dense import DenseInputs
+from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class FleetEnv:
     # the agent's task start. 0 in the fleet backtests (every policy alike); `prewarm up --models` replays its
     # run with the delay it measured (`workers.up.fidelity.demand_delays`)
     actuation_s: float = 0.0
+    # a request that waited longer for a replica's slot is a cold-start hit (the gateway's and the single-model
+    # replay's threshold, `SimParams.wait_threshold_s`)
+    wait_threshold_s: float = 0.5
+    # the HPA that sizes every warm model a policy does not size itself (`forecasting.fleet.capacity.HpaCounts`):
+    # the utilisation it targets and its default scale-down window
+    hpa_target: float = 0.7
+    hpa_scale_down_s: float = 300.0
 
     def sleep_s(self, mem_gb: np.ndarray | float) -> np.ndarray | float:
         """Seconds to put a model of `mem_gb` to sleep (the copy to host memory)."""
@@ -70,6 +78,9 @@ class FleetPolicy(ABC):
     """A warmth policy over the whole fleet, stepped by the simulator."""
 
     name: str = "policy"
+    # the HPA target the replay sizes this policy's other warm models with (None: `FleetEnv.hpa_target`): a
+    # baseline's curve sweeps it, as its knob sweeps its warmth
+    hpa_target: float | None = None
 
     def reset(self, env: FleetEnv) -> None:
         self.env = env
@@ -84,8 +95,15 @@ class FleetPolicy(ABC):
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """(on GPU, asleep) masks wanted for step ``t``."""
 
-    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
-        """Step ``t`` happened: ``counts`` arrived; ``gpu`` was warm (incl. on-demand loads)."""
+    def replicas(self, t: int) -> dict[int, int]:
+        """The models (by index) whose replicas on GPU this policy sizes itself for step ``t``, and how many;
+        the replay gives every other warm model an HPA's count (`forecasting.fleet.capacity.HpaCounts`)."""
+        return {}
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
+                waited: np.ndarray | None = None) -> None:
+        """Step ``t`` happened: ``counts`` arrived; ``gpu`` was warm (incl. on-demand loads) with ``replicas``
+        on GPU each; ``waited`` of the requests waited for a load, a wake or a slot."""
         dt = self.env.step_s
         active = counts > 0
         first = t * dt + dt / (counts + 1.0)
@@ -156,7 +174,8 @@ class HybridHistogram(FleetPolicy):
         warm_after = (self.pre == 0) | (self.idle > 0)
         return (self.idle >= 0) & pre_ok & keep_ok & warm_after, self._none()
 
-    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
+                waited: np.ndarray | None = None) -> None:
         active = counts > 0
         # idle times between requests, in minutes, measured on the arrivals (not on step multiples)
         gap_min = np.floor((t * self.env.step_s + self.env.step_s / (counts + 1.0) - self.last_arrival) / 60.0)
@@ -208,7 +227,8 @@ class SleepTier(FleetPolicy):
         self.asleep = asleep
         return want, asleep.copy()
 
-    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
+                waited: np.ndarray | None = None) -> None:
         self.inner.observe(t, counts, gpu)
         self.gpu_prev = gpu.copy()
         self.asleep &= ~gpu
@@ -218,61 +238,77 @@ class SleepTier(FleetPolicy):
 class FleetPlanner(FleetPolicy):
     """The fleet round the live planner runs (`forecasting.fleet.round.fleet_round`: the online `ArrivalEstimator`
     carried in its state, the pure fleet planner, node placement, a fleet budget), fed the counts of the steps
-    replayed; ``budget_gb`` is the fleet's average warm GB. The replay runs one replica per model, so no model
-    is sized as dense (``max_dense=0``): the replicas beyond the first would hold memory the replay never charges."""
+    replayed; ``budget_gb`` is the fleet's average warm GB. Its dense models (`dense_models`, the live round's
+    settings) are sized by the count planner on the inputs the live loop builds from a gateway's counters, here
+    from the replayed steps (`DenseInputs`); every model it places runs as many replicas as it placed."""
 
     name = "fleet"
 
     def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, *,
                  profile_bin_s: float = RoundParams.profile_bin_s, season_s: float = RoundParams.season_s,
-                 **params: Any) -> None:
+                 dense_rps: float = RoundParams.dense_rps, max_dense: int = RoundParams.max_dense,
+                 dense_window_s: float = RoundParams.dense_window_s, **params: Any) -> None:
         self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
-        self.profile_bin_s, self.season_s = profile_bin_s, season_s
+        self.round_kw: dict[str, Any] = {"profile_bin_s": profile_bin_s, "season_s": season_s,
+                                         "dense_rps": dense_rps, "max_dense": max_dense,
+                                         "dense_window_s": dense_window_s}
 
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
         kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
         fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
-        self.round = RoundParams(bucket_s=env.step_s, max_dense=0, profile_bin_s=self.profile_bin_s,
-                                 season_s=self.season_s, fleet=fleet)
+        self.round = RoundParams(bucket_s=env.step_s, fleet=fleet, **self.round_kw)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
-        # what the round reads: the bucket since its last round (its estimator carries the rest; no model is dense)
-        self.rows: deque[np.ndarray] = deque(maxlen=1)
+        self.dense = DenseInputs(env, self.round)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
         self.asleep: dict[str, str] = {}
         self.busy: set[str] = set()
+        self.sized: dict[int, int] = {}
         self.names = env.catalog.names
+        self.index = {name: i for i, name in enumerate(self.names)}
         self.mem = {c.name: c.mem_gb for c in env.catalog.cards}
 
     def _nodes(self) -> tuple[FleetNode, ...]:
         resident: dict[str, dict[str, Tier]] = {n: {} for n in self.node_names}
+        replicas: dict[str, dict[str, int]] = {n: {} for n in self.node_names}
         for model, node in self.asleep.items():
             resident[node][model] = Tier.ASLEEP
         for model, nodes in self.placed.items():
             for node in nodes:
                 resident[node][model] = Tier.GPU
+                replicas[node][model] = replicas[node].get(model, 0) + 1
         return tuple(FleetNode(name=n, gpu_gb=self.env.node_gpu_gb, host_gb=self.env.node_host_gb,
-                               resident=resident[n],
+                               resident=resident[n], replicas=replicas[n],
                                in_flight={m: 1 for m in self.busy if n in self.placed.get(m, ())})
                      for n in self.node_names)
 
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        counts = np.array(self.rows) if self.rows else np.zeros((0, len(self.names)))
-        result, self.state = fleet_round(counts, self.env.catalog, self._nodes(), now=t * self.env.step_s,
-                                         params=self.round, state=self.state)
+        now = t * self.env.step_s
+        counts = self.dense.window()
+        dense = {name: self.dense.inputs(self.index[name], now) for name in dense_models(counts, self.env.catalog,
+                                                                                       self.round)}
+        result, self.state = fleet_round(counts, self.env.catalog, self._nodes(), now=now, params=self.round,
+                                         state=self.state, dense=dense)
+        self.dense.carry(result)
         plan = result.plan
         self.placed = dict(plan.gpu)
         self.asleep = dict(plan.asleep)
+        self.sized = {self.index[name]: len(nodes) for name, nodes in plan.gpu.items()}
         gpu = np.array([n in plan.gpu for n in self.names])
         asleep = np.array([n in plan.asleep for n in self.names])
         return gpu, asleep
 
-    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray) -> None:
-        self.rows.append(np.asarray(counts, dtype=np.float64).copy())
+    def replicas(self, t: int) -> dict[int, int]:
+        return self.sized
+
+    def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
+                waited: np.ndarray | None = None) -> None:
+        self.dense.observe(counts, replicas, waited)
         self.busy = {self.names[i] for i in np.flatnonzero(counts > 0)}
-        on = {self.names[i] for i in np.flatnonzero(gpu)}  # what the replay evicted for capacity is gone
-        self.placed = {m: nodes for m, nodes in self.placed.items() if m in on}
+        on = np.asarray(replicas if replicas is not None else gpu, dtype=np.int64)
+        # what the replay evicted or trimmed for capacity is gone
+        self.placed = {m: nodes[:on[self.index[m]]] for m, nodes in self.placed.items() if on[self.index[m]] > 0}
         used = {n: 0.0 for n in self.node_names}
         for model, nodes in self.placed.items():
             for node in nodes:
@@ -311,8 +347,19 @@ class Oracle(FleetPolicy):
         return self.want[t].copy(), self._none()
 
 
-def make_fleet_policy(name: str, knob: float | None = None, **kw: Any) -> FleetPolicy:
-    """A policy by name; ``knob`` is its trade-off setting (keep-alive s, tail percentile, budget GB)."""
+def make_fleet_policy(name: str, knob: float | None = None, *, hpa_target: float | None = None,
+                      **kw: Any) -> FleetPolicy:
+    """A policy by name; ``knob`` is its trade-off setting (keep-alive s, tail percentile, budget GB);
+    ``hpa_target`` the utilisation of the HPA that sizes the warm models it does not size itself."""
+    policy = _policy(name, knob, **kw)
+    if hpa_target is not None:
+        if not 0 < hpa_target <= 1:
+            raise ValueError(f"hpa_target must be within (0, 1], got {hpa_target}")
+        policy.hpa_target = hpa_target
+    return policy
+
+
+def _policy(name: str, knob: float | None, **kw: Any) -> FleetPolicy:
     if name == "keepalive":
         return KeepAlive(keep_s=knob if knob is not None else 600.0)
     if name == "reactive":

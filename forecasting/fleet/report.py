@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 _COLUMNS = (("policy", "policy", "{}"), ("cold %", "cold_share", "{:.4%}"), ("full-load %", "full_load_share", "{:.4%}"),
+            ("slot waits", "capacity_waited", "{:,.0f}"),
             ("TTFT p99 s", "ttft_p99_s", "{:.2f}"), ("TTFT p99.9 s", "ttft_p999_s", "{:.2f}"),
             ("warm GB·h", "warm_gb_h", "{:,.0f}"), ("wasted GB·h", "wasted_gb_h", "{:,.0f}"),
             ("avg warm GB", "avg_warm_gb", "{:,.0f}"), ("loads", "loads", "{:,}"), ("wakes", "wakes", "{:,}"),

@@ -78,7 +78,9 @@ class RoundResult:
 
 def round_settings(planner: PlannerSettings) -> dict[str, Any]:
     """The round's settings from the `planner` settings group: what the live round reads, for a replay to run with."""
-    return {"profile_bin_s": float(planner.profile_bin_s), "season_s": float(planner.season_s)}
+    return {"profile_bin_s": float(planner.profile_bin_s), "season_s": float(planner.season_s),
+            "dense_rps": float(planner.fleet_dense_rps), "max_dense": int(planner.fleet_max_dense),
+            "dense_window_s": float(planner.fleet_dense_window_s)}
 
 
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:

@@ -20,8 +20,14 @@ One step at a time (the trace's step, e.g. a minute), for all models at once:
    (`FleetEnv.sleep_s`), during which it still holds its GPU memory (charged), and a wake
    takes the catalog's time to ready from `asleep`.
 
-One replica per model: the fleet question is whether a model is warm at all; how many
-replicas a dense model needs for its throughput is the single-model planner's question.
+6. a pool, not one replica per model: a warm model runs as many replicas as its sizer gives it
+   (the policy's own count for the models it sizes, `FleetPolicy.replicas`: the fleet planner's
+   dense models; else an HPA on the rate it saw, `forecasting.fleet.capacity.HpaCounts`), each
+   charged its memory; a replica beyond the first loads from the page cache (the node-local
+   snapshot), and every replica serves `ModelCard.capacity_rps`. Requests that wait longer than
+   `FleetEnv.wait_threshold_s` for a ready replica's slot (a per-step fluid queue,
+   `capacity_waits`) are cold too: a request waits for a load whether its model had no replica
+   or too few.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from forecasting.fleet.capacity import HpaCounts, capacity_waits
 from forecasting.fleet.catalog import Tier
 from forecasting.fleet.policies import FleetEnv, FleetPolicy
 from forecasting.fleet.traces import FleetTrace
@@ -53,6 +60,7 @@ class FleetScore:
 
     policy: str
     knob: float | None
+    hpa_target: float  # the utilisation the HPA sizing the models the policy does not size itself targets
     requests: float
     cold_requests: float
     cold_share: float
@@ -67,6 +75,7 @@ class FleetScore:
     loads: int
     wakes: int
     sleeps: int = 0
+    capacity_waited: float = 0.0  # requests (in cold_requests) that waited for a replica's slot, not for a load
     cold_by_model: tuple[float, ...] = ()
     warm_gb_h_by_model: tuple[float, ...] = ()
 
@@ -90,6 +99,13 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     mem = np.array([c.mem_gb for c in cards])
     ready = np.array([[c.time_to_ready(t) for t in _TIERS] for c in cards])  # [m, 3]
     warm_ttft = np.array([c.ttft_warm_s for c in cards])
+    cap_rps = np.array([c.capacity_rps for c in cards])
+    hpa_target = policy.hpa_target if policy.hpa_target is not None else env.hpa_target
+    hpa = HpaCounts(cap_rps, dt, target=hpa_target, scale_down_s=env.hpa_scale_down_s)
+    # a replica beyond a model's first loads from the node's snapshot (page cache): its share of the step ready
+    extra_ready = 1.0 - np.clip(env.actuation_s + ready[:, 1], 0.0, dt) / dt
+    n_prev = np.zeros(m, dtype=np.int64)  # replicas on GPU during the last step
+    backlog = np.zeros(m)  # requests still waiting for a slot at the end of the last step
     host_total = env.n_nodes * env.node_host_gb
     cap = env.gpu_capacity_gb
     gpu = np.zeros(m, dtype=bool)
@@ -100,7 +116,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     off_tier = np.full(m, 2, dtype=np.int64)  # index into _TIERS for models off GPU
     was_tier = np.full(m, 2, dtype=np.int64)  # ... as it was during the last step
     first_scored = int(np.ceil(score_after_s / dt - 1e-9))
-    req = cold = full = gb_s = waste_s = 0.0
+    req = cold = full = gb_s = waste_s = cap_waited = 0.0
     peak = 0.0
     loads = wakes = sleeps = 0
     warm_w = np.zeros(m)
@@ -141,14 +157,25 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         ready_at[demand] = start + first[demand] + env.actuation_s + ready[demand, off_tier[demand]]
         from_tier = np.where(newly | demand, off_tier, -1)
         gpu = want | busy
-        # the fleet's GPU capacity: evict least recently used models without requests this step
-        used = float(mem[gpu].sum())
+        n = np.where(gpu, hpa.desired(), 0)
+        for i, k in policy.replicas(t).items():
+            if gpu[i]:
+                n[i] = max(1, int(k))
+        # the fleet's GPU capacity: evict least recently used models without requests this step, then the
+        # replicas beyond the first (those starting now, then the models holding the most)
+        used = float((mem * n).sum())
         if used > cap:
             cand = np.flatnonzero(gpu & ~busy)
             for i in cand[np.argsort(last_used[cand], kind="stable")]:
                 if used <= cap:
                     break
                 gpu[i] = False
+                used -= mem[i] * n[i]
+                n[i] = 0
+            while used > cap and (n > 1).any():  # the replicas starting now stay pending first (unschedulable pods)
+                grow = np.where(n > np.maximum(n_prev, 1), n, 0)
+                i = int(np.argmax(grow if grow.any() else n))
+                n[i] -= 1
                 used -= mem[i]
         last_used[busy] = start
         slept = asleep & ~gpu
@@ -156,21 +183,32 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         late = np.clip(ready_at - start, 0.0, dt)
         coldf = np.where(busy, np.minimum(1.0, late / dt), 0.0)
         cold_req = np.where(coldf > 0, np.minimum(c, np.maximum(1.0, c * coldf)), 0.0)
-        policy.observe(t, c, gpu)
+        # replicas beyond the first: kept from the last step (ready) and started now (from the page cache)
+        kept = np.maximum(0, np.minimum(n, n_prev) - 1)
+        started = np.where(gpu, np.maximum(0, n - np.maximum(n_prev, 1)), 0)
+        serving = np.where(gpu, 1.0 - late / dt + kept + started * extra_ready, 0.0)
+        over, over_wait, backlog = capacity_waits(backlog, c / dt, cap_rps * serving, dt, env.wait_threshold_s)
+        backlog = np.where(gpu, backlog, 0.0)
+        cold_all = np.where(busy, np.minimum(c, np.maximum(cold_req, over)), 0.0)
+        slot_only = cold_all - cold_req  # waited for a slot, not (only) for this step's load or wake
+        hpa.observe(c)
+        policy.observe(t, c, gpu, replicas=n, waited=cold_all)
+        n_prev = n
         if t < first_scored:
             continue
         req += float(c.sum())
-        cold += float(cold_req.sum())
+        cold += float(cold_all.sum())
+        cap_waited += float(slot_only.sum())
         full += float(cold_req[from_tier >= 1].sum())
-        loads += int(((from_tier >= 1) & gpu).sum())
+        loads += int(((from_tier >= 1) & gpu).sum()) + int(started.sum())
         wakes += int((from_tier == 0).sum())
         gb_s += used * dt + float((mem * sleep_s)[to_sleep].sum())
         sleeps += int(to_sleep.sum())
         peak = max(peak, used)
-        waste_s += float(mem[gpu & ~busy].sum()) * dt
-        warm_w += c - cold_req
-        cold_m += cold_req
-        gb_s_m += np.where(gpu, mem, 0.0) * dt
+        waste_s += float((mem * n)[gpu & ~busy].sum()) * dt
+        warm_w += c - cold_all
+        cold_m += cold_all
+        gb_s_m += mem * n * dt
         hit = np.flatnonzero(cold_req > 0)
         if hit.size:
             span = np.where(demand[hit], ready_at[hit] - start - first[hit], late[hit])
@@ -178,16 +216,20 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
             half = cold_req[hit] / 2.0
             waits.append(np.concatenate([0.25 * span, 0.75 * span]) + np.tile(warm_ttft[hit], 2))
             weights.append(np.concatenate([half, half]))
+        slot = np.flatnonzero(slot_only > 0)
+        if slot.size:
+            waits.append(over_wait[slot] + warm_ttft[slot])
+            weights.append(slot_only[slot])
         if progress is not None and t % 500 == 0:
             progress(t, trace.n_steps)
     w_all = np.concatenate([warm_w] + weights) if weights else warm_w
     v_all = np.concatenate([warm_ttft] + waits) if waits else warm_ttft
     span_s = max(dt, (trace.n_steps - first_scored) * dt)
     return FleetScore(
-        policy=policy.name, knob=None, requests=req, cold_requests=cold,
+        policy=policy.name, knob=None, hpa_target=hpa_target, requests=req, cold_requests=cold,
         cold_share=cold / req if req else 0.0, full_load_share=full / req if req else 0.0,
         ttft_p50_s=weighted_quantile(v_all, w_all, 0.5), ttft_p99_s=weighted_quantile(v_all, w_all, 0.99),
         ttft_p999_s=weighted_quantile(v_all, w_all, 0.999),
         warm_gb_h=gb_s / 3600.0, wasted_gb_h=waste_s / 3600.0, avg_warm_gb=gb_s / span_s, peak_warm_gb=peak,
-        loads=loads, wakes=wakes, sleeps=sleeps, cold_by_model=tuple(cold_m.tolist()),
+        loads=loads, wakes=wakes, sleeps=sleeps, capacity_waited=cap_waited, cold_by_model=tuple(cold_m.tolist()),
         warm_gb_h_by_model=tuple((gb_s_m / 3600.0).tolist()))

@@ -192,8 +192,7 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
     nodes = _nodes(ctx, catalog, busy)
     fleet = FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb)
-    params = RoundParams(bucket_s=bucket, fleet=fleet, dense_rps=p.fleet_dense_rps, max_dense=p.fleet_max_dense,
-                         dense_window_s=p.fleet_dense_window_s, **round_settings(p))  # the estimator's settings: what the replays run with too
+    params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
     for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone

@@ -1,0 +1,100 @@
+"""The count planner's inputs for a pool's dense models in the replay, built as the live loop builds them.
+
+Live, `workers.planning.forecast.inputs` reads a model's fine counters from the gateway
+(requests, peak and busy slots in flight, requests that waited), its live replicas and its
+measured cold start. The pool replay (`forecasting.fleet.simulate`) has, per step and per
+model, the requests that arrived, the replicas on GPU and the requests that waited for a
+load, a wake or a slot; `DenseInputs` keeps those and builds the same `StepInputs` from them,
+one fine bucket per replay step (a step's requests in flight are its rate times a request's
+service time, `ModelSpec.slots / capacity_rps`: the replay has no finer counters), with the
+page cache's time to ready as the cold start (a replica beyond a model's first loads from
+the node's snapshot). Each model's `PlannerState` and warm pool are carried between rounds,
+as the live loop keeps them per model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from forecasting.fleet.catalog import Tier
+from forecasting.planner import (
+    PlannerParams,
+    PlannerState,
+    ReplicaCounts,
+    StepInputs,
+    lead_of,
+    observed_from_counts,
+    recent_span_s,
+    refit_due,
+)
+from prewarm.core.domain import ModelSpec
+
+if TYPE_CHECKING:
+    from forecasting.fleet.policies import FleetEnv
+    from forecasting.fleet.round import RoundParams, RoundResult
+
+
+class DenseInputs:
+    """What the replay has seen per model, and the count planner's state per dense model."""
+
+    def __init__(self, env: "FleetEnv", params: "RoundParams") -> None:
+        dt = env.step_s
+        self.step_s = dt
+        self.params = PlannerParams(bucket_s=dt, fine_bucket_s=dt, interval_s=dt,
+                                    profile_bin_s=params.profile_bin_s, season_s=params.season_s)
+        self.window_steps = max(1, int(math.ceil(params.dense_window_s / dt)))
+        self.cards = env.catalog.cards
+        m = len(self.cards)
+        self.requests = np.zeros((1024, m))
+        self.waited = np.zeros((1024, m))
+        self.n = 0
+        self.live = np.zeros(m, dtype=np.int64)
+        self.states: dict[str, PlannerState] = {}
+        self.pools: dict[str, int] = {}
+        self.specs: dict[str, ModelSpec] = {}
+
+    def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None) -> None:
+        """A replayed step: requests per model, replicas on GPU, requests that waited."""
+        if self.n == self.requests.shape[0]:
+            self.requests = np.concatenate([self.requests, np.zeros_like(self.requests)])
+            self.waited = np.concatenate([self.waited, np.zeros_like(self.waited)])
+        self.requests[self.n] = counts
+        if waited is not None:
+            self.waited[self.n] = waited
+        if replicas is not None:
+            self.live = np.asarray(replicas, dtype=np.int64).copy()
+        self.n += 1
+
+    def window(self) -> np.ndarray:
+        """The steps the dense models are chosen over (`dense_models`), oldest first."""
+        return self.requests[max(0, self.n - self.window_steps):self.n]
+
+    def inputs(self, i: int, now: float) -> tuple[StepInputs, PlannerState]:
+        """Model ``i``'s step inputs at ``now`` (the replay's seconds) from the steps before it, and its state."""
+        card, p, dt = self.cards[i], self.params, self.step_s
+        spec = self.specs.get(card.name)
+        if spec is None:
+            spec = self.specs[card.name] = ModelSpec(card.name, "replay", capacity_rps=card.capacity_rps)
+        state = self.states.get(card.name, PlannerState())
+        cold = card.time_to_ready(Tier.CACHED)
+        lo = max(0, self.n - int(math.ceil(recent_span_s(state, p, lead_of(p, cold)) / dt)))
+        req = self.requests[lo:self.n, i]
+        service_s = spec.slots / spec.capacity_rps
+        observed = observed_from_counts(lo * dt, dt, req, req / dt * service_s, req * service_s,
+                                        self.waited[lo:self.n, i])
+        history = None
+        if refit_due(state, now, p):
+            lc = max(0, self.n - int(p.history_s // dt))
+            history = (lc * dt, dt, self.requests[lc:self.n, i] / dt)
+        live = int(self.live[i])
+        warm = min(self.pools.get(card.name, 0), live)
+        counts = ReplicaCounts(ready=live - warm, loading=0, warm=warm)
+        return StepInputs(spec, now, observed, counts, p, cold, history), state
+
+    def carry(self, result: "RoundResult") -> None:
+        """Keep each dense model's next state and warm pool (the decision's)."""
+        self.states.update(result.states)
+        self.pools.update({name: d.pool_target for name, d in result.decisions.items()})
