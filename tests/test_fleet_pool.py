@@ -130,3 +130,25 @@ def test_a_baselines_hpa_target_buys_fewer_slot_waits_for_more_memory() -> None:
     assert roomy.capacity_waited < default.capacity_waited
     with pytest.raises(ValueError, match="hpa_target"):
         make_fleet_policy("reactive", hpa_target=0.0)
+
+
+def test_the_planners_cold_start_budget_sizes_its_dense_models_and_its_row_says_which() -> None:
+    from forecasting.fleet.backtest import FleetSetup, run_fleet_backtest
+
+    rng = np.random.default_rng(7)
+    minutes = np.arange(3 * 1440)
+    rates = 20.0 + 8.0 * np.sin(minutes * 2 * np.pi / 1440) + rng.normal(0.0, 2.0, minutes.size)
+    rates[(minutes % 1440 > 600) & (minutes % 1440 < 611)] += 25.0  # a daily burst off any grid
+    trace, env = _one_busy_model(np.maximum(rates, 0.0))
+    tight = simulate(trace, FleetPlanner(cold_start_budget=0.001), env)
+    loose = simulate(trace, FleetPlanner(cold_start_budget=0.05), env)
+    assert loose.warm_gb_h < tight.warm_gb_h and loose.cold_requests > tight.cold_requests
+
+    out = run_fleet_backtest(trace, catalog=env.catalog, setup=FleetSetup(n_nodes=2, score_after_s=86_400.0),
+                             policies=("keepalive_sleep", "fleet"),
+                             knobs={"keepalive_sleep": (60.0,), "fleet": ()}, hpa_targets=(0.5,),
+                             cold_start_budgets=(0.01,))
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert rows["fleet"]["cold_start_budget"] == 0.001 and rows["keepalive_sleep"]["cold_start_budget"] is None
+    assert [p["cold_start_budget"] for p in out["curves"]["fleet"]] == [0.01]
+    assert [p["hpa_target"] for p in out["curves"]["keepalive_sleep"]] == [0.7, 0.5]

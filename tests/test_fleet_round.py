@@ -10,11 +10,20 @@ given as it was, and be rebuilt where it cannot be carried on.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from forecasting.fleet.catalog import Catalog, ModelCard
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundState, dense_models, estimator_from_history, fleet_round
+from forecasting.fleet.round import (
+    RoundParams,
+    RoundState,
+    burst_replicas,
+    dense_models,
+    estimator_from_history,
+    fleet_round,
+)
 from forecasting.planner import PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from prewarm.core.domain import ModelSpec
 
@@ -172,3 +181,19 @@ def test_a_dense_models_replicas_share_nodes_and_only_the_surplus_leaves() -> No
     assert sorted(kept) == ["a", "a", "a", "b", "b"] and actions == [("load", "b"), ("load", "b")]
     kept, actions = plan(3)
     assert kept == ("a", "a", "a") and actions == []
+
+
+def test_a_burst_of_a_model_not_dense_gets_the_replicas_an_hpa_would_give_it() -> None:
+    counts, catalog, nodes, _ = _fleet()
+    params = RoundParams(bucket_s=STEP, fleet=FleetParams(step_s=STEP))
+    burst = counts.copy()
+    burst[-2:, 0] = 30.0 * STEP  # a timer model's batch: 30 requests a second for two minutes, quiet before
+    assert "m0" not in dense_models(burst[:-2], catalog, params)
+    assert burst_replicas(burst, catalog, params) == {"m0": math.ceil(30.0 / (10.0 * 0.7))}
+    big = (FleetNode("a", gpu_gb=200.0, host_gb=120.0), FleetNode("b", gpu_gb=200.0, host_gb=120.0))
+    result, _ = fleet_round(burst, catalog, big, now=burst.shape[0] * STEP, params=params, state=RoundState())
+    assert len(result.plan.gpu["m0"]) == 5
+    # the count holds over the hold window, then falls back to the tier's one replica
+    later = np.concatenate([burst, np.zeros((6, burst.shape[1]))])
+    assert burst_replicas(later[:-2], catalog, params) == {"m0": 5}
+    assert burst_replicas(later, catalog, params) == {}

@@ -33,6 +33,9 @@ FLEET_BUDGET_SHARE = (0.25, 0.5, 0.75, 1.0, 1.5)
 #: The HPA targets each baseline's curve also sweeps, at its default knob: more replicas of its busy models for
 #: fewer requests waiting for a slot (the planner's dense models are sized by its cold-start budget instead).
 HPA_TARGETS = (0.5, 0.35, 0.25)
+#: The cold-start budgets the planner's curve also sweeps, at its default fleet budget: what its dense models are sized
+#: on (the baselines' HPA target, the planner's budget: each side's own count knob).
+COLD_START_BUDGETS = (0.003, 0.01)
 
 
 def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
@@ -82,8 +85,8 @@ class FleetSetup:
     def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
         gb = self.capacity_share * catalog.total_gb()
         if counts is not None:  # the busy models' replicas beyond their first fit on top: tiers stay the question
-            gb += throughput_gb(catalog.mem_array, np.array([c.capacity_rps for c in catalog.cards]), counts,
-                                self.step_s, target=FleetEnv.hpa_target)
+            gb += throughput_gb(catalog.mem_array, catalog.capacity_array, counts, self.step_s,
+                                target=FleetEnv.hpa_target)
         n = self.n_nodes or max(1, int(math.ceil(gb / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
                         node_host_gb=self.node_host_gb, counts=counts, sleep_share=self.sleep_share,
@@ -91,24 +94,31 @@ class FleetSetup:
 
 
 def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
-         progress: Callable[[str], None] | None, hpa_target: float | None = None) -> FleetScore:
+         progress: Callable[[str], None] | None, hpa_target: float | None = None,
+         cold_start_budget: float | None = None) -> FleetScore:
     if progress is not None:
-        progress(f"{name} {'' if knob is None else knob}{'' if hpa_target is None else f' hpa {hpa_target}'}")
-    policy = make_fleet_policy(name, knob, hpa_target=hpa_target, **(setup.planner if name == "fleet" else {}))
+        progress(f"{name} {'' if knob is None else knob}{'' if hpa_target is None else f' hpa {hpa_target}'}"
+                 f"{'' if cold_start_budget is None else f' cold-start budget {cold_start_budget}'}")
+    kw = dict(setup.planner) if name == "fleet" else {}
+    if cold_start_budget is not None:
+        kw["cold_start_budget"] = cold_start_budget
+    policy = make_fleet_policy(name, knob, hpa_target=hpa_target, **kw)
     score = simulate(trace, policy, env, score_after_s=min(setup.score_after_s, trace.duration_s / 2))
-    return replace(score, knob=knob)
+    return replace(score, knob=knob, cold_start_budget=policy.cold_start_budget)
 
 
 def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, setup: FleetSetup = FleetSetup(),
                        policies: Sequence[str] = FLEET_POLICIES, curve: bool = True,
                        progress: Callable[[str], None] | None = None,
                        knobs: Mapping[str, Sequence[float]] | None = None,
-                       hpa_targets: Sequence[float] = HPA_TARGETS) -> dict[str, Any]:
+                       hpa_targets: Sequence[float] = HPA_TARGETS,
+                       cold_start_budgets: Sequence[float] = COLD_START_BUDGETS) -> dict[str, Any]:
     """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram.
 
     ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
     hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`); each
-    baseline's curve also has its default at each of ``hpa_targets``.
+    baseline's curve also has its default at each of ``hpa_targets``, the planner's at each of
+    ``cold_start_budgets`` (at its default fleet budget).
 
     The planner is given the hybrid histogram's average warm memory as its budget, tightened
     while it overshoots a little; a larger overshoot is what its dense models' replicas
@@ -160,6 +170,9 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
                 curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
                 if name != "fleet":
                     curves[name] += [_run(trace, env, name, None, setup, progress, h).row() for h in hpa_targets]
+                else:
+                    curves[name] += [_run(trace, env, name, target["budget_gb"], setup, progress,
+                                          cold_start_budget=b).row() for b in cold_start_budgets]
     return {
         "trace": trace.source, "kind": trace.kind, "models": trace.n_models, "steps": trace.n_steps,
         "step_s": trace.step_s, "requests": trace.total_requests,

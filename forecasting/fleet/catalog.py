@@ -111,6 +111,10 @@ class Catalog:
         return np.array([c.mem_gb for c in self.cards], dtype=np.float64)
 
     @cached_property
+    def capacity_array(self) -> np.ndarray:
+        return np.array([c.capacity_rps for c in self.cards], dtype=np.float64)
+
+    @cached_property
     def priority_array(self) -> np.ndarray:
         return np.array([c.priority for c in self.cards], dtype=np.float64)
 

@@ -40,10 +40,10 @@ if TYPE_CHECKING:
 class DenseInputs:
     """What the replay has seen per model, and the count planner's state per dense model."""
 
-    def __init__(self, env: "FleetEnv", params: "RoundParams") -> None:
+    def __init__(self, env: "FleetEnv", params: "RoundParams", *, cold_start_budget: float) -> None:
         dt = env.step_s
         self.step_s = dt
-        self.params = PlannerParams(bucket_s=dt, fine_bucket_s=dt, interval_s=dt,
+        self.params = PlannerParams(bucket_s=dt, fine_bucket_s=dt, interval_s=dt, cold_start_budget=cold_start_budget,
                                     profile_bin_s=params.profile_bin_s, season_s=params.season_s)
         self.window_steps = max(1, int(math.ceil(params.dense_window_s / dt)))
         self.cards = env.catalog.cards

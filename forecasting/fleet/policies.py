@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,9 @@ import numpy as np
 from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
-from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round
+from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, round_settings
+from forecasting.planner import PlannerParams
+from prewarm.core.planner_settings import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class FleetPolicy(ABC):
     # the HPA target the replay sizes this policy's other warm models with (None: `FleetEnv.hpa_target`): a
     # baseline's curve sweeps it, as its knob sweeps its warmth
     hpa_target: float | None = None
+    cold_start_budget: float | None = None  # the share of requests the policy sizes its own models on (None: none)
 
     def reset(self, env: FleetEnv) -> None:
         self.env = env
@@ -245,13 +248,15 @@ class FleetPlanner(FleetPolicy):
     name = "fleet"
 
     def __init__(self, budget_gb: float | None = None, lam0: float = 1e-3, *,
-                 profile_bin_s: float = RoundParams.profile_bin_s, season_s: float = RoundParams.season_s,
-                 dense_rps: float = RoundParams.dense_rps, max_dense: int = RoundParams.max_dense,
-                 dense_window_s: float = RoundParams.dense_window_s, **params: Any) -> None:
-        self.budget_gb, self.lam0, self.params_kw = budget_gb, lam0, params
-        self.round_kw: dict[str, Any] = {"profile_bin_s": profile_bin_s, "season_s": season_s,
-                                         "dense_rps": dense_rps, "max_dense": max_dense,
-                                         "dense_window_s": dense_window_s}
+                 cold_start_budget: float = PlannerParams.cold_start_budget, **params: Any) -> None:
+        """``params``: the round's settings (`RoundParams` fields: `round_settings` gives the live round's) and the
+        fleet planner's (`FleetParams` fields)."""
+        self.budget_gb, self.lam0 = budget_gb, lam0
+        own = {f.name for f in fields(RoundParams)} - {"bucket_s", "fleet"}
+        self.round_kw = {k: v for k, v in params.items() if k in own}
+        self.params_kw = {k: v for k, v in params.items() if k not in own}
+        self.cold_start_budget: float | None = cold_start_budget
+        self.dense_budget = cold_start_budget
 
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
@@ -259,7 +264,7 @@ class FleetPlanner(FleetPolicy):
         fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
         self.round = RoundParams(bucket_s=env.step_s, fleet=fleet, **self.round_kw)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
-        self.dense = DenseInputs(env, self.round)
+        self.dense = DenseInputs(env, self.round, cold_start_budget=self.dense_budget)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
         self.asleep: dict[str, str] = {}
@@ -345,6 +350,12 @@ class Oracle(FleetPolicy):
 
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         return self.want[t].copy(), self._none()
+
+
+def fleet_policy_settings(planner: PlannerSettings) -> dict[str, Any]:
+    """The `fleet` policy's settings from the `planner` settings group: the live round's (`round_settings`) and
+    the cold-start budget its dense models are sized on."""
+    return round_settings(planner) | {"cold_start_budget": float(planner.cold_start_budget)}
 
 
 def make_fleet_policy(name: str, knob: float | None = None, *, hpa_target: float | None = None,

@@ -49,6 +49,10 @@ class RoundParams:
     dense_rps: float = 1.0  # a model above this many requests/s over `dense_window_s` is sized by the count planner
     max_dense: int = 32  # ... the busiest this many at most
     dense_window_s: float = 3_600.0  # (`planner.fleet_dense_rps`, `planner.fleet_max_dense`, `planner.fleet_dense_window_s`)
+    # the other models' count: their rate over the last `burst_hold_s` at `burst_target` of a replica's capacity, as
+    # an HPA sizes (`planner.fleet_burst_target`, `planner.fleet_burst_hold_s`)
+    burst_target: float = 0.7
+    burst_hold_s: float = 300.0
     profile_bin_s: float = 1_800.0  # the estimator's time-of-day slot: the learned profile's (`planner.profile_bin_s`)
     season_s: float = 86_400.0  # ... and the period its slots repeat over (`planner.season_s`)
     fleet: FleetParams = field(default_factory=FleetParams)
@@ -70,7 +74,7 @@ class RoundState:
 class RoundResult:
     plan: FleetPlan
     dense: tuple[str, ...]
-    replicas: Mapping[str, int]  # dense models: the replicas the count planner asks for
+    replicas: Mapping[str, int]  # dense models: the replicas the count planner asks for; bursting others: `burst_replicas`
     rate: np.ndarray
     decisions: Mapping[str, Decision] = field(default_factory=dict)  # dense models: the count planner's decision
     states: Mapping[str, PlannerState] = field(default_factory=dict)  # ... and its next state
@@ -80,7 +84,8 @@ def round_settings(planner: PlannerSettings) -> dict[str, Any]:
     """The round's settings from the `planner` settings group: what the live round reads, for a replay to run with."""
     return {"profile_bin_s": float(planner.profile_bin_s), "season_s": float(planner.season_s),
             "dense_rps": float(planner.fleet_dense_rps), "max_dense": int(planner.fleet_max_dense),
-            "dense_window_s": float(planner.fleet_dense_window_s)}
+            "dense_window_s": float(planner.fleet_dense_window_s), "burst_target": float(planner.fleet_burst_target),
+            "burst_hold_s": float(planner.fleet_burst_hold_s)}
 
 
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
@@ -96,6 +101,18 @@ def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> t
     recent = window.sum(axis=0) / ((window.shape[0] - first) * params.bucket_s)
     busy = np.argsort(-recent, kind="stable")[:params.max_dense]
     return tuple(catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps)
+
+
+def burst_replicas(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> dict[str, int]:
+    """The models whose rate over the last ``burst_hold_s`` of ``counts`` needs more than one replica at
+    ``burst_target`` of a replica's capacity, and how many: a burst of a model the count planner does not size
+    (not dense yet: its hour was quiet) is served by as many replicas as an HPA would give it, not by one."""
+    if not counts.size:
+        return {}
+    recent = counts[-max(1, int(math.ceil(params.burst_hold_s / params.bucket_s))):]
+    rate = recent.max(axis=0) / params.bucket_s
+    need = np.ceil(rate / (catalog.capacity_array * params.burst_target) - 1e-9)
+    return {catalog.cards[int(i)].name: int(need[i]) for i in np.flatnonzero(need > 1)}
 
 
 def estimator_from_history(counts: np.ndarray, params: RoundParams) -> ArrivalEstimator:
@@ -138,7 +155,8 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     out = est.outlook()
     decisions: dict[str, Decision] = {}
     states: dict[str, PlannerState] = {}
-    replicas: dict[str, int] = {}
+    replicas: dict[str, int] = {name: n for name, n in burst_replicas(counts, catalog, params).items()
+                                if name not in (dense or {})}
     for name, (inp, planner_state) in (dense or {}).items():
         decisions[name], states[name] = step(inp, planner_state)
         replicas[name] = max(1, decisions[name].cluster_target)

@@ -76,6 +76,7 @@ class FleetScore:
     wakes: int
     sleeps: int = 0
     capacity_waited: float = 0.0  # requests (in cold_requests) that waited for a replica's slot, not for a load
+    cold_start_budget: float | None = None  # the planner's: the share its dense models are sized on (None: a baseline)
     cold_by_model: tuple[float, ...] = ()
     warm_gb_h_by_model: tuple[float, ...] = ()
 
@@ -99,7 +100,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     mem = np.array([c.mem_gb for c in cards])
     ready = np.array([[c.time_to_ready(t) for t in _TIERS] for c in cards])  # [m, 3]
     warm_ttft = np.array([c.ttft_warm_s for c in cards])
-    cap_rps = np.array([c.capacity_rps for c in cards])
+    cap_rps = env.catalog.capacity_array
     hpa_target = policy.hpa_target if policy.hpa_target is not None else env.hpa_target
     hpa = HpaCounts(cap_rps, dt, target=hpa_target, scale_down_s=env.hpa_scale_down_s)
     # a replica beyond a model's first loads from the node's snapshot (page cache): its share of the step ready

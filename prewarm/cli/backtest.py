@@ -119,9 +119,8 @@ def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
     import json
 
     from forecasting.fleet.backtest import FleetSetup, run_fleet_backtest
-    from forecasting.fleet.round import round_settings
     from forecasting.fleet.catalog import load_catalog
-    from forecasting.fleet.policies import FLEET_POLICIES
+    from forecasting.fleet.policies import FLEET_POLICIES, fleet_policy_settings
     from forecasting.fleet.report import plot_curves, print_fleet
     from forecasting.fleet.traces import load_fleet
     from forecasting.data.traces import HistoryError
@@ -136,7 +135,7 @@ def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
                            capacity_share=args.capacity_share, step_s=args.step,
                            score_after_s=args.score_after or 86_400.0, poisson=not args.even_counts,
                            seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps,
-                           planner=round_settings(settings.planner))
+                           planner=fleet_policy_settings(settings.planner))
         policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
         out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
                                  progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))

@@ -131,3 +131,6 @@ class PlannerSettings(_Group):
     fleet_dense_rps: float = Field(1.0, ge=0)
     fleet_max_dense: int = Field(32, ge=0)
     fleet_dense_window_s: float = Field(3600.0, gt=0)
+    # the other models: a burst over one replica's capacity gets the replicas an HPA would give it (reasons in operating.md)
+    fleet_burst_target: float = Field(0.7, gt=0, le=1)
+    fleet_burst_hold_s: float = Field(300.0, ge=0)

@@ -28,8 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_ready_s
-from forecasting.fleet.policies import FleetEnv, make_fleet_policy
-from forecasting.fleet.round import round_settings
+from forecasting.fleet.policies import FleetEnv, fleet_policy_settings, make_fleet_policy
 from forecasting.fleet.simulate import FleetScore, simulate
 from forecasting.fleet.traces import FleetTrace
 from prewarm.core import keys
@@ -289,7 +288,7 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
     knobs: dict[str, float | None] = {"keepalive": 600.0, "hybrid_histogram": None, "fleet": run.budget_gb,
                                       "oracle": None}
     after = run.opts.duration_s / 3 if score_after_s is None else score_after_s
-    return [simulate(trace, make_fleet_policy(name, knobs[name], **(round_settings(run.settings.planner)
+    return [simulate(trace, make_fleet_policy(name, knobs[name], **(fleet_policy_settings(run.settings.planner)
                                                                     if name == "fleet" else {})),
                      env, score_after_s=after) for name in policies]
 
