@@ -3,10 +3,12 @@
 Live, `workers.planning.forecast.inputs` reads a model's fine counters from the gateway
 (requests, peak and busy slots in flight, requests that waited), its live replicas and its
 measured cold start. The pool replay (`forecasting.fleet.simulate`) has, per step and per
-model, the requests that arrived, the replicas on GPU and the requests that waited for a
-load, a wake or a slot; `DenseInputs` keeps those and builds the same `StepInputs` from them,
-one fine bucket per replay step (a step's requests in flight are its rate times a request's
-service time, `ModelSpec.slots / capacity_rps`: the replay has no finer counters), with the
+model, the requests that arrived, the replicas on GPU, the requests that waited for a load,
+a wake or a slot and those still queued at the step's end; `DenseInputs` keeps those and
+builds the same `StepInputs` from them, one fine bucket per replay step (a step's peak in
+flight is its rate times a request's service time, `ModelSpec.slots / capacity_rps`, plus
+its queue, as the gateway counts queued requests in flight; the replay has no finer
+counters), with the
 page cache's time to ready as the cold start (a replica beyond a model's first loads from
 the node's snapshot). Each model's `PlannerState` and warm pool are carried between rounds,
 as the live loop keeps them per model.
@@ -50,20 +52,24 @@ class DenseInputs:
         m = len(self.cards)
         self.requests = np.zeros((1024, m))
         self.waited = np.zeros((1024, m))
+        self.queued = np.zeros((1024, m))
         self.n = 0
         self.live = np.zeros(m, dtype=np.int64)
         self.states: dict[str, PlannerState] = {}
         self.pools: dict[str, int] = {}
         self.specs: dict[str, ModelSpec] = {}
 
-    def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None) -> None:
-        """A replayed step: requests per model, replicas on GPU, requests that waited."""
+    def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None,
+                queued: np.ndarray | None = None) -> None:
+        """A replayed step: requests per model, replicas on GPU, requests that waited, requests queued at its end."""
         if self.n == self.requests.shape[0]:
-            self.requests = np.concatenate([self.requests, np.zeros_like(self.requests)])
-            self.waited = np.concatenate([self.waited, np.zeros_like(self.waited)])
+            self.requests, self.waited, self.queued = (np.concatenate([a, np.zeros_like(a)])
+                                                       for a in (self.requests, self.waited, self.queued))
         self.requests[self.n] = counts
         if waited is not None:
             self.waited[self.n] = waited
+        if queued is not None:
+            self.queued[self.n] = queued
         if replicas is not None:
             self.live = np.asarray(replicas, dtype=np.int64).copy()
         self.n += 1
@@ -83,8 +89,9 @@ class DenseInputs:
         lo = max(0, self.n - int(math.ceil(recent_span_s(state, p, lead_of(p, cold)) / dt)))
         req = self.requests[lo:self.n, i]
         service_s = spec.slots / spec.capacity_rps
-        observed = observed_from_counts(lo * dt, dt, req, req / dt * service_s, req * service_s,
-                                        self.waited[lo:self.n, i])
+        # in flight as the gateway counts it: those being served and those queued for a slot
+        observed = observed_from_counts(lo * dt, dt, req, req / dt * service_s + self.queued[lo:self.n, i],
+                                        req * service_s, self.waited[lo:self.n, i])
         history = None
         if refit_due(state, now, p):
             lc = max(0, self.n - int(p.history_s // dt))

@@ -104,9 +104,9 @@ class FleetPolicy(ABC):
         return {}
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
-                waited: np.ndarray | None = None) -> None:
+                waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:
         """Step ``t`` happened: ``counts`` arrived; ``gpu`` was warm (incl. on-demand loads) with ``replicas``
-        on GPU each; ``waited`` of the requests waited for a load, a wake or a slot."""
+        on GPU each; ``waited`` of the requests waited for a load, a wake or a slot; ``queued`` still wait at its end."""
         dt = self.env.step_s
         active = counts > 0
         first = t * dt + dt / (counts + 1.0)
@@ -178,7 +178,7 @@ class HybridHistogram(FleetPolicy):
         return (self.idle >= 0) & pre_ok & keep_ok & warm_after, self._none()
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
-                waited: np.ndarray | None = None) -> None:
+                waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:
         active = counts > 0
         # idle times between requests, in minutes, measured on the arrivals (not on step multiples)
         gap_min = np.floor((t * self.env.step_s + self.env.step_s / (counts + 1.0) - self.last_arrival) / 60.0)
@@ -231,7 +231,7 @@ class SleepTier(FleetPolicy):
         return want, asleep.copy()
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
-                waited: np.ndarray | None = None) -> None:
+                waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:
         self.inner.observe(t, counts, gpu)
         self.gpu_prev = gpu.copy()
         self.asleep &= ~gpu
@@ -308,8 +308,8 @@ class FleetPlanner(FleetPolicy):
         return self.sized
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
-                waited: np.ndarray | None = None) -> None:
-        self.dense.observe(counts, replicas, waited)
+                waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:
+        self.dense.observe(counts, replicas, waited, queued)
         self.busy = {self.names[i] for i in np.flatnonzero(counts > 0)}
         on = np.asarray(replicas if replicas is not None else gpu, dtype=np.int64)
         # what the replay evicted or trimmed for capacity is gone

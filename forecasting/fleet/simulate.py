@@ -193,7 +193,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         cold_all = np.where(busy, np.minimum(c, np.maximum(cold_req, over)), 0.0)
         slot_only = cold_all - cold_req  # waited for a slot, not (only) for this step's load or wake
         hpa.observe(c)
-        policy.observe(t, c, gpu, replicas=n, waited=cold_all)
+        policy.observe(t, c, gpu, replicas=n, waited=cold_all, queued=backlog)
         n_prev = n
         if t < first_scored:
             continue
