@@ -15,7 +15,7 @@ import pytest
 
 from forecasting.fleet import policies as fleet_policies
 from forecasting.fleet.capacity import HpaCounts, capacity_waits, throughput_gb
-from forecasting.fleet.catalog import Catalog, ModelCard, default_ready_s
+from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_ready_s
 from forecasting.fleet.policies import FleetEnv, FleetPlanner, make_fleet_policy
 from forecasting.fleet.simulate import simulate
 from forecasting.fleet.traces import FleetTrace
@@ -113,8 +113,10 @@ def test_the_fleet_planner_runs_the_count_planners_replicas_for_its_dense_model(
     # a model at 20 req/s is dense: from its second step on the count planner sizes it, every step
     assert all(a >= 1 for a in asked[1:]) and len(asked) == trace.n_steps
     assert max(asked) >= 3  # 28 req/s at its daily peak need more than two replicas of 10 req/s
-    # what the replay charged is what the count planner asked for (the pool has room for all of it)
-    charged = 16.0 * (asked[0] or 1) + 16.0 * sum(asked[1:])
+    # what the replay charged is what the count planner asked for, as far as the two nodes have room (its first
+    # step sees the queue its one cold replica left, counted in flight as the gateway counts it, and asks for more)
+    room = int(2 * 640.0 // 16.0)
+    charged = 16.0 * sum(min(max(a, 1), room) for a in asked)
     assert score.warm_gb_h == pytest.approx(charged * STEP / 3600.0)
     assert policy.dense.states["busy"].margin is not None  # the count planner's state is carried per model
 
@@ -152,3 +154,21 @@ def test_the_planners_cold_start_budget_sizes_its_dense_models_and_its_row_says_
     assert rows["fleet"]["cold_start_budget"] == 0.001 and rows["keepalive_sleep"]["cold_start_budget"] is None
     assert [p["cold_start_budget"] for p in out["curves"]["fleet"]] == [0.01]
     assert [p["hpa_target"] for p in out["curves"]["keepalive_sleep"]] == [0.7, 0.5]
+
+
+def test_a_dense_models_inputs_count_its_queue_in_flight_as_the_gateway_does() -> None:
+    from forecasting.fleet.dense import DenseInputs
+    from forecasting.fleet.round import RoundParams
+
+    trace, env = _one_busy_model(np.full(10, 20.0))
+    dense = DenseInputs(env, RoundParams(bucket_s=STEP), cold_start_budget=0.001)
+    for k in range(10):
+        dense.observe(np.array([20.0 * STEP]), np.array([3]), np.array([5.0 * k]), np.array([12.0 * (k == 9)]))
+    inputs, state = dense.inputs(0, 10 * STEP)
+    service_s = inputs.model.slots / inputs.model.capacity_rps
+    assert inputs.observed.peak[-1] == pytest.approx(20.0 * service_s + 12.0)  # served plus queued
+    assert inputs.observed.peak[-2] == pytest.approx(20.0 * service_s)
+    assert inputs.observed.waited is not None and inputs.observed.waited[-1] == 45.0
+    assert inputs.replicas.ready + inputs.replicas.warm == 3 and inputs.cold_start_p95_s == pytest.approx(
+        env.catalog.cards[0].time_to_ready(Tier.CACHED))
+    assert state.margin is None  # a model never planned yet starts from a fresh state
