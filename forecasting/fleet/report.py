@@ -69,7 +69,7 @@ def plot_curves(result: Mapping[str, Any], out: str | Path, title: str = "") -> 
     for name, points in result.get("curves", {}).items():
         pts = sorted(points, key=lambda r: r["warm_gb_h"])
         ax.plot([p["warm_gb_h"] for p in pts], [max(p["cold_share"], floor) for p in pts], marker="o", ms=3,
-                lw=1.2, color=color[name], label=f"{name} (knob sweep)")
+                lw=1.2, color=color[name], label=f"{name} (curve)")
     for r in result["rows"]:
         zero = r["cold_share"] <= 0
         ax.scatter([r["warm_gb_h"]], [max(r["cold_share"], floor)], marker="*", s=110, zorder=5,
