@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
