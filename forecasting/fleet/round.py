@@ -18,7 +18,8 @@ warm) are two regimes of this one decision:
   fine counters, the live replicas, the measured cold start): the same step, cold-start
   budget and calibrated margin as a model planned alone, its state carried per model. The
   round asks for that many replicas (serving target plus warm pool) on GPU;
-- the long tail's forecast is the estimator's outlook: no model of its own.
+- the long tail's forecast is the estimator's outlook: no model of its own; a burst of one of
+  them beyond one replica's capacity gets the replicas an HPA would give it (`burst_replicas`).
 
 Then the pure fleet planner (`plan_fleet`) decides every model's tier and node in one pass,
 within each node's GPU and host memory and the fleet budget, the dense models' counts
