@@ -67,7 +67,8 @@ def test_the_pool_is_sized_for_the_replicas_its_busiest_steps_need() -> None:
     counts = np.zeros((100, 2))
     counts[:, 0] = 35.0 * STEP  # 35 req/s at 7 a replica: 5 replicas, 4 beyond the first
     counts[:, 1] = 1.0
-    assert throughput_gb(np.array([16.0, 80.0]), np.array([10.0, 10.0]), counts, STEP) == pytest.approx(4 * 16.0)
+    assert throughput_gb(np.array([16.0, 80.0]), np.array([10.0, 10.0]), counts, STEP, target=0.7,
+                         q=0.99) == pytest.approx(4 * 16.0)
 
 
 def _one_busy_model(rates: np.ndarray) -> tuple[FleetTrace, FleetEnv]:
@@ -161,7 +162,7 @@ def test_a_dense_models_inputs_count_its_queue_in_flight_as_the_gateway_does() -
     from forecasting.fleet.round import RoundParams
 
     trace, env = _one_busy_model(np.full(10, 20.0))
-    dense = DenseInputs(env, RoundParams(bucket_s=STEP), cold_start_budget=0.001)
+    dense = DenseInputs(env.catalog, STEP, RoundParams(bucket_s=STEP), cold_start_budget=0.001)
     for k in range(10):
         dense.observe(np.array([20.0 * STEP]), np.array([3]), np.array([5.0 * k]), np.array([12.0 * (k == 9)]))
     inputs, state = dense.inputs(0, 10 * STEP)

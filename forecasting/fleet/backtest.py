@@ -64,6 +64,9 @@ class FleetSetup:
     node_gpu_gb: float = 640.0
     node_host_gb: float = 1024.0
     capacity_share: float = 0.4
+    # the share of a model's steps whose rate the pool is sized to serve (its replicas beyond the first, at the HPA's
+    # target): high enough that the pool holds a busy model's ordinary peaks, not so high that one step's outlier sizes it
+    throughput_quantile: float = 0.99
     step_s: float = 60.0
     score_after_s: float = 86_400.0
     sizes_gb: tuple[float, ...] = ()
@@ -79,6 +82,8 @@ class FleetSetup:
     def __post_init__(self) -> None:
         if not 0 <= self.sleep_share <= 1:
             raise ValueError(f"sleep_share must be within [0, 1], got {self.sleep_share}")
+        if not 0 < self.throughput_quantile <= 1:
+            raise ValueError(f"throughput_quantile must be within (0, 1], got {self.throughput_quantile}")
         if not self.sleep_gbps > 0:
             raise ValueError(f"sleep_gbps must be > 0, got {self.sleep_gbps}")
 
@@ -86,7 +91,7 @@ class FleetSetup:
         gb = self.capacity_share * catalog.total_gb()
         if counts is not None:  # the busy models' replicas beyond their first fit on top: tiers stay the question
             gb += throughput_gb(catalog.mem_array, catalog.capacity_array, counts, self.step_s,
-                                target=FleetEnv.hpa_target)
+                                target=FleetEnv.hpa_target, q=self.throughput_quantile)
         n = self.n_nodes or max(1, int(math.ceil(gb / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
                         node_host_gb=self.node_host_gb, counts=counts, sleep_share=self.sleep_share,

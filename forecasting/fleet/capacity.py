@@ -69,7 +69,7 @@ def capacity_waits(backlog: np.ndarray, lam: np.ndarray, mu: np.ndarray, dt: flo
 
 
 def throughput_gb(mem_gb: np.ndarray, capacity_rps: np.ndarray, counts: np.ndarray, step_s: float, *,
-                  target: float = 0.7, q: float = 0.99) -> float:
+                  target: float, q: float) -> float:
     """The GPU memory of the replicas beyond each model's first that its busy steps need (the ``q`` quantile of
     its rate over the HPA's per-replica rate): what a pool sized for its tiers adds for throughput."""
     if counts.size == 0:

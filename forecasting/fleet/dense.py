@@ -17,11 +17,10 @@ as the live loop keeps them per model.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from forecasting.fleet.catalog import Tier
+from forecasting.fleet.catalog import Catalog, Tier
+from forecasting.fleet.round import RoundParams, RoundResult
 from forecasting.planner import (
     PlannerParams,
     PlannerState,
@@ -34,21 +33,18 @@ from forecasting.planner import (
 )
 from prewarm.core.domain import ModelSpec
 
-if TYPE_CHECKING:
-    from forecasting.fleet.policies import FleetEnv
-    from forecasting.fleet.round import RoundParams, RoundResult
 
 
 class DenseInputs:
     """What the replay has seen per model, and the count planner's state per dense model."""
 
-    def __init__(self, env: "FleetEnv", params: "RoundParams", *, cold_start_budget: float) -> None:
-        dt = env.step_s
+    def __init__(self, catalog: Catalog, step_s: float, params: RoundParams, *, cold_start_budget: float) -> None:
+        dt = step_s
         self.step_s = dt
         self.params = PlannerParams(bucket_s=dt, fine_bucket_s=dt, interval_s=dt, cold_start_budget=cold_start_budget,
                                     profile_bin_s=params.profile_bin_s, season_s=params.season_s)
         self.window_steps = max(1, int(math.ceil(params.dense_window_s / dt)))
-        self.cards = env.catalog.cards
+        self.cards = catalog.cards
         m = len(self.cards)
         self.requests = np.zeros((1024, m))
         self.waited = np.zeros((1024, m))
@@ -101,7 +97,7 @@ class DenseInputs:
         counts = ReplicaCounts(ready=live - warm, loading=0, warm=warm)
         return StepInputs(spec, now, observed, counts, p, cold, history), state
 
-    def carry(self, result: "RoundResult") -> None:
+    def carry(self, result: RoundResult) -> None:
         """Keep each dense model's next state and warm pool (the decision's)."""
         self.states.update(result.states)
         self.pools.update({name: d.pool_target for name, d in result.decisions.items()})

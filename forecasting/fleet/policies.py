@@ -263,7 +263,7 @@ class FleetPlanner(FleetPolicy):
         fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
         self.round = RoundParams(bucket_s=env.step_s, fleet=fleet, **self.round_kw)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
-        self.dense = DenseInputs(env, self.round, cold_start_budget=self.dense_budget)
+        self.dense = DenseInputs(env.catalog, env.step_s, self.round, cold_start_budget=self.dense_budget)
         self.node_names = tuple(f"node-{k}" for k in range(env.n_nodes))
         self.placed: dict[str, tuple[str, ...]] = {}
         self.asleep: dict[str, str] = {}
