@@ -20,16 +20,14 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
    nothing observed within the last `stabilization_s` may be released. Scale-ups stay
    predictive either way;
-4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: square-root
-   staffing a + margin x sqrt(a) of the forecast mean load in flight in predictive mode; in
-   reactive mode the forecast is of the peak in flight, which already holds the fluctuation
-   the staffing beta stands for, so only the calibrated margin beyond `queue_beta` is added)
-   (plus any batch job running within it), at least `min_serving`; in reactive mode never
-   below what it sizes for the largest peak observed within `stabilization_s` (the HPA's
-   stabilization over its own recommendations), and a fall within `scale_down_tolerance` of
-   the live replicas is not made (the HPA's tolerance). A predicted fall is released as soon as the forecast over the next lead
-   stays below what is left: no window after the fact, no floor from another scaler, so
-   the plan can go below what a stabilised reactive scaler keeps;
+4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: a + margin x
+   sqrt(a) of the forecast mean load in flight in predictive mode; in reactive mode of the peak in
+   flight, which holds the fluctuation the staffing beta stands for, so only the margin beyond
+   `queue_beta` is added), plus any batch job running within it, at least `min_serving`; in reactive
+   mode never below what it sizes for the largest peak observed within `stabilization_s` nor below a
+   recommendation whose lead has not passed (`forecasting.holds`: the HPA's stabilization over its own
+   recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made. A
+   predicted fall is released as soon as the forecast over the next lead stays below what is left;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
    within `budget_share` of the planned capacity; what it cuts is reported. The warm pool is
    a standing cost, sized against the plain budget (a stable size, no flapping); early
@@ -59,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from croniter import croniter
 
-from forecasting import budget, interruption, park
+from forecasting import budget, holds, interruption, park
 from forecasting.batch import BatchJob, batch_replicas
 from forecasting.calibration import calibrate_margin, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
@@ -205,6 +203,7 @@ class PlannerState:
     counted_rate: float | None = None  # requests/s over `budget_horizon_s` (the calibration's normaliser) and
     counted_weight_s: float | None = None  # the decayed seconds of counting it rests on
     quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
+    lead_holds: holds.Holds = ()  # recommendations whose lead has not run out (`forecasting.holds`)
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
@@ -217,7 +216,8 @@ class PlannerState:
         d, known = json.loads(raw), {f.name for f in fields(cls)}
         p = d.get("profile")
         return cls(**{k: v for k, v in d.items() if k in known}
-                   | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE))})
+                   | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE)),
+                      "lead_holds": tuple((float(u), int(n)) for u, n in d.get("lead_holds", ()))})
 
 
 @dataclass(frozen=True)
@@ -358,15 +358,15 @@ def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
     return replicas_needed(margin(float(obs.inflight[k - 1])), inp.model.slots, inp.params.headroom)
 
 
-def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None) -> tuple[int, str]:
+def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None, held: int) -> tuple[int, str]:
     p, live = inp.params, inp.replicas.live
     target = max(need_lead, p.min_serving)
     why = f"forecast needs {need_lead} within the lead"
     if mode == REACTIVE and target < live:
-        floor = live if observed_need is None else max(observed_need, target)
+        floor = live if observed_need is None else max(observed_need, target, held)
         if floor > target:
-            why = (f"reactive: {floor} observed within {p.stabilization_s:.0f} s" if observed_need is not None
-                   else "reactive: less history than the stabilization window")
+            why = ("reactive: less history than the stabilization window" if observed_need is None else
+                   f"reactive: {floor} observed within {p.stabilization_s:.0f} s or recommended within its lead")
         target = min(live, floor)
         if target < live and target >= live * (1.0 - p.scale_down_tolerance) - 1e-9:
             why = f"reactive: {live - target} of {live} live is within the {p.scale_down_tolerance:.0%} tolerance"
@@ -511,17 +511,17 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     base = _base_need(inp, fired, staffed) if batch_lead else 0
     need_next = max(fc_next, base + batch_next)
     need_lead = max(fc_lead, need_next, base + batch_lead)
-    pool = budget.trim(max(need_next, p.min_serving), budget.pool_target(p.warm_pool_size, p.warm_pool_percent,
-                                                                          need_next),
-                       max(need_next, p.min_serving), p.budget_share)[1]
+    floor_next = max(need_next, p.min_serving)
+    pool = budget.trim(floor_next, budget.pool_target(p.warm_pool_size, p.warm_pool_percent, need_next), floor_next,
+                       p.budget_share)[1]
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
-    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin))
+    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin), holds.held(state.lead_holds, inp.now))
+    state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
     if batch_lead:
         why += f" (batch jobs {batch_lead})"
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
-    budget_target, pool, notes = budget.trim(target, pool, max(need_next, p.min_serving), p.budget_share,
-                                             allowed if mode == PREDICTIVE else None)
+    budget_target, pool, notes = budget.trim(target, pool, floor_next, p.budget_share, allowed if mode == PREDICTIVE else None)
     dropped: list[DroppedEvent] = []
     if budget_target < target or notes:
         cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
@@ -543,7 +543,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
     schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, staffed), pool) if p.batch_jobs else ()
-    share = warm_cost(target + pool, max(need_next, p.min_serving))
+    share = warm_cost(target + pool, floor_next)
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)
     warm_avg, warm_at = budget.account(state.warm_avg, state.warm_at, inp.now, share, p.budget_window_s)
