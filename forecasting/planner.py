@@ -11,8 +11,7 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
 0. `calibrate_margin` (`forecasting.calibration`): the staffing margin moves with the requests that
    waited for capacity since the last step against the operator's `cold_start_budget`
    (a feedback term, as adaptive conformal inference moves its quantile on its misses);
-1. `lead_of`: the lead is the measured cold-start p95 (the default until one is
-   measured) plus a margin;
+1. `lead_of`: the lead is the measured cold-start p95 (the default until one is measured) plus a margin;
 2. `forecast_peak` (`forecasting.nowcast`; the season and profile resolution are settings,
    nothing is keyed to a clock): the planning quantile of the peak in-flight
    demand over the next lead, and the quality of the forecaster's recent forecasts;
@@ -23,11 +22,10 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
 4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: a + margin x
    sqrt(a) of the forecast mean load in flight in predictive mode; in reactive mode of the peak in
    flight, which holds the fluctuation the staffing beta stands for, so only the margin beyond
-   `queue_beta` is added), plus any batch job running within it, at least `min_serving`; in reactive
-   mode never below what it sizes for the largest peak observed within `stabilization_s` nor below a
-   recommendation whose lead has not passed (`forecasting.holds`: the HPA's stabilization over its own
-   recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made. A
-   predicted fall is released as soon as the forecast over the next lead stays below what is left;
+   `queue_beta` is added), plus any batch job running within it, at least `min_serving`, never below
+   a recommendation whose lead has not passed (`forecasting.holds`); in reactive mode never below what
+   it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
+   own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
    within `budget_share` of the planned capacity; what it cuts is reported. The warm pool is
    a standing cost, sized against the plain budget (a stable size, no flapping); early
@@ -362,11 +360,13 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     p, live = inp.params, inp.replicas.live
     target = max(need_lead, p.min_serving)
     why = f"forecast needs {need_lead} within the lead"
+    if target < live and held > target:  # either mode: a recommendation stands until its lead has passed
+        target, why = min(live, held), f"{held} recommended by a step whose lead has not passed"
     if mode == REACTIVE and target < live:
-        floor = live if observed_need is None else max(observed_need, target, held)
+        floor = live if observed_need is None else max(observed_need, target)
         if floor > target:
-            why = ("reactive: less history than the stabilization window" if observed_need is None else
-                   f"reactive: {floor} observed within {p.stabilization_s:.0f} s or recommended within its lead")
+            why = (f"reactive: {floor} observed within {p.stabilization_s:.0f} s" if observed_need is not None
+                   else "reactive: less history than the stabilization window")
         target = min(live, floor)
         if target < live and target >= live * (1.0 - p.scale_down_tolerance) - 1e-9:
             why = f"reactive: {live - target} of {live} live is within the {p.scale_down_tolerance:.0%} tolerance"
