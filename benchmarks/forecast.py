@@ -68,7 +68,8 @@ def evaluate(y: np.ndarray, rates: np.ndarray, epoch: float, fb: float, *, every
     keep = window + h + level + 2 + season
     per_coarse = int(p.bucket_s // fb)
     profile, profile_at = None, -math.inf
-    med, up, truth, pers, snaive, methods = [], [], [], [], [], {}
+    med, up, truth, pers, snaive = [], [], [], [], []
+    methods: dict[str, int] = {}
     elapsed = 0.0
     for o in range(min(window, y.size // 4) + h + 12, y.size - h, every):
         now_s = (o + 1) * fb
