@@ -1,7 +1,8 @@
 """The single-model yardsticks: every policy's curve on a trace, read at prewarm's default cold-start share.
 
 For one rate or request trace and one cold start, it sweeps `reactive` (HPA target),
-`reactive_sized` (the planner's sizing margin, no forecast) and `fixed_pool` (pool percent)
+`reactive_sized` (the planner's sizing margin, no forecast), `fixed_pool` (pool percent) and
+`prewarm_fixed_margin` (the planner with its budget's feedback off, over its fixed margin)
 over their knobs, runs `prewarm` at its default (or over its cold-start budget with
 `--prewarm-curve`; its 14-day replay is the slow one) and the oracle, all on the same
 seeded arrivals with the simulator's default charges (docs/simulator.md), and prints each
@@ -34,7 +35,8 @@ TRACE = ROOT.parent / "shared" / "traces" / "servegen_m_small_rate.csv"
 
 
 def readme_row(label: str, out: dict[str, Any]) -> str:
-    """The README's row: prewarm's default point, the baselines read at its share, their defaults, the starts."""
+    """The README's row: prewarm's default point, the baselines read at its share, their defaults, the starts,
+    and prewarm with its feedback off (`prewarm_fixed_margin`) read at its share."""
     default = {pt["policy"]: pt for pt in out["points"] if pt["default"]}
     at = out["at_equal_cold_start_share"]["policies"]
     pw, rs, r = default["prewarm"], default["reactive_sized"], default["reactive"]
@@ -42,7 +44,7 @@ def readme_row(label: str, out: dict[str, Any]) -> str:
     return (f"| {label} | {pw['cold_start_share']:.4%} | **{pw['gpu_hours_vs_reactive']:.3f}×** | "
             f"{x(at.get('reactive_sized'))} | {x(at.get('reactive'))} | "
             f"{rs['cold_start_share']:.4%}, {rs['gpu_hours_vs_reactive']:.3f}× | {r['cold_start_share']:.4%} | "
-            f"{pw['starts']:,} / {rs['starts']:,} / {r['starts']:,} |")
+            f"{pw['starts']:,} / {rs['starts']:,} / {r['starts']:,} | {x(at.get('prewarm_fixed_margin'))} |")
 
 
 def main() -> None:
@@ -67,13 +69,13 @@ def main() -> None:
     days = 0.25 if args.quick else args.days
     if days:
         trace = _head(trace, days * 86400.0)
-    knobs = {k: SWEEP_KNOBS[k] for k in ("reactive", "reactive_sized", "fixed_pool")}
+    knobs = {k: SWEEP_KNOBS[k] for k in ("reactive", "reactive_sized", "fixed_pool", "prewarm_fixed_margin")}
     if args.few:  # a shorter curve per policy (a loaded machine): every other setting, the pool at its default
         knobs = {k: (n, tuple(sorted({*v[::2], d})), d) for k, (n, v, d) in knobs.items()}
         knobs["fixed_pool"] = (knobs["fixed_pool"][0], (knobs["fixed_pool"][2],), knobs["fixed_pool"][2])
     name, values, default = SWEEP_KNOBS["prewarm"]
     knobs["prewarm"] = (name, values if args.prewarm_curve else (default,), default)
-    policies = ["reactive", "reactive_sized", "fixed_pool", "prewarm", "oracle"]
+    policies = ["reactive", "reactive_sized", "fixed_pool", "prewarm_fixed_margin", "prewarm", "oracle"]
     if args.keepalive:
         kname, _, kdefault = SWEEP_KNOBS["keepalive"]
         knobs["keepalive"] = (kname, (kdefault,), kdefault)
@@ -83,12 +85,12 @@ def main() -> None:
     print(f"{out['trace']}, cold start {args.cold_start:g} s (CV 0.3, charges on): reactive {out['reactive_gpu_hours']:.1f} GPU-h")
     for pt in out["points"]:
         knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
-        print(f"  {pt['policy']:<14} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  cold {pt['cold_start_share']:.4%}  "
+        print(f"  {pt['policy']:<20} {knob:<24} {pt['gpu_hours_vs_reactive']:.3f}x  cold {pt['cold_start_share']:.4%}  "
               f"starts {pt['starts']}{'  (default)' if pt['default'] else ''}")
     share = eq["cold_start_share"]
     print(f"at prewarm's default cold-start share ({share:.4%}):" if share is not None else "no prewarm point")
     for k, v in eq["policies"].items():
-        print(f"  {k:<14} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
+        print(f"  {k:<20} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
     if args.row:
         print(readme_row(args.row, out))
     if args.plot:

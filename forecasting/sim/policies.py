@@ -25,6 +25,10 @@ which is handed the future on purpose: it is the reference, not a contender.
   peak requests in flight per fine bucket, the coarse rate for the seasonal profile),
   exactly as the live `forecast_and_plan` builds them. Nothing else: no simulated HPA
   floor, no peak hold; what the planner decides is what the replay keeps.
+- `prewarm_fixed_margin` (an ablation, run only when named): `prewarm` with its cold-start
+  budget's feedback off and its staffing margin fixed (`margin`). Against `prewarm` at equal
+  share it says what the feedback costs or buys; against `reactive_sized` at the same margin,
+  what the forecast buys with the feedback out of the way.
 - `oracle`: knows the instant-service need second by second; keeps what is needed within
   one cold start ahead. A loose lower bound on GPU time.
 """
@@ -56,6 +60,8 @@ from forecasting.sim.loads import cold_start_p95
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "reactive_sized", "fixed_pool", "keepalive", "prewarm", "oracle")
+ABLATIONS = ("prewarm_fixed_margin",)  # replayed only when named
+KNOWN = POLICIES + ABLATIONS
 
 
 class Reactive(Policy):
@@ -376,11 +382,21 @@ class Prewarm(Policy):
         return decision.target + decision.pool_target
 
 
+class PrewarmFixedMargin(Prewarm):
+    """`prewarm` without its budget's feedback: the staffing margin stays at `margin` (no cold-start budget)."""
+
+    name = "prewarm_fixed_margin"
+
+    def __init__(self, margin: float = PlannerParams().margin_initial, **kw: Any) -> None:
+        super().__init__(**kw, cold_start_budget=1.0, margin_initial=float(margin))
+
+
 def make_policy(name: str, **kw: Any) -> Policy:
-    """A fresh policy by name (one of `POLICIES`)."""
+    """A fresh policy by name (one of `KNOWN`: the `POLICIES` and the `ABLATIONS`)."""
     classes: dict[str, Callable[..., Policy]] = {
-        "reactive": Reactive, "reactive_sized": ReactiveSized, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm, "oracle": Oracle,
+        "reactive": Reactive, "reactive_sized": ReactiveSized, "fixed_pool": FixedPool, "keepalive": KeepAlive, "prewarm": Prewarm,
+        "prewarm_fixed_margin": PrewarmFixedMargin, "oracle": Oracle,
     }
     if name not in classes:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(KNOWN)}")
     return classes[name](**kw)

@@ -14,7 +14,7 @@ import numpy as np
 
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
 from forecasting.planner import PlannerParams, warm_cost
-from forecasting.sim.policies import POLICIES, Prewarm, make_policy
+from forecasting.sim.policies import KNOWN, POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 
 
@@ -81,9 +81,9 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
     """Replay `trace` under each policy; the JSON-ready result `prewarm backtest` prints."""
     import time
 
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in KNOWN]
     if unknown:
-        raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(KNOWN)}")
     work = build_workload(trace, params)
     runs: dict[str, PolicyRun] = {}
     scores: dict[str, dict[str, Any]] = {}
@@ -126,13 +126,17 @@ def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICI
 #: Each policy's knob for `prewarm backtest --sweep`: (keyword, values, the default value).
 #: prewarm's is its cold-start budget (the share of requests that may wait for capacity, which its margin
 #: calibrates on; the default is the planner setting's); reactive_sized's its square-root staffing margin
-#: (the planner's queue_beta: 1.5).
+#: (the planner's queue_beta: 1.5). The baselines' curves reach far past their defaults (reactive's target 0.2,
+#: reactive_sized's beta 9-16): at a 60 s cold start their defaults wait 10-100x prewarm's share, and a curve that
+#: stops short of prewarm's share leaves the equal-share reading blank (m-large, 2 days: reactive_sized reaches
+#: 0.11% only at beta 12, reactive 0.11% only at target 0.5).
 SWEEP_KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
-    "reactive": ("target", (0.3, 0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
-    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 6.0), 1.5),
+    "reactive": ("target", (0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9), 0.7),
+    "reactive_sized": ("queue_beta", (0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 9.0, 12.0, 16.0), 1.5),
     "fixed_pool": ("percent", (5.0, 10.0, 25.0, 50.0), 10.0),
     "keepalive": ("fixed_keepalive_s", (600.0, 1800.0, 3600.0, 14400.0), 14400.0),
     "prewarm": ("cold_start_budget", (0.00003, 0.0001, 0.0003, 0.001, 0.003), PlannerParams().cold_start_budget),
+    "prewarm_fixed_margin": ("margin", (1.5, 3.0, 6.0, 9.0, 12.0, 16.0), PlannerParams().margin_initial),
 }
 
 
