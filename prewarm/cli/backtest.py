@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("backtest", help="replay a trace through the scaling policies and score them (TTFT, cold starts, GPU-hours)")
     p.add_argument("trace", nargs="+", help="a trace file (Azure CSV, Mooncake JSONL, ServeGen or NASA rates); "
                    "a fleet trace (per-client rates, Azure Functions days in order, a request log) runs the fleet backtest")
-    p.add_argument("--policies", default=None, help="comma-separated policies (default: every policy of the mode)")
+    p.add_argument("--policies", default=None, help="comma-separated policies (default: every policy of the mode; "
+                   "the ablation prewarm_fixed_margin only when named)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--plot", metavar="OUT.png", help="write traffic vs replicas and TTFT CDFs")
     p.add_argument("--time-scale", type=float, default=1.0, help="compress time by X (rates x X)")
