@@ -266,12 +266,11 @@ def test_the_feedback_ablation_keeps_its_margin_where_prewarm_moves_it() -> None
     """`prewarm_fixed_margin` is prewarm with its budget's feedback off: replayed only when named, its margin
     stays where it is set while prewarm's calibration moves its own on the same arrivals."""
     assert "prewarm_fixed_margin" not in POLICIES
-    out = run_backtest(_small_rate_trace(), SimParams(cold_start_s=60.0), ("reactive", "prewarm", "prewarm_fixed_margin"))
-    pw, fixed = out["result"]["policies"]["prewarm"], out["result"]["policies"]["prewarm_fixed_margin"]
+    out = run_backtest(_small_rate_trace(), SimParams(cold_start_s=60.0), ("reactive", "prewarm", "prewarm_fixed_margin"))["result"]
+    pw, fixed = out["policies"]["prewarm"], out["policies"]["prewarm_fixed_margin"]
     start = PlannerParams().margin_initial  # both start there
     assert fixed["margin_final"] == start and fixed["cold_start_budget"] == 1.0
     assert pw["margin_final"] != start  # the feedback moved prewarm's margin
-    out = out["result"]
     row = next(r for r in out["rows"] if r["policy"] == "prewarm_fixed_margin")
     assert (row["knob"], row["value"]) == ("margin", start)
     with pytest.raises(ValueError, match="prewarm_fixed_margin"):
