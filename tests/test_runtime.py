@@ -115,6 +115,18 @@ def test_streaming_matches_the_plain_answer(server: RuntimeProcess) -> None:
     assert len({c["id"] for c in chunks}) == 1
 
 
+def test_a_streamed_completion_is_timed_inside_one_request(server: RuntimeProcess) -> None:
+    """The speed checks' figures: time to first token and decode time per token, from one stream."""
+    from prewarm.adapters.runtimes import RuntimeRequestError
+    from prewarm.adapters.stream_timing import timed_completion
+
+    timing = timed_completion(server.url, {"prompt": PROMPT, "max_tokens": 12}, api_key=None, timeout_s=30)
+    assert timing.tokens == 12  # the usage the last chunk carries
+    assert timing.ttft_s > 0 and timing.decode_s_per_token > 0
+    with pytest.raises(RuntimeRequestError, match="max_tokens"):
+        timed_completion(server.url, {"prompt": PROMPT, "max_tokens": 0}, api_key=None, timeout_s=30)
+
+
 def test_concurrent_streams_beyond_the_worker_count_all_finish(server: RuntimeProcess) -> None:
     """More streams than generation threads (2): the engine serialises them, none starves."""
     from concurrent.futures import ThreadPoolExecutor

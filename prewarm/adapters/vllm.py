@@ -7,7 +7,7 @@ vLLM it runs itself:
   distribution fails to find its own metadata), with its port, API key, model directory,
   context and memory limits;
 - `probes`: greedy continuations of the seeded prompts with their top logprobs, the input
-  of the reference comparison (`prewarm.policy.reference`), and their latencies;
+  of the reference comparison (`prewarm.policy.reference`), and their decode time per token;
 - `facts`: the served model name and max context (`/v1/models`) and the dtype it computes
   in: from the engine's own start-up line in its log where the agent started it and the
   line is there (`dtype_in_log`: free), else `/server_info` (present with
@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import LoadStatus, OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
+from prewarm.adapters.stream_timing import timed_completion
 from prewarm.policy.warmup import WarmupRequest
 from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
@@ -91,16 +92,10 @@ def is_vllm_command(cmdline: Sequence[bytes]) -> bool:
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """The probes, and per prompt the latency of the whole greedy continuation and of its first token alone."""
+    """The probes, and per prompt the decode time per token of a streamed continuation of it."""
 
     probes: tuple[Probe, ...]
-    total_s: tuple[float, ...]
-    first_token_s: tuple[float, ...]
-
-    def decode_s_per_token(self, tokens: int) -> list[float]:
-        return [max(0.0, t - f) / (tokens - 1) for t, f in zip(self.total_s, self.first_token_s)]
-
-
+    decode_s_per_token: tuple[float, ...]
 
 
 class VllmAdapter(OpenAICompatibleAdapter):
@@ -218,24 +213,20 @@ class VllmAdapter(OpenAICompatibleAdapter):
     # --- the probes of the numeric check -----------------------------------------------
     def probes(self, prompts: Sequence[str], *, tokens: int, logprobs: int) -> ProbeRun:
         """Each prompt continued greedily for exactly `tokens` tokens with the top `logprobs` per position,
-        and for one token: the two latencies of the same prompt give its decode time per token."""
+        and once more, streamed: its decode time per token (`stream_timing`)."""
         out: list[Probe] = []
-        latencies: list[float] = []
-        firsts: list[float] = []
+        decode: list[float] = []
+        exact = {"model": self.model, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+                 "temperature": 0.0, "seed": 0}
         for prompt in prompts:
-            t0 = time.perf_counter()
-            self._json("POST", "/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
-                                                    "temperature": 0.0})
-            firsts.append(time.perf_counter() - t0)
-            payload = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
-                       "ignore_eos": True, "temperature": 0.0, "seed": 0, "logprobs": logprobs,
-                       # ids, not text: byte-level pieces that decode to the same text would collide as keys
-                       "return_tokens_as_token_ids": True}
-            t0 = time.perf_counter()
-            data = self._json("POST", "/v1/completions", payload)
-            latencies.append(time.perf_counter() - t0)
+            timing = timed_completion(self.base_url, {**exact, "prompt": prompt}, api_key=self.token,
+                                      timeout_s=self.timeout_s)
+            decode.append(timing.decode_s_per_token)
+            # ids, not text: byte-level pieces that decode to the same text would collide as keys
+            data = self._json("POST", "/v1/completions", {**exact, "prompt": prompt, "logprobs": logprobs,
+                                                          "return_tokens_as_token_ids": True})
             out.append(_probe_of(prompt, data))
-        return ProbeRun(tuple(out), tuple(latencies), tuple(firsts))
+        return ProbeRun(tuple(out), tuple(decode))
 
     def inflight(self) -> int | None:
         try:

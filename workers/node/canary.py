@@ -13,8 +13,8 @@ adds two things:
   compares them within the rollout's `logprob_tolerance` (a new quantisation may move
   logprobs a little; a corrupted file moves them a lot);
 - each prompt is also timed on both, one replica then the other, so both see the same load:
-  time to first token (a one-token request) and decode time per token (a `SPEED_TOKENS`
-  request, less the first token, over the tokens it generated). The canary's medians must be
+  time to first token and decode time per token, both from one streamed `SPEED_TOKENS`
+  request (`prewarm.adapters.stream_timing`). The canary's medians must be
   within `speed_ratio` of the stable replica's measured in the same minute
   (`prewarm.policy.engine_checks.check_speed`): a slower export is caught even where no
   baseline was recorded on this node class.
@@ -37,6 +37,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
+from prewarm.adapters.stream_timing import timed_completion
 from prewarm.core.errors import TemporaryError
 from prewarm.core.domain import ReplicaState
 from prewarm.policy import rollout as rp
@@ -96,8 +97,8 @@ class TimedProbe:
     """One prompt on one replica: its greedy answer with logprobs, and how fast it was made."""
 
     probe: Probe
-    ttft_s: float  # a one-token request
-    decode_s_per_token: float  # a SPEED_TOKENS request, less the first token, per further token
+    ttft_s: float  # to the first streamed chunk
+    decode_s_per_token: float  # from the first streamed chunk to the last, per further token
 
 
 @dataclass(frozen=True)
@@ -129,19 +130,15 @@ def _complete(endpoint: str, body: dict[str, Any], headers: dict[str, str], time
 
 
 def timed_probe(endpoint: str, prompt: str, *, served_model: str, token: str | None, timeout_s: float) -> TimedProbe:
-    """`prompt` on one replica's OpenAI-compatible server: greedy tokens with top logprobs, TTFT, decode time."""
+    """`prompt` on one replica's OpenAI-compatible server: greedy tokens with top logprobs, then a streamed
+    SPEED_TOKENS continuation for its time to first token and decode time per token (`stream_timing`)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     greedy = {"model": served_model, "prompt": prompt, "temperature": 0}
     data, _ = _complete(endpoint, {**greedy, "max_tokens": PROBE_TOKENS, "logprobs": PROBE_TOP_K}, headers, timeout_s)
-    _, ttft = _complete(endpoint, {**greedy, "max_tokens": 1}, headers, timeout_s)
     # ignore_eos/min_tokens: vLLM's way to generate exactly max_tokens (the built-in runtime ignores them)
-    long, elapsed = _complete(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS,
-                                         "ignore_eos": True}, headers, timeout_s)
-    try:
-        made = int(long["usage"]["completion_tokens"])
-    except (KeyError, TypeError, ValueError):
-        made = SPEED_TOKENS
-    return TimedProbe(probe_from_completion(prompt, data), ttft, max(0.0, elapsed - ttft) / max(1, made - 1))
+    timing = timed_completion(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS,
+                                         "ignore_eos": True}, api_key=token, timeout_s=timeout_s)
+    return TimedProbe(probe_from_completion(prompt, data), timing.ttft_s, timing.decode_s_per_token)
 
 
 def _baseline(values: Sequence[float]) -> float | None:

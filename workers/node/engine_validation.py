@@ -58,13 +58,13 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     probes = run.probes
     probed = time.monotonic() - t0
     facts = adapter.facts()  # the dtype from the server's start-up line, or its /server_info (asked since /health)
-    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests), facts %.3fs", model,
+    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests, one streamed), facts %.3fs", model,
              revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts), time.monotonic() - t0)
     structural = check_engine_structure(expected, facts)
     tol = tolerance_for(expected.dtype or facts.dtype or "float32", ecfg.logprob_tolerance)
     store = ReferenceStore(ctx.client)
     numeric = compare_probes(probes, store.reference(model, revision), tolerance=tol)
-    decode = run.decode_s_per_token(ecfg.probe_tokens)
+    decode = run.decode_s_per_token
     speed = check_speed(ttft_latencies_s, decode, store.speed_baseline(model, node_class, revision),
                         factor=ecfg.speed_factor)
     report = ValidationReport((structural, numeric, speed), allow_unsupported=False)
