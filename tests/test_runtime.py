@@ -115,16 +115,25 @@ def test_streaming_matches_the_plain_answer(server: RuntimeProcess) -> None:
     assert len({c["id"] for c in chunks}) == 1
 
 
-def test_a_streamed_completion_is_timed_inside_one_request(server: RuntimeProcess) -> None:
-    """The speed checks' figures: time to first token and decode time per token, from one stream."""
-    from prewarm.adapters.runtimes import RuntimeRequestError
-    from prewarm.adapters.stream_timing import timed_completion
+def test_the_host_times_each_completion_for_the_speed_checks(server: RuntimeProcess) -> None:
+    """Time to first token and decode time per token, from the host's own clock (`engine_timing`):
+    a plain and a streamed completion each add one request to both histograms."""
+    from prewarm.adapters.engine_timing import scrape
 
-    timing = timed_completion(server.url, {"prompt": PROMPT, "max_tokens": 12}, api_key=None, timeout_s=30)
-    assert timing.tokens == 12  # the usage the last chunk carries
-    assert timing.ttft_s > 0 and timing.decode_s_per_token > 0
-    with pytest.raises(RuntimeRequestError, match="max_tokens"):
-        timed_completion(server.url, {"prompt": PROMPT, "max_tokens": 0}, api_key=None, timeout_s=30)
+    before = scrape(server.url, api_key=None, timeout_s=30)
+    for stream in (False, True):
+        start = scrape(server.url, api_key=None, timeout_s=30)
+        if stream:
+            _sse(server.url, {"prompt": PROMPT, "max_tokens": 12, "stream": True})
+        else:
+            assert _complete(server.url, max_tokens=12)[0] == 200
+        ttft, decode = scrape(server.url, api_key=None, timeout_s=30).since(start)
+        assert ttft is not None and decode is not None and 0 < ttft < 30 and 0 < decode < 30, (stream, ttft, decode)
+    after = scrape(server.url, api_key=None, timeout_s=30)
+    assert after.ttft[1] - before.ttft[1] == 2 and after.decode[1] - before.decode[1] == 2
+    assert _complete(server.url, max_tokens=1)[0] == 200  # one token: a first token, no decode time
+    once = scrape(server.url, api_key=None, timeout_s=30)
+    assert once.ttft[1] == after.ttft[1] + 1 and once.decode == after.decode
 
 
 def test_concurrent_streams_beyond_the_worker_count_all_finish(server: RuntimeProcess) -> None:

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from prewarm.adapters.k8s_watch import ReadyPod
 from prewarm.core import keys
 from prewarm.core.domain import Replica, ReplicaState
+from prewarm.policy.validation import Outcome
 from prewarm.core.settings import Settings
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.references import ReferenceStore
@@ -363,7 +364,9 @@ def test_a_canary_pod_is_proven_against_the_stable_vllm_replica(world: World) ->
         assert result.outcome is PodOutcome.READY, result.reason
         sample = ctx.metrics.registry.get_sample_value
         for check in ("canary_numeric", "canary_performance"):
-            assert sample("prewarm_validation_results_total", {"model": "tiny", "check": check, "result": "passed"}) == 1
+            got = {o.value: sample("prewarm_validation_results_total", {"model": "tiny", "check": check,
+                                                                         "result": o.value}) for o in Outcome}
+            assert got["passed"] == 1, (check, {k: v for k, v in got.items() if v})
         world.registry.transition(result.replica_id, ReplicaState.DRAINING, now=time.time())
         world.registry.transition(result.replica_id, ReplicaState.RETIRED, now=time.time(), reason="test done")
     finally:

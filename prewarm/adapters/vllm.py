@@ -7,7 +7,8 @@ vLLM it runs itself:
   distribution fails to find its own metadata), with its port, API key, model directory,
   context and memory limits;
 - `probes`: greedy continuations of the seeded prompts with their top logprobs, the input
-  of the reference comparison (`prewarm.policy.reference`), and their decode time per token;
+  of the reference comparison (`prewarm.policy.reference`), and their decode time per token
+  as the engine timed it (`prewarm.adapters.engine_timing`);
 - `facts`: the served model name and max context (`/v1/models`) and the dtype it computes
   in: from the engine's own start-up line in its log where the agent started it and the
   line is there (`dtype_in_log`: free), else `/server_info` (present with
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import LoadStatus, OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
-from prewarm.adapters.stream_timing import timed_completion
+from prewarm.adapters.engine_timing import scrape
 from prewarm.policy.warmup import WarmupRequest
 from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
@@ -92,7 +93,7 @@ def is_vllm_command(cmdline: Sequence[bytes]) -> bool:
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """The probes, and per prompt the decode time per token of a streamed continuation of it."""
+    """The probes, and the decode time per token of each as the engine timed it (where it timed it)."""
 
     probes: tuple[Probe, ...]
     decode_s_per_token: tuple[float, ...]
@@ -213,18 +214,19 @@ class VllmAdapter(OpenAICompatibleAdapter):
     # --- the probes of the numeric check -----------------------------------------------
     def probes(self, prompts: Sequence[str], *, tokens: int, logprobs: int) -> ProbeRun:
         """Each prompt continued greedily for exactly `tokens` tokens with the top `logprobs` per position,
-        and once more, streamed: its decode time per token (`stream_timing`)."""
+        and its decode time per token as the engine timed it (`engine_timing`: /metrics around it)."""
         out: list[Probe] = []
         decode: list[float] = []
-        exact = {"model": self.model, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
-                 "temperature": 0.0, "seed": 0}
         for prompt in prompts:
-            timing = timed_completion(self.base_url, {**exact, "prompt": prompt}, api_key=self.token,
-                                      timeout_s=self.timeout_s)
-            decode.append(timing.decode_s_per_token)
-            # ids, not text: byte-level pieces that decode to the same text would collide as keys
-            data = self._json("POST", "/v1/completions", {**exact, "prompt": prompt, "logprobs": logprobs,
-                                                          "return_tokens_as_token_ids": True})
+            payload = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
+                       "ignore_eos": True, "temperature": 0.0, "seed": 0, "logprobs": logprobs,
+                       # ids, not text: byte-level pieces that decode to the same text would collide as keys
+                       "return_tokens_as_token_ids": True}
+            before = scrape(self.base_url, api_key=self.token, timeout_s=self.timeout_s)
+            data = self._json("POST", "/v1/completions", payload)
+            _, per_token = scrape(self.base_url, api_key=self.token, timeout_s=self.timeout_s).since(before)
+            if per_token is not None:
+                decode.append(per_token)
             out.append(_probe_of(prompt, data))
         return ProbeRun(tuple(out), tuple(decode))
 

@@ -46,6 +46,8 @@ EXPORTED = (
     "prewarm_outbox_resent_total",
     "prewarm_validation_results_total",
     "runtime_requests_total",
+    "runtime_time_to_first_token_seconds",
+    "runtime_time_per_output_token_seconds",
     "gateway_revision_requests_total",
     "prewarm_rollout_weight",
     "prewarm_rollout_phase",
@@ -53,6 +55,7 @@ EXPORTED = (
 )
 
 _LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
@@ -207,6 +210,18 @@ class Metrics:
             "Completions answered by a model host, by kind (user|warmup; a forged warmup counts as user) and code",
             ["model", "kind", "code"],
             registry=registry,
+        )
+        # the model host's own timing of each completion (`prewarm.adapters.engine_timing` reads them, as it
+        # reads vLLM's vllm:time_to_first_token_seconds and vllm:request_time_per_output_token_seconds)
+        self.runtime_ttft = Histogram(
+            "runtime_time_to_first_token_seconds",
+            "Completions of a model host: from admission to the first generated token",
+            ["model"], buckets=_TOKEN_BUCKETS, registry=registry,
+        )
+        self.runtime_tpot = Histogram(
+            "runtime_time_per_output_token_seconds",
+            "Completions of a model host with two tokens or more: first to last token, per token after the first",
+            ["model"], buckets=_TOKEN_BUCKETS, registry=registry,
         )
         self.validation_results = Counter(
             "prewarm_validation_results_total",

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from aiohttp import web
 
@@ -66,12 +66,13 @@ class CompletionHandlers(HostCore):
             raise api.bad_request("'prompt' encodes to no tokens", "prompt")
         api.check_context(len(ids), req.max_tokens, cfg.max_seq_len)
         await self._admit()
+        admitted = time.perf_counter()
         self.state.inflight += 1
         self._idle.clear()
         try:
             if req.stream:
-                return await self._stream(request, req, ids)
-            return await self._complete_once(req, ids)
+                return await self._stream(request, req, ids, admitted)
+            return await self._complete_once(req, ids, admitted)
         finally:
             self.state.inflight -= 1
             if self.state.inflight == 0:
@@ -96,9 +97,30 @@ class CompletionHandlers(HostCore):
                                       f"{self.engine.progress:.0%}); retry shortly", 1, "loading")
             await asyncio.sleep(0.01)
 
-    async def _complete_once(self, req: api.CompletionRequest, ids: list[int]) -> web.Response:
+    def _timed(self, tokens: Iterable[int], admitted: float) -> Iterator[int]:
+        """`tokens` as they come, timed: the first token's delay after admission and the time per token after
+        it go to the host's histograms (`runtime_time_to_first_token_seconds`, `..._per_output_token_...`),
+        the figures the speed checks read from the engine rather than from a client's wall clock."""
+        first = last = 0.0
+        made = 0
+        try:
+            for tok in tokens:
+                last = time.perf_counter()
+                first = first or last
+                made += 1
+                yield tok
+        finally:
+            close = getattr(tokens, "close", None)
+            if close is not None:  # the engine holds its generation lock until its iterator is closed
+                close()
+            if made:
+                self.metrics.runtime_ttft.labels(self.model_name).observe(first - admitted)
+            if made > 1:
+                self.metrics.runtime_tpot.labels(self.model_name).observe((last - first) / (made - 1))
+
+    async def _complete_once(self, req: api.CompletionRequest, ids: list[int], admitted: float) -> web.Response:
         def work() -> tuple[list[int], dict[str, Any] | None]:
-            out = list(self.engine.generate(ids, req.max_tokens))
+            out = list(self._timed(self.engine.generate(ids, req.max_tokens), admitted))
             lp = probe.logprobs(self.engine, ids, out, req.logprobs) if req.logprobs is not None else None
             return out, lp
 
@@ -111,7 +133,8 @@ class CompletionHandlers(HostCore):
             api.completion_body(api.completion_id(), self.model_name, text, finish, len(ids), len(out), logprobs)
         )
 
-    async def _stream(self, request: web.Request, req: api.CompletionRequest, ids: list[int]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: api.CompletionRequest, ids: list[int],
+                      admitted: float) -> web.StreamResponse:
         """SSE chunks as tokens come. One executor job runs the whole generation (the engine
         holds its generation lock for the iterator's life, so stepping it from several jobs
         could starve the holder) and hands each token to the event loop through a queue."""
@@ -121,7 +144,7 @@ class CompletionHandlers(HostCore):
         cancel = threading.Event()
 
         def produce() -> None:
-            it = iter(self.engine.generate(ids, req.max_tokens))
+            it = self._timed(self.engine.generate(ids, req.max_tokens), admitted)
             try:
                 for tok in it:
                     loop.call_soon_threadsafe(queue.put_nowait, ("token", tok))

@@ -27,8 +27,10 @@ token, as a Bearer token; the probes stay open):
 - control: `POST /load` (idempotent), `GET /load` (progress, phase, loaded, error),
   `POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping`, `POST /validate/inputs`,
   `POST /validate`, `POST /ready`.
-- `GET /metrics` (Prometheus) and `GET /stats` (user/warmup request counts, requests in
-  flight, allocator fragmentation `1 - allocated/reserved`).
+- `GET /metrics` (Prometheus: requests by kind and code, and each completion's time to first
+  token and time per output token as the host timed it, which the speed checks read) and
+  `GET /stats` (user/warmup request counts, requests in flight, allocator fragmentation
+  `1 - allocated/reserved`).
 
 A completion that arrives while the model loads is served pipelined as soon as phase 1
 (embeddings and head) is in: its computation waits per layer for that layer's weights.

@@ -242,6 +242,7 @@ def _prove_canary(ctx: WorkerContext, rid: str, spec: BringUpSpec) -> str:
         return ""
     for c in proof.checks:
         ctx.metrics.validation_results.labels(spec.model, f"canary_{c.name.value}", c.outcome.value).inc()
+        log.info("replica %s: canary %s check %s: %s", rid, c.name.value, c.outcome.value, c.detail)
     return proof.problems
 
 

@@ -13,8 +13,8 @@ adds two things:
   compares them within the rollout's `logprob_tolerance` (a new quantisation may move
   logprobs a little; a corrupted file moves them a lot);
 - each prompt is also timed on both, one replica then the other, so both see the same load:
-  time to first token and decode time per token, both from one streamed `SPEED_TOKENS`
-  request (`prewarm.adapters.stream_timing`). The canary's medians must be
+  time to first token and decode time per token of a `SPEED_TOKENS` request, as the engine
+  timed it (`prewarm.adapters.engine_timing`: a client's wall clock is noise on a loaded node). The canary's medians must be
   within `speed_ratio` of the stable replica's measured in the same minute
   (`prewarm.policy.engine_checks.check_speed`): a slower export is caught even where no
   baseline was recorded on this node class.
@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from prewarm.adapters.stream_timing import timed_completion
+from prewarm.adapters.engine_timing import scrape
 from prewarm.core.errors import TemporaryError
 from prewarm.core.domain import ReplicaState
 from prewarm.policy import rollout as rp
@@ -97,8 +97,8 @@ class TimedProbe:
     """One prompt on one replica: its greedy answer with logprobs, and how fast it was made."""
 
     probe: Probe
-    ttft_s: float  # to the first streamed chunk
-    decode_s_per_token: float  # from the first streamed chunk to the last, per further token
+    ttft_s: float | None  # as the engine timed it (None: it timed no request)
+    decode_s_per_token: float | None  # first to last token, per token after the first
 
 
 @dataclass(frozen=True)
@@ -130,20 +130,27 @@ def _complete(endpoint: str, body: dict[str, Any], headers: dict[str, str], time
 
 
 def timed_probe(endpoint: str, prompt: str, *, served_model: str, token: str | None, timeout_s: float) -> TimedProbe:
-    """`prompt` on one replica's OpenAI-compatible server: greedy tokens with top logprobs, then a streamed
-    SPEED_TOKENS continuation for its time to first token and decode time per token (`stream_timing`)."""
+    """`prompt` on one replica's OpenAI-compatible server: greedy tokens with top logprobs, then a
+    SPEED_TOKENS continuation, timed by the engine itself (`prewarm.adapters.engine_timing`)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     greedy = {"model": served_model, "prompt": prompt, "temperature": 0}
     data, _ = _complete(endpoint, {**greedy, "max_tokens": PROBE_TOKENS, "logprobs": PROBE_TOP_K}, headers, timeout_s)
+    before = scrape(endpoint, api_key=token, timeout_s=timeout_s)
     # ignore_eos/min_tokens: vLLM's way to generate exactly max_tokens (the built-in runtime ignores them)
-    timing = timed_completion(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS,
-                                         "ignore_eos": True}, api_key=token, timeout_s=timeout_s)
-    return TimedProbe(probe_from_completion(prompt, data), timing.ttft_s, timing.decode_s_per_token)
+    _complete(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS, "ignore_eos": True},
+              headers, timeout_s)
+    ttft, decode = scrape(endpoint, api_key=token, timeout_s=timeout_s).since(before)
+    return TimedProbe(probe_from_completion(prompt, data), ttft, decode)
 
 
-def _baseline(values: Sequence[float]) -> float | None:
-    """The stable replica's median, None when it is not a usable baseline (a clock too coarse: 0)."""
-    m = statistics.median(values) if values else 0.0
+def _timed(values: Sequence[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _baseline(values: Sequence[float | None]) -> float | None:
+    """The stable replica's median, None when it is not a usable baseline (nothing timed, or 0)."""
+    timed = _timed(values)
+    m = statistics.median(timed) if timed else 0.0
     return m if m > 0 and math.isfinite(m) else None
 
 
@@ -178,8 +185,8 @@ def compare_with_stable(ctx: WorkerContext, *, model: str, revision: str, served
                              name=CheckName.NUMERIC)
     measured_now = SpeedBaseline(_baseline([t.ttft_s for t in reference]),
                                  _baseline([t.decode_s_per_token for t in reference]))
-    speed = check_speed([t.ttft_s for t in canary], [t.decode_s_per_token for t in canary], measured_now,
-                        factor=spec.speed_ratio)
+    speed = check_speed(_timed([t.ttft_s for t in canary]), _timed([t.decode_s_per_token for t in canary]),
+                        measured_now, factor=spec.speed_ratio)
     return CanaryProof(CheckResult(numeric.name, numeric.outcome, f"{against}: {numeric.detail}", numeric.measured),
                        CheckResult(speed.name, speed.outcome, f"{against}, measured side by side: {speed.detail}",
                                    speed.measured))

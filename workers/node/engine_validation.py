@@ -58,7 +58,7 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     probes = run.probes
     probed = time.monotonic() - t0
     facts = adapter.facts()  # the dtype from the server's start-up line, or its /server_info (asked since /health)
-    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts x 2 requests, one streamed), facts %.3fs", model,
+    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts, each with /metrics before and after), facts %.3fs", model,
              revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts), time.monotonic() - t0)
     structural = check_engine_structure(expected, facts)
     tol = tolerance_for(expected.dtype or facts.dtype or "float32", ecfg.logprob_tolerance)
