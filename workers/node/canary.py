@@ -14,10 +14,11 @@ adds two things:
   logprobs a little; a corrupted file moves them a lot);
 - each prompt is also timed on both, one replica then the other, so both see the same load:
   time to first token and decode time per token of a `SPEED_TOKENS` request, as the engine
-  timed it (`prewarm.adapters.engine_timing`: a client's wall clock is noise on a loaded node). The canary's medians must be
-  within `speed_ratio` of the stable replica's measured in the same minute
-  (`prewarm.policy.engine_checks.check_speed`): a slower export is caught even where no
-  baseline was recorded on this node class.
+  timed it (`prewarm.adapters.engine_timing`: a client's wall clock is noise on a loaded
+  node). The canary's medians must be within `speed_ratio` of the stable replica's measured
+  in the same minute (`prewarm.policy.engine_checks.check_speed`): a slower export is caught
+  even where no baseline was recorded on this node class. Both engines export these timers;
+  a server that does not is an error that names the metrics it lacks.
 
 The same proof runs for both engines (the built-in runtime and vLLM): both answer the
 OpenAI completions API with logprobs. A failed comparison fails the replica's validation
