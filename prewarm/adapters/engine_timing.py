@@ -17,7 +17,9 @@ A reading is the change of a histogram's sum over the change of its count betwee
 scrapes around the requests: their mean. Requests the replica served meanwhile (a stable
 replica keeps its traffic during a canary's proof) are in the mean too: the figure is then
 the replica's speed under its load of that minute, which is what a side-by-side comparison
-asks for.
+asks for. vLLM records a request's timers in the step of its output loop that hands the last
+tokens to the HTTP handler (unless that step carries over 128 requests' outputs), so a scrape
+made after the answer sees them; a reading that saw no request is None and is left out.
 """
 
 from __future__ import annotations
