@@ -31,8 +31,8 @@ from prometheus_client import CollectorRegistry
 from prewarm.adapters.k8s_watch import ReadyPod
 from prewarm.core import keys
 from prewarm.core.domain import Replica, ReplicaState
-from prewarm.policy.validation import Outcome
 from prewarm.core.settings import Settings
+from prewarm.policy.validation import Outcome
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.references import ReferenceStore
 from prewarm.registry.replicas import ReplicaRegistry

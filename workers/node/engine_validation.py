@@ -58,8 +58,9 @@ def engine_report(ctx: WorkerContext, server: EngineServer, *, model: str, revis
     probes = run.probes
     probed = time.monotonic() - t0
     facts = adapter.facts()  # the dtype from the server's start-up line, or its /server_info (asked since /health)
-    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts, each with /metrics before and after), facts %.3fs", model,
-             revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts), time.monotonic() - t0)
+    log.info("%s@%s: warmup %.3fs (%d requests), probes %.3fs (%d prompts, /metrics before and after each), "
+             "facts %.3fs", model, revision, sum(ttft_latencies_s), len(ttft_latencies_s), probed, len(prompts),
+             time.monotonic() - t0)
     structural = check_engine_structure(expected, facts)
     tol = tolerance_for(expected.dtype or facts.dtype or "float32", ecfg.logprob_tolerance)
     store = ReferenceStore(ctx.client)
