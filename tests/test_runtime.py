@@ -118,21 +118,22 @@ def test_streaming_matches_the_plain_answer(server: RuntimeProcess) -> None:
 def test_the_host_times_each_completion_for_the_speed_checks(server: RuntimeProcess) -> None:
     """Time to first token and decode time per token, from the host's own clock (`engine_timing`):
     a plain and a streamed completion each add one request to both histograms."""
-    from prewarm.adapters.engine_timing import scrape
+    from prewarm.adapters.runtimes import BuiltinRuntimeAdapter
 
-    before = scrape(server.url, api_key=None, timeout_s=30)
+    scrape = BuiltinRuntimeAdapter(server.url).engine_timers
+    before = scrape()
     for stream in (False, True):
-        start = scrape(server.url, api_key=None, timeout_s=30)
+        start = scrape()
         if stream:
             _sse(server.url, {"prompt": PROMPT, "max_tokens": 12, "stream": True})
         else:
             assert _complete(server.url, max_tokens=12)[0] == 200
-        ttft, decode = scrape(server.url, api_key=None, timeout_s=30).since(start)
+        ttft, decode = scrape().since(start)
         assert ttft is not None and decode is not None and 0 < ttft < 30 and 0 < decode < 30, (stream, ttft, decode)
-    after = scrape(server.url, api_key=None, timeout_s=30)
+    after = scrape()
     assert after.ttft[1] - before.ttft[1] == 2 and after.decode[1] - before.decode[1] == 2
     assert _complete(server.url, max_tokens=1)[0] == 200  # one token: a first token, no decode time
-    once = scrape(server.url, api_key=None, timeout_s=30)
+    once = scrape()
     assert once.ttft[1] == after.ttft[1] + 1 and once.decode == after.decode
 
 

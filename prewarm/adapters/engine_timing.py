@@ -20,6 +20,9 @@ the replica's speed under its load of that minute, which is what a side-by-side 
 asks for. vLLM records a request's timers in the step of its output loop that hands the last
 tokens to the HTTP handler (unless that step carries over 128 requests' outputs), so a scrape
 made after the answer sees them; a reading that saw no request is None and is left out.
+
+Pure: the adapters scrape (`_HttpAdapter.engine_timers`, over their HTTP client and error
+mapping) and this reads what they got.
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prewarm.core import http
-from prewarm.adapters.runtimes import RuntimeRequestError, RuntimeServerError, RuntimeUnavailable
 
 #: The histograms each engine keeps, by figure; a server exports one engine's.
 TTFT = ("vllm:time_to_first_token_seconds", "runtime_time_to_first_token_seconds")
@@ -74,25 +75,3 @@ def timers_from(text: str) -> Timers:
         return got[0], got[1]
 
     return Timers(pick(TTFT), pick(DECODE))
-
-
-def scrape(base_url: str, *, api_key: str | None, timeout_s: float) -> Timers:
-    """`base_url`/metrics read as `Timers`. Raises the adapters' errors: `RuntimeUnavailable` (no answer,
-    503), `RuntimeRequestError` (4xx: a wrong key), `RuntimeServerError` (another status, or no timers)."""
-    url = base_url.rstrip("/") + "/metrics"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = http.fetch("GET", url, None, headers, timeout=timeout_s)
-    except http.Unreachable as exc:
-        raise RuntimeUnavailable(f"GET {url}: {exc}", 1.0) from exc
-    what = f"GET {url} -> {resp.status}: {resp.body[:200].decode('utf-8', 'replace')}"
-    if resp.status == 503:
-        raise RuntimeUnavailable(what, 1.0)
-    if 400 <= resp.status < 500:
-        raise RuntimeRequestError(what, resp.status)
-    if resp.status != 200:
-        raise RuntimeServerError(what, 1.0)
-    try:
-        return timers_from(resp.body.decode("utf-8", "replace"))
-    except ValueError as exc:
-        raise RuntimeServerError(f"GET {url}: {exc}", 1.0) from exc

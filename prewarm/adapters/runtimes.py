@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
+from prewarm.adapters.engine_timing import Timers, timers_from
 from prewarm.core import http
 from prewarm.core.domain import LoadPhase
 from prewarm.core.errors import PermanentError, TemporaryError
@@ -178,6 +179,15 @@ class _HttpAdapter:
         return self._request(method, path, body, control=control).json()
 
     # -- shared by both adapters ------------------------------------------------------------
+    def engine_timers(self) -> Timers:
+        """How the engine has timed its requests so far, from its /metrics (`engine_timing`); a server that
+        exports neither engine's timers is a `RuntimeServerError` that names them."""
+        resp = self._request("GET", "/metrics")
+        try:
+            return timers_from(resp.body.decode("utf-8", "replace"))
+        except ValueError as exc:
+            raise RuntimeServerError(f"GET {self.base_url}/metrics: {exc}", 1.0) from exc
+
     def complete(self, prompt: str, max_tokens: int = 1, headers: Mapping[str, str] | None = None) -> Completion:
         payload: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": False}
         model = getattr(self, "model", None)

@@ -32,7 +32,6 @@ from typing import Any, Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from prewarm.adapters.runtimes import LoadStatus, OpenAICompatibleAdapter, RuntimeServerError, RuntimeUnavailable
-from prewarm.adapters.engine_timing import scrape
 from prewarm.policy.warmup import WarmupRequest
 from prewarm.policy.engine_checks import EngineFacts
 from prewarm.policy.reference import Probe, Step
@@ -221,9 +220,9 @@ class VllmAdapter(OpenAICompatibleAdapter):
                        "ignore_eos": True, "temperature": 0.0, "seed": 0, "logprobs": logprobs,
                        # ids, not text: byte-level pieces that decode to the same text would collide as keys
                        "return_tokens_as_token_ids": True}
-            before = scrape(self.base_url, api_key=self.token, timeout_s=self.timeout_s)
+            before = self.engine_timers()
             data = self._json("POST", "/v1/completions", payload)
-            _, per_token = scrape(self.base_url, api_key=self.token, timeout_s=self.timeout_s).since(before)
+            _, per_token = self.engine_timers().since(before)
             if per_token is not None:
                 decode.append(per_token)
             out.append(_probe_of(prompt, data))

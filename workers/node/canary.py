@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from prewarm.adapters.engine_timing import scrape
+from prewarm.adapters.runtimes import OpenAICompatibleAdapter
 from prewarm.core.errors import TemporaryError
 from prewarm.core.domain import ReplicaState
 from prewarm.policy import rollout as rp
@@ -136,11 +136,12 @@ def timed_probe(endpoint: str, prompt: str, *, served_model: str, token: str | N
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     greedy = {"model": served_model, "prompt": prompt, "temperature": 0}
     data, _ = _complete(endpoint, {**greedy, "max_tokens": PROBE_TOKENS, "logprobs": PROBE_TOP_K}, headers, timeout_s)
-    before = scrape(endpoint, api_key=token, timeout_s=timeout_s)
+    server = OpenAICompatibleAdapter(endpoint, token=token, timeout_s=timeout_s)  # the key on every route, /metrics too
+    before = server.engine_timers()
     # ignore_eos/min_tokens: vLLM's way to generate exactly max_tokens (the built-in runtime ignores them)
     _complete(endpoint, {**greedy, "max_tokens": SPEED_TOKENS, "min_tokens": SPEED_TOKENS, "ignore_eos": True},
               headers, timeout_s)
-    ttft, decode = scrape(endpoint, api_key=token, timeout_s=timeout_s).since(before)
+    ttft, decode = server.engine_timers().since(before)
     return TimedProbe(probe_from_completion(prompt, data), ttft, decode)
 
 
