@@ -67,3 +67,26 @@ def batch_replicas(jobs: Sequence[BatchJob], model: ModelSpec, lo: float, hi: fl
         t = max(s, lo)
         best = max(best, sum(r for a, b, r in spans if a <= t < b))
     return best, min((s for s, _, _ in spans), default=hi)
+
+
+def batch_schedule(jobs: Sequence[BatchJob], model: ModelSpec, now: float, lead: float, horizon_s: float,
+                   forecast_need: int, base: int, pool: int) -> tuple[tuple[float, int], ...]:
+    """Later targets the planner already knows of (due epoch s, replicas): each run of a job within `horizon_s`
+    is due one lead ahead of its start and ends with it: `forecast_need` (the forecast part, held as now; the
+    next step re-plans) or `base` (the load before the run) plus the run's replicas, whichever is more, plus
+    the warm `pool`."""
+    times: set[float] = set()
+    for job in jobs:
+        if not job.applies_to(model):
+            continue
+        it = croniter(job.cron, datetime.fromtimestamp(now + lead, tz=timezone.utc))
+        while True:
+            fire = float(it.get_next(float))
+            if fire > now + lead + horizon_s:
+                break
+            times.update((fire - lead, fire + job.duration_s))
+    out = []
+    for t in sorted(times):
+        batch, _ = batch_replicas(jobs, model, t, t + lead + 1.0)
+        out.append((t, max(forecast_need, base + batch) + pool))
+    return tuple(out)

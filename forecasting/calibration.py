@@ -24,6 +24,18 @@ the buckets counted since the planner acted, corrected for its start: seeded wit
 history read, it took in the zero buckets a live gateway reports for the time before a run
 (the replay has none), and the live margin fell far faster than the replayed one.
 
+The quantile rule (`margin_rule="quantile"`, not the default; figures in docs/operating.md) sets the
+margin from what past buckets needed instead, as split conformal prediction sets its interval from
+past scores: each step records the load it sized (`record_sizing`), and once that step's lead has
+run out each fine bucket is scored by the margin it needed, (peak in flight - a) / sqrt(a) (plus
+the staffing beta a peak already holds, in reactive mode). The margin is the quantile of those
+scores, weighed by the bucket's requests and decayed over `shortfall_horizon_s`, that leaves at
+most `alpha` of the requests short; the feedback moves only the level `alpha` (starting at the
+budget), by the integrator's step in units of the level (gain x budget per calm window). The
+integrator's margin after an event is set by how many requests waited, and its level when the
+next one comes by how long it was calm (a sawtooth, paid for all along); the quantile's is set by
+how much margin the events needed, so it stays where they put it.
+
 `sizing` applies the margin: to a mean load in flight whole, to a peak in flight (the
 planner's reactive mode) only beyond the staffing beta a peak already holds.
 
@@ -37,7 +49,7 @@ Pure: no I/O, no clock (bucket times come with the counts).
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,42 +69,169 @@ class BudgetParams(Protocol):
     def margin_max(self) -> float: ...
     @property
     def budget_horizon_s(self) -> float: ...
+    @property
+    def margin_rule(self) -> str: ...
+    @property
+    def shortfall_horizon_s(self) -> float: ...
+    @property
+    def fine_bucket_s(self) -> float: ...
+    @property
+    def interval_s(self) -> float: ...
+
+
+Sizing = tuple[float, float, float, float]  # a step's sizing, scored later: (made at, lead s, load a, offset)
+RULES = ("integrator", "quantile")
+SCORE_BIN = 0.25  # the resolution of the needed margins' histogram, in units of the margin
+
+
+class Carried(Protocol):
+    """What the calibration carries between steps (`forecasting.planner.PlannerState`)."""
+
+    @property
+    def margin(self) -> float | None: ...
+    @property
+    def counted_end(self) -> float | None: ...
+    @property
+    def counted_rate(self) -> float | None: ...
+    @property
+    def counted_weight_s(self) -> float | None: ...
+    @property
+    def shortfalls(self) -> tuple[float, ...]: ...
+    @property
+    def alpha(self) -> float | None: ...
+    @property
+    def sized(self) -> tuple[Sizing, ...]: ...
+
+
+class Calibrated(NamedTuple):
+    """The calibration's fields of the planner's state after a step."""
+
+    margin: float
+    counted_end: float | None
+    counted_rate: float | None
+    counted_weight_s: float | None
+    shortfalls: tuple[float, ...]
+    alpha: float | None
+
+
+def _new_buckets(n: int, waited: np.ndarray | None, start: float, bucket_s: float, counted_end: float | None,
+                 p: BudgetParams) -> tuple[int | None, float | None]:
+    """The first bucket not counted yet (None: nothing to count) and the new `counted_end`. The first call
+    counts nothing (it only marks where counting starts): misses before the planner acted are not its own."""
+    end = start + n * bucket_s
+    if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:
+        return None, end if n else counted_end
+    if counted_end is None:
+        return None, end
+    first = max(0, int(math.ceil(round((counted_end - start) / bucket_s, 9))))
+    return (None, counted_end) if first >= n else (first, end)
+
+
+def _carry_rate(req: float, span: float, rate: float | None, weight_s: float | None,
+                p: BudgetParams) -> tuple[float, float, float]:
+    """(the rate that normalises these buckets' overspend, the new carried rate, its weight in seconds): the
+    rate carried so far (before these buckets join it), or with none yet these buckets' own."""
+    norm = rate if rate is not None and weight_s else req / span
+    w = math.exp(-span / p.budget_horizon_s) * (weight_s or 0.0)
+    return norm, (w * (rate or 0.0) + req) / (w + span), w + span
 
 
 def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
                      margin: float | None, counted_end: float | None, rate: float | None, weight_s: float | None,
                      p: BudgetParams) -> tuple[float, float | None, float | None, float | None]:
-    """The margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end after
-    `counted_end`; the new `counted_end`; and the request rate (per second) over the budget's horizon that
+    """The integrator's margin after counting the buckets of `requests`/`waited` (from epoch `start`) that end
+    after `counted_end`; the new `counted_end`; and the request rate (per second) over the budget's horizon that
     normalises the overspend, with the seconds of counting it rests on (`rate`, `weight_s`: carried from the
     last step; None: nothing counted yet). The rate is an exponential average over `budget_horizon_s` of the
     buckets counted, corrected for its start (the sum of decayed requests over the sum of decayed seconds), so
-    the zero buckets before a model had traffic, or before the planner acted, do not weigh in. The first call
-    counts nothing (it only marks where counting starts): misses before the planner acted are not its own."""
+    the zero buckets before a model had traffic, or before the planner acted, do not weigh in."""
     beta = p.margin_initial if margin is None else float(margin)
-    n = int(requests.size)
-    end = start + n * bucket_s
-    if waited is None or n == 0 or not 0 < p.cold_start_budget < 1:
-        return beta, end if n else counted_end, rate, weight_s
-    if counted_end is None:
+    first, end = _new_buckets(int(requests.size), waited, start, bucket_s, counted_end, p)
+    if first is None or waited is None:
         return beta, end, rate, weight_s
-    first = max(0, int(math.ceil(round((counted_end - start) / bucket_s, 9))))
-    if first >= n:
-        return beta, counted_end, rate, weight_s
-    req = float(np.sum(requests[first:]))
-    miss = float(np.sum(waited[first:]))
-    span = (n - first) * bucket_s
-    # weighed by the rate carried so far (before these buckets join it); with none yet, by these buckets' own
-    norm = rate if rate is not None and weight_s else req / span
-    keep = math.exp(-span / p.budget_horizon_s)
-    w = keep * (weight_s or 0.0)
-    weight_s = w + span
-    rate = (w * (rate or 0.0) + req) / weight_s
+    req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
+    norm, rate, weight_s = _carry_rate(req, (requests.size - first) * bucket_s, rate, weight_s, p)
     per_window = norm * p.budget_calibration_s
     if not per_window > 0:
         return beta, end, rate, weight_s
     beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
     return min(p.margin_max, max(0.0, beta)), end, rate, weight_s
+
+
+def _bins(p: BudgetParams) -> int:
+    return int(math.ceil(p.margin_max / SCORE_BIN)) + 1
+
+
+def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int,
+                   sized: tuple[Sizing, ...], nbins: int) -> np.ndarray:
+    """Requests per bin of the margin each bucket from `first` needed: (peak in flight - a) / sqrt(a), plus the
+    sizing's offset, against the load `a` sized by the latest step whose lead had run out by the bucket's end
+    (its capacity was there in time). Buckets no recorded step sized are left out."""
+    out = np.zeros(nbins)
+    for k in range(first, requests.size):
+        end = start + (k + 1) * bucket_s
+        due = [r for r in sized if r[0] + r[1] <= end + 1e-9]
+        if not due:
+            continue
+        _, _, a, offset = max(due)
+        need = (float(peak[k]) - a) / math.sqrt(max(a, 1.0)) + offset
+        out[min(nbins - 1, max(0, int(math.ceil(need / SCORE_BIN - 1e-9))))] += float(requests[k])
+    return out
+
+
+def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> float | None:
+    """The smallest margin beyond which at most `alpha` of the requests' buckets needed more (None: the
+    histogram holds fewer than `min_requests`, too few to read a share of them from)."""
+    total = float(hist.sum())
+    if total <= 0 or total < min_requests:
+        return None
+    above = np.concatenate([np.cumsum(hist[::-1])[::-1][1:], [0.0]])  # requests in the bins above each
+    return float(np.argmax(above <= alpha * total)) * SCORE_BIN
+
+
+def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
+                        bucket_s: float, c: Carried, p: BudgetParams) -> Calibrated:
+    nbins = _bins(p)
+    hist = np.asarray(c.shortfalls, dtype=np.float64) if len(c.shortfalls) == nbins else np.zeros(nbins)
+    alpha = p.cold_start_budget if c.alpha is None else float(c.alpha)
+    rate, weight_s = c.counted_rate, c.counted_weight_s
+    first, end = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
+    if first is not None and waited is not None:
+        req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
+        span = (requests.size - first) * bucket_s
+        norm, rate, weight_s = _carry_rate(req, span, rate, weight_s, p)
+        hist = hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s,
+                                                                                first, c.sized, nbins)
+        per_window = norm * p.budget_calibration_s
+        if per_window > 0:  # the integrator's move, in units of the level: gain x budget per calm window
+            alpha = min(1.0, max(0.0, alpha + p.budget_gain * (p.cold_start_budget * req - miss) / per_window))
+    # read once it holds one budget's worth of requests (one of them may wait)
+    m = quantile_margin(hist, alpha, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
+    return Calibrated(p.margin_initial if m is None else min(m, p.margin_max), end, rate, weight_s,
+                      tuple(float(x) for x in hist), alpha)
+
+
+def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float, bucket_s: float,
+              c: Carried, p: BudgetParams) -> Calibrated:
+    """The margin after this step's new buckets, by the rule `p.margin_rule` (see the module docstring)."""
+    if p.margin_rule == "quantile":
+        return _calibrate_quantile(requests, waited, peak, start, bucket_s, c, p)
+    beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
+                                                 c.counted_rate, c.counted_weight_s, p)
+    return Calibrated(beta, end, rate, weight_s, c.shortfalls, c.alpha)
+
+
+def record_sizing(sized: tuple[Sizing, ...], now: float, lead_s: float, load: float, offset: float,
+                  p: BudgetParams) -> tuple[Sizing, ...]:
+    """The sizings the quantile rule will score the coming buckets against, with this step's: (now, lead, the
+    load sized, the margin's offset: the staffing beta a peak in flight already holds). Kept: those whose lead
+    ends within the buckets not yet counted, and the last one before them (empty under the integrator)."""
+    if p.margin_rule != "quantile":
+        return ()
+    horizon = now - 2 * p.fine_bucket_s - p.interval_s
+    recent = [r for r in sized if r[0] + r[1] >= horizon]
+    older = [r for r in sized if r[0] + r[1] < horizon]
+    return tuple(([max(older)] if older else []) + recent) + ((now, lead_s, float(load), float(offset)),)
 
 
 def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], float]:
@@ -102,3 +241,4 @@ def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], fl
     the fluctuation the staffing part stands for, and sized again it kept a second replica for a load one serves."""
     extra = max(0.0, margin - queue_beta) if peak else margin
     return lambda a: a + extra * math.sqrt(max(a, 0.0))
+

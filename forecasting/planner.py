@@ -8,9 +8,11 @@ records (requests and peak requests in flight per fine bucket; request rate per 
 bucket for the seasonal profile). A backtest therefore scores what ships.
 
 One decision per helper, in order (as Ray Serve's autoscaling policy reads):
-0. `calibrate_margin` (`forecasting.calibration`): the staffing margin moves with the requests that
+0. `calibrate` (`forecasting.calibration`): the staffing margin moves with the requests that
    waited for capacity since the last step against the operator's `cold_start_budget`
-   (a feedback term, as adaptive conformal inference moves its quantile on its misses);
+   (a feedback term, as adaptive conformal inference moves its quantile on its misses): the
+   margin itself (`margin_rule` "integrator", the default) or the level of a quantile of the
+   margins past buckets needed ("quantile"; each step records what it sized, `record_sizing`);
 1. `lead_of`: the lead is the measured cold-start p95 (the default until one is measured) plus a margin;
 2. `forecast_peak` (`forecasting.nowcast`; the season and profile resolution are settings,
    nothing is keyed to a clock): the planning quantile of the peak in-flight
@@ -49,15 +51,13 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
-from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from croniter import croniter
 
 from forecasting import budget, holds, interruption, park
-from forecasting.batch import BatchJob, batch_replicas
-from forecasting.calibration import calibrate_margin, sizing
+from forecasting.batch import BatchJob, batch_replicas, batch_schedule
+from forecasting.calibration import RULES, Sizing, calibrate, record_sizing, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from forecasting.placement import place
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
@@ -93,6 +93,8 @@ class PlannerParams:
     budget_calibration_s: float = 3600.0  # the window whose requests the budget's overspend is measured against
     budget_horizon_s: float = 86400.0  # the span the budget's share is meant over: the normaliser's average
     margin_max: float = 40.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
+    margin_rule: str = "integrator"  # how the margin meets the budget: "integrator" or "quantile" (docs/operating.md)
+    shortfall_horizon_s: float = 7 * 86400.0  # the quantile rule remembers the margins buckets needed this long
     error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
@@ -124,8 +126,13 @@ class PlannerParams:
             budget_calibration_s=float(s.budget_calibration_s), budget_horizon_s=float(s.budget_horizon_s),
             margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
             interruption_share=float(s.interruption_share), interruption_min_requests=float(s.interruption_min_requests),
-            interruption_hold_s=float(s.interruption_hold_s),
+            interruption_hold_s=float(s.interruption_hold_s), margin_rule=s.margin_rule,
+            shortfall_horizon_s=float(s.shortfall_horizon_s),
         )
+
+    def __post_init__(self) -> None:
+        if self.margin_rule not in RULES:
+            raise ValueError(f"margin_rule {self.margin_rule!r} is not one of {', '.join(RULES)}")
 
     @property
     def column(self) -> str:
@@ -202,6 +209,9 @@ class PlannerState:
     counted_weight_s: float | None = None  # the decayed seconds of counting it rests on
     quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
     lead_holds: holds.Holds = ()  # recommendations whose lead has not run out (`forecasting.holds`)
+    shortfalls: tuple[float, ...] = ()  # the quantile rule: requests per bin of the margin their bucket needed
+    alpha: float | None = None  # ... the share of them its margin may leave short (None: the budget)
+    sized: tuple[Sizing, ...] = ()  # ... the recent steps' sizings, to score the coming buckets against
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
@@ -215,7 +225,10 @@ class PlannerState:
         p = d.get("profile")
         return cls(**{k: v for k, v in d.items() if k in known}
                    | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE)),
-                      "lead_holds": tuple((float(u), int(n)) for u, n in d.get("lead_holds", ()))})
+                      "lead_holds": tuple((float(u), int(n)) for u, n in d.get("lead_holds", ())),
+                      "shortfalls": tuple(float(x) for x in d.get("shortfalls", ())),
+                      "sized": tuple((float(t), float(lead), float(a), float(o))
+                                     for t, lead, a, o in d.get("sized", ()))})
 
 
 @dataclass(frozen=True)
@@ -460,36 +473,13 @@ def _placed(inp: StepInputs, events: list[ScaleEvent]) -> tuple[list[ScaleEvent]
     return out, dropped
 
 
-def _schedule(inp: StepInputs, lead: float, forecast_need: int, base: int, pool: int) -> tuple[tuple[float, int], ...]:
-    """Later targets the planner already knows of: each batch run within the schedule horizon is due one
-    lead ahead of its start and ends with it (the forecast part held as now; the next step re-plans)."""
-    p = inp.params
-    times: set[float] = set()
-    for job in p.batch_jobs:
-        if not job.applies_to(inp.model):
-            continue
-        it = croniter(job.cron, datetime.fromtimestamp(inp.now + lead, tz=timezone.utc))
-        while True:
-            fire = float(it.get_next(float))
-            if fire > inp.now + lead + p.schedule_horizon_s:
-                break
-            times.update((fire - lead, fire + job.duration_s))
-    out = []
-    for t in sorted(times):
-        batch, _ = batch_replicas(p.batch_jobs, inp.model, t, t + lead + 1.0)
-        out.append((t, max(forecast_need, base + batch, p.min_serving) + pool))
-    return tuple(out)
-
-
 def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     """One planning step at `inp.now` (see the module docstring for the order of decisions)."""
     p, slots = inp.params, inp.model.slots
     state = _learn(inp, state)
     obs = inp.observed
-    margin_now, counted_end, rate, weight = calibrate_margin(obs.requests, obs.waited, obs.start, obs.bucket_s,
-                                                             state.margin, state.counted_end, state.counted_rate,
-                                                             state.counted_weight_s, p)
-    state = replace(state, margin=margin_now, counted_end=counted_end, counted_rate=rate, counted_weight_s=weight)
+    cal = calibrate(obs.requests, obs.waited, obs.peak, obs.start, obs.bucket_s, state, p)
+    state, margin_now = replace(state, **cal._asdict()), cal.margin
     # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)
@@ -502,6 +492,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
             lead = inp.wake_p95_s + p.lead_margin_s
             fc, mode = _forecast(inp, state, lead)
             margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
+    offset = p.queue_beta if mode == REACTIVE else 0.0  # the quantile rule scores what this step sizes
+    state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
@@ -542,7 +534,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     events, placement_dropped = _placed(inp, events)
     if mode != state.mode:
         state = replace(state, mode=mode, mode_since=inp.now)
-    schedule = _schedule(inp, lead, fc_lead, _base_need(inp, inp.now, staffed), pool) if p.batch_jobs else ()
+    forecast_need = max(fc_lead, p.min_serving)
+    schedule = (batch_schedule(p.batch_jobs, inp.model, inp.now, lead, p.schedule_horizon_s, forecast_need,
+                               _base_need(inp, inp.now, staffed), pool) if p.batch_jobs else ())
     share = warm_cost(target + pool, floor_next)
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)

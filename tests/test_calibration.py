@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 import pytest
 
-from forecasting.calibration import calibrate_margin
+from forecasting.calibration import (SCORE_BIN, calibrate, calibrate_margin, needed_margins, quantile_margin,
+                                     record_sizing)
 from forecasting.data.history import load_fine_counters
 from forecasting.data.traces import RateTrace
 from forecasting.forecast.nowcast import fit_profile
@@ -89,6 +91,94 @@ def test_the_overspend_is_weighed_by_the_horizon_rate_so_the_budget_is_a_share_o
 def test_planner_state_carries_the_margin_through_json() -> None:
     s = PlannerState(margin=4.25, counted_end=1234.0, counted_rate=12.5, counted_weight_s=600.0)
     assert PlannerState.from_json(s.to_json()) == s
+
+
+# -- the quantile rule: the margin read from the margins past buckets needed -------------------------------------
+
+Q = PlannerParams(cold_start_budget=0.01, budget_gain=0.1, margin_initial=2.0, margin_max=10.0, margin_rule="quantile",
+                  shortfall_horizon_s=3600.0)
+
+
+def test_each_bucket_is_scored_against_the_sizing_whose_capacity_was_there_in_time() -> None:
+    """A bucket's needed margin is (peak - a) / sqrt(a) against the load `a` the latest step sized whose lead had run
+    out by the bucket's end, plus that step's offset (a peak's staffing beta); a bucket no step sized is left out."""
+    sized = ((0.0, 20.0, 16.0, 0.0), (10.0, 20.0, 25.0, 1.5), (20.0, 20.0, 100.0, 0.0))
+    req, peak = np.array([7.0, 5.0, 3.0, 2.0]), np.array([30.0, 24.0, 45.0, 35.0])
+    hist = needed_margins(req, peak, 0.0, 10.0, 0, sized, 41)
+    # bucket 0 ends at 10 s: no lead had run out; bucket 1 (ends 20 s): the step at 0 s, (24 - 16) / 4 = 2;
+    # bucket 2 (30 s): the step at 10 s, (45 - 25) / 5 + 1.5 = 5.5; bucket 3 (40 s): the step at 20 s, below its load
+    assert hist.sum() == 10.0 and hist[0] == 2.0
+    assert hist[int(2 / SCORE_BIN)] == 5.0 and hist[int(5.5 / SCORE_BIN)] == 3.0
+    assert needed_margins(req, peak, 0.0, 10.0, 2, sized, 41).sum() == 5.0  # only the buckets from `first`
+
+
+def test_the_quantile_margin_leaves_at_most_alpha_of_the_requests_short() -> None:
+    hist = np.zeros(41)
+    hist[4], hist[12], hist[40] = 980.0, 15.0, 5.0  # margins 1, 3 and 10 needed
+    assert quantile_margin(hist, 0.02, 100.0) == 1.0  # 20 requests' buckets needed more: 2%
+    assert quantile_margin(hist, 0.01, 100.0) == 3.0
+    assert quantile_margin(hist, 0.0, 100.0) == 10.0  # none may be short: the most any bucket needed
+    assert quantile_margin(hist, 0.0005, 100.0) == 10.0
+    assert quantile_margin(np.zeros(41), 0.01, 100.0) is None
+    assert quantile_margin(hist, 0.01, 1001.0) is None  # too few requests to read a share from
+
+
+def test_the_quantile_rule_moves_its_level_by_the_overspend_and_forgets_over_its_horizon() -> None:
+    req, peak, waited = _counts(360), np.full(360, 50.0), np.zeros(360)
+    sized = ((-60.0, 20.0, 49.0, 0.0),)  # every bucket needed (50 - 49) / 7: one bin
+    first = calibrate(req, waited, peak, 0.0, 10.0, PlannerState(), Q)
+    assert (first.margin, first.counted_end, first.alpha, sum(first.shortfalls)) == (2.0, 3600.0, 0.01, 0.0)
+    calm = calibrate(req, waited, peak, 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), Q)
+    assert calm.alpha == pytest.approx(0.01 + 0.1 * 0.01)  # a calm window: the level rises by gain x budget
+    assert sum(calm.shortfalls) == pytest.approx(36000.0) and calm.margin == pytest.approx(SCORE_BIN)
+    waited[-1] = 720.0  # the window's budget (360) spent twice
+    missed = calibrate(req, waited, peak, 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), Q)
+    assert missed.alpha == pytest.approx(0.01 - 0.1 * 360.0 / 36000.0)
+    later = calibrate(req, np.zeros(360), peak, 3600.0, 10.0,
+                      PlannerState(counted_end=3600.0, shortfalls=calm.shortfalls, alpha=calm.alpha), Q)
+    assert sum(later.shortfalls) == pytest.approx(36000.0 * math.exp(-1.0))  # one horizon: e^-1 (no sizing: no new)
+    off = replace(Q, cold_start_budget=1.0)  # no budget: the margin stays at its start (the fixed-margin ablation)
+    assert calibrate(req, waited, peak, 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), off).margin == 2.0
+
+
+def test_only_the_quantile_rule_keeps_the_sizings_and_only_those_it_will_score() -> None:
+    assert record_sizing((), 100.0, 20.0, 5.0, 0.0, PlannerParams()) == ()
+    kept = ((10.0, 20.0, 1.0, 0.0), (40.0, 20.0, 2.0, 0.0), (60.0, 20.0, 3.0, 0.0), (90.0, 20.0, 4.0, 0.0))
+    # at 100 s the buckets not yet counted end after 70 s: the sizing of 60 s is due at 80 s, the one of 40 s the
+    # last before them (it sized the bucket ending at 70 s), the one of 10 s is not needed again
+    out = record_sizing(kept, 100.0, 20.0, 5.0, 1.5, Q)
+    assert out == kept[1:] + ((100.0, 20.0, 5.0, 1.5),)
+
+
+def test_the_quantile_rule_is_a_setting_and_its_state_goes_through_json(clean_env: pytest.MonkeyPatch) -> None:
+    from prewarm.core.errors import SettingsError
+    from prewarm.core.settings import Settings
+
+    s = PlannerState(margin=3.25, counted_end=100.0, shortfalls=(1.0, 2.5), alpha=0.002, sized=((1.0, 2.0, 3.0, 0.0),))
+    assert PlannerState.from_json(s.to_json()) == s
+    clean_env.setenv("PREWARM_PLANNER_MARGIN_RULE", "quantile")
+    clean_env.setenv("PREWARM_PLANNER_SHORTFALL_HORIZON_S", "86400")
+    p = PlannerParams.from_settings(Settings.load().planner)
+    assert (p.margin_rule, p.shortfall_horizon_s) == ("quantile", 86400.0)
+    clean_env.setenv("PREWARM_PLANNER_MARGIN_RULE", "pid")
+    with pytest.raises(SettingsError, match="PREWARM_PLANNER_MARGIN_RULE"):
+        Settings.load()
+    with pytest.raises(ValueError, match="margin_rule 'pid'"):
+        PlannerParams(margin_rule="pid")
+
+
+def test_under_the_quantile_rule_the_budget_moves_the_gpu_on_off_grid_traffic() -> None:
+    """The operator's knob under the quantile rule: a tighter budget spends more GPU for no more hits. (On these ten
+    hours it has none at either budget: its level starts at the budget and rises by gain x budget a calm hour, so
+    on a short trace it sizes on the tail of the margins needed; docs/operating.md, "the quantile rule".)"""
+    tr = _off_grid_trace(10.0, seed=3)
+    shares, gpu = [], []
+    for budget in (0.01, 0.0003):
+        kw = {"cold_start_budget": budget, "margin_initial": 1.5, "margin_rule": "quantile"}
+        row = run_backtest(tr, SimParams(), ["prewarm"], policy_kwargs={"prewarm": kw})["result"]["rows"][0]
+        shares.append(row["cold_start_share"])
+        gpu.append(row["gpu_hours"])
+    assert shares[1] <= shares[0] and gpu[1] > gpu[0]
 
 
 def test_the_profile_resolution_and_season_are_declared_not_fixed() -> None:

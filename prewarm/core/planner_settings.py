@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -40,6 +40,10 @@ class PlannerSettings(_Group):
     budget_calibration_s: float = Field(3600.0, gt=0)  # the window the overspend is measured against
     budget_horizon_s: float = Field(86400.0, gt=0)  # the span the budget's share is meant over (its normaliser)
     margin_max: float = Field(40.0, gt=0)  # the calibrated margin's ceiling (no integrator wind-up)
+    # how the margin meets the budget: "integrator" moves it by the overspend; "quantile" reads it from the margins
+    # past buckets needed, the overspend moving the quantile's level (docs/operating.md, "the quantile rule")
+    margin_rule: Literal["integrator", "quantile"] = "integrator"
+    shortfall_horizon_s: float = Field(7 * 86400.0, gt=0)  # the quantile rule remembers needed margins this long
     season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
     profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
     # --- a fall the profile contradicts is held (forecasting/interruption.py; reasons in docs/operating.md) ---

@@ -97,6 +97,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.planner.minServing | quote }}
 - name: PREWARM_PLANNER_COLD_START_BUDGET
   value: {{ .Values.planner.coldStartBudget | quote }}
+- name: PREWARM_PLANNER_MARGIN_RULE
+  value: {{ .Values.planner.marginRule | quote }}
 - name: PREWARM_PLANNER_SCALE_DOWN_TOLERANCE
   value: {{ .Values.planner.scaleDownTolerance | quote }}
 - name: PREWARM_PLANNER_INTERRUPTION_SHARE
