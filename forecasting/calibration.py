@@ -241,4 +241,3 @@ def sizing(peak: bool, margin: float, queue_beta: float) -> Callable[[float], fl
     the fluctuation the staffing part stands for, and sized again it kept a second replica for a load one serves."""
     extra = max(0.0, margin - queue_beta) if peak else margin
     return lambda a: a + extra * math.sqrt(max(a, 0.0))
-
