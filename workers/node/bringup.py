@@ -162,11 +162,12 @@ def bring_up(ctx: WorkerContext, rec: Replica, spec: BringUpSpec, *, connect: Ca
     if not server.mark_ready(report):
         raise TemporaryError(f"the server of {rid} did not report ready after validation", 1.0)
     check()
-    rec = transition(ReplicaState.READY, ReplicaState.WARMING, report.reason if spec.expected is None else "")
     cold = max(0.0, ctx.clock() - spec.started_at - spec.excluded_s)
-    ctx.metrics.cold_start.labels(spec.model, spec.node).observe(cold)
-    # the planner's lead (`load_time_p95`), per revision and node class
+    # the planner's lead (`load_time_p95`), per revision and node class: recorded before the replica shows ready, so
+    # whoever sees it ready (the planner's next round, a test) also sees its lead
     ctx.registry.record_load_time(spec.model, cold, revision=spec.revision, node_class=spec.node_class)
+    rec = transition(ReplicaState.READY, ReplicaState.WARMING, report.reason if spec.expected is None else "")
+    ctx.metrics.cold_start.labels(spec.model, spec.node).observe(cold)
     log.info("[COLDSTART] replica=%s model=%s node=%s %sstate=ready cold_start_s=%.3f endpoint=%s", rid, spec.model,
              spec.node, f"{spec.label} " if spec.label else "", cold, rec.endpoint)
     return BringUpResult(rec, PrewarmOutcome.READY, report, cold)
