@@ -13,7 +13,12 @@ and decides for all models together:
   it, so the budget is spent where the outlook is best (dense models, whose outlook is ~1,
   stay warm; a sparse model stays warm exactly while its own idle-time hazard pays for it,
   which gives it a keep-alive window and a pre-warm from its own distribution);
-- a model with requests in flight is never evicted;
+- a model with requests in flight is never evicted (one replica of it stays; its others are
+  weighed like any replica, and one let go drains first);
+- the replicas a model's load needs now (`FleetContext.serving`: its last bucket's rate over a
+  replica's capacity, no margin) come before any model's warmth: requests arriving now wait for
+  certain without them, a warm idle model's only if one comes. Placed one replica per model at
+  a time, so a pool too small shares its shortfall instead of giving it all to one model;
 - a model that leaves GPU is put to sleep where it is (weights in pinned host memory, woken in
   a fraction of a load) while that node's host memory lasts, best first, where its engine can sleep (a
   model whose engine reports no sleep mode has no asleep tier: `ModelCard.sleeps`,
@@ -90,6 +95,7 @@ class FleetContext:
     burst_requests: np.ndarray
     params: FleetParams
     replicas: Mapping[str, int] = field(default_factory=dict)  # dense models: replicas their forecast needs
+    serving: Mapping[str, int] = field(default_factory=dict)  # ... of them, those the load now needs (no margin)
 
 
 @dataclass
@@ -197,23 +203,33 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
         put(i, node)
         return True
 
-    # 1. replicas with requests in flight stay, whatever their value
+    # 1. a model with requests in flight stays, whatever its value: one replica, where the most are in flight (its
+    #    others are weighed below like any replica; one let go drains its requests before it goes)
+    busiest: dict[str, tuple[int, str]] = {}
     for fnode in ctx.nodes:
         for model, n in fnode.in_flight.items():
-            if n > 0 and fnode.resident.get(model) == Tier.GPU and fnode.name not in gpu.get(model, []):
-                put(index[model], fnode.name)
-    # 2. models worth their memory at the price ``lam``, best density first, where they are if possible
+            if n > 0 and fnode.resident.get(model) == Tier.GPU and n > busiest.get(model, (0, ""))[0]:
+                busiest[model] = (n, fnode.name)
+    for model, (_, node) in busiest.items():
+        put(index[model], node)
+
+    def fill(wants: Mapping[str, int]) -> None:
+        """Up to ``wants[model]`` replicas each while memory lasts, one more per model per pass."""
+        short = {m: w for m, w in wants.items() if len(gpu.get(m, [])) < w}
+        while short:
+            short = {m: w for m, w in short.items() if place(index[m]) and len(gpu.get(m, [])) < w}
+
+    # 2. the replicas the load now needs (no margin): requests arriving now wait for certain without them
+    fill({m: min(n, ctx.replicas.get(m, n)) for m, n in ctx.serving.items()})
+    # 3. models worth their memory at the price ``lam``, best density first, where they are if possible
     order = np.argsort(-dens, kind="stable")
     keep = order[dens[order] >= state.lam]
     for i in keep:
         if cards[i].name not in gpu:
             place(i)
-    # 3. dense models: the replicas their forecast needs beyond the first, while memory lasts
-    for model, want in ctx.replicas.items():
-        i = index[model]
-        while len(gpu.get(model, [])) < want and place(i):
-            pass
-    # 4. below GPU: what leaves it sleeps while host memory lasts (where it is), the best value of a wake over a
+    # 4. dense models: the replicas their forecast needs beyond the first, while memory lasts
+    fill(ctx.replicas)
+    # 5. below GPU: what leaves it sleeps while host memory lasts (where it is), the best value of a wake over a
     #    load first, then the best GPU density. Host memory is a capacity, not a price: the budget is GPU memory,
     #    and a sleeping model costs the GPU only its copy out. Only a model on GPU or already asleep can sleep
     #    (a sleep is a running engine's); a model in the page cache takes no host memory from one that can
@@ -230,7 +246,7 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
             continue
         host_free[host] -= mem[i]
         asleep[name] = host
-    # 5. what leaves GPU or host memory: the replicas beyond those kept on each node (one put to sleep where the
+    # 6. what leaves GPU or host memory: the replicas beyond those kept on each node (one put to sleep where the
     #    model sleeps and none is kept, the others evicted)
     for model, tiers in by_model.items():
         i = index[model]

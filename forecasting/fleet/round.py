@@ -23,7 +23,8 @@ warm) are two regimes of this one decision:
 
 Then the pure fleet planner (`plan_fleet`) decides every model's tier and node in one pass,
 within each node's GPU and host memory and the fleet budget, the dense models' counts
-included. Pure: history, step inputs, nodes and `now` are passed in; states are passed through.
+included, the replicas their load needs now (`serving_replicas`) before any model's warmth.
+Pure: history, step inputs, nodes and `now` are passed in; states are passed through.
 """
 
 from __future__ import annotations
@@ -116,6 +117,17 @@ def burst_replicas(counts: np.ndarray, catalog: Catalog, params: RoundParams) ->
     return {catalog.cards[int(i)].name: int(need[i]) for i in np.flatnonzero(need > 1)}
 
 
+def serving_replicas(counts: np.ndarray, catalog: Catalog, replicas: Mapping[str, int],
+                     bucket_s: float) -> dict[str, int]:
+    """Of the models sized (``replicas``), the replicas their last bucket's rate needs at a replica's full
+    capacity: the load now, without a forecast's margin or an HPA's headroom (at most what they are sized)."""
+    if not counts.size:
+        return {}
+    need = np.ceil(counts[-1] / bucket_s / catalog.capacity_array - 1e-9)
+    index = catalog.index
+    return {m: min(n, int(need[index[m]])) for m, n in replicas.items() if need[index[m]] >= 1}
+
+
 def estimator_from_history(counts: np.ndarray, params: RoundParams) -> ArrivalEstimator:
     """An estimator that has seen ``counts[t, model]`` (requests per bucket), oldest first."""
     est = ArrivalEstimator(counts.shape[1], params.bucket_s, slot_s=params.profile_bin_s, day_s=params.season_s)
@@ -162,7 +174,8 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
         decisions[name], states[name] = step(inp, planner_state)
         replicas[name] = max(1, decisions[name].cluster_target)
     ctx = FleetContext(now=now, catalog=catalog, nodes=nodes, rate=out.rate, burst_requests=out.burst_requests,
-                       params=params.fleet, replicas=replicas)
+                       params=params.fleet, replicas=replicas,
+                       serving=serving_replicas(counts, catalog, replicas, bucket))
     plan, planner_state_ = plan_fleet(ctx, state.planner)
     result = RoundResult(plan=plan, dense=tuple(dense or {}), replicas=replicas, rate=out.rate,
                          decisions=decisions, states=states)
