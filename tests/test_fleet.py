@@ -179,6 +179,7 @@ def test_serving_replicas_are_the_last_buckets_rate_at_full_capacity() -> None:
     assert serving_replicas(counts, cat, {"m0": 2, "m1": 5, "m2": 4, "m3": 3}, 60.0) == {"m0": 2, "m1": 2, "m2": 1}
     assert serving_replicas(np.zeros((0, 4)), cat, {"m0": 2}, 60.0) == {}
 
+
 def test_planner_price_tracks_the_fleet_budget() -> None:
     nodes = (FleetNode("a", gpu_gb=200.0, host_gb=0.0),)
     state = FleetState(lam=1e-6)

@@ -220,7 +220,7 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
             short = {m: w for m, w in short.items() if place(index[m]) and len(gpu.get(m, [])) < w}
 
     # 2. the replicas the load now needs (no margin): requests arriving now wait for certain without them
-    fill({m: min(n, ctx.replicas.get(m, n)) for m, n in ctx.serving.items()})
+    fill(ctx.serving)
     # 3. models worth their memory at the price ``lam``, best density first, where they are if possible
     order = np.argsort(-dens, kind="stable")
     keep = order[dens[order] >= state.lam]
