@@ -11,6 +11,7 @@ given as it was, and be rebuilt where it cannot be carried on.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -148,6 +149,28 @@ def test_a_dense_models_count_is_the_count_planners_and_its_budget_steers_it() -
                             dense={"m3": (inp, PlannerState())})
     assert capped.replicas["m3"] == alone.cluster_target and 1 <= len(capped.plan.gpu["m3"]) <= 4
     assert capped.plan.gpu_gb <= 320.0
+
+
+def test_a_model_back_in_the_dense_set_does_not_count_the_misses_from_before_as_its_margins() -> None:
+    """A model the last round did not size by the count planner (sparse, or not yet dense) had no margin applied:
+    the requests that waited meanwhile (a burst's first minute, before any round saw it) are not its margin's
+    misses, so its counting starts afresh. Sized last round, the same waits raise its margin."""
+    counts, catalog, nodes, _ = _fleet()
+    params = RoundParams(bucket_s=STEP, fleet=FleetParams(step_s=STEP))
+    now = counts.shape[0] * STEP
+    inp = _busy_inputs("m3", in_flight=40.0, now=now)
+    waited = np.zeros(inp.observed.requests.size)
+    waited[-6:] = 200.0  # the last minute's requests all waited
+    inp = replace(inp, observed=replace(inp.observed, waited=waited))
+    counted = PlannerState(margin=6.0, counted_end=now - 600.0)
+    was_dense, _ = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(dense=("m3",)),
+                               dense={"m3": (inp, counted)})
+    was_not, carried = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(),
+                                   dense={"m3": (inp, counted)})
+    margin = was_dense.states["m3"].margin
+    assert margin is not None and margin > 6.0
+    assert was_not.states["m3"].margin == 6.0 and was_not.states["m3"].counted_end == now
+    assert carried.dense == ("m3",)  # the next round counts its misses
 
 
 def test_a_dense_model_not_in_the_catalog_is_refused_by_name() -> None:

@@ -17,7 +17,9 @@ warm) are two regimes of this one decision:
   the inputs the caller built for them as the single-model loop builds them (the gateway's
   fine counters, the live replicas, the measured cold start): the same step, cold-start
   budget and calibrated margin as a model planned alone, its state carried per model. The
-  round asks for that many replicas (serving target plus warm pool) on GPU;
+  round asks for that many replicas (serving target plus warm pool) on GPU. A model the last
+  round did not size starts its margin's counting afresh: what waited meanwhile (a quiet
+  model's burst before any round saw it) was short of no margin;
 - the long tail's forecast is the estimator's outlook: no model of its own; a burst of one of
   them beyond one replica's capacity gets the replicas an HPA would give it (`burst_replicas`).
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -70,6 +72,7 @@ class RoundState:
     estimator: ArrivalEstimator | None = None
     models: tuple[str, ...] = ()
     seen_to: float | None = None
+    dense: tuple[str, ...] = ()  # the models the last round sized by the count planner
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     replicas: dict[str, int] = {name: n for name, n in burst_replicas(counts, catalog, params).items()
                                 if name not in (dense or {})}
     for name, (inp, planner_state) in (dense or {}).items():
+        if name not in state.dense:  # its margin sized none of the buckets since it was last dense: not its misses
+            planner_state = replace(planner_state, counted_end=None)
         decisions[name], states[name] = step(inp, planner_state)
         replicas[name] = max(1, decisions[name].cluster_target)
     ctx = FleetContext(now=now, catalog=catalog, nodes=nodes, rate=out.rate, burst_requests=out.burst_requests,
@@ -179,4 +184,4 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     plan, planner_state_ = plan_fleet(ctx, state.planner)
     result = RoundResult(plan=plan, dense=tuple(dense or {}), replicas=replicas, rate=out.rate,
                          decisions=decisions, states=states)
-    return result, RoundState(planner=planner_state_, estimator=est, models=models, seen_to=end)
+    return result, RoundState(planner=planner_state_, estimator=est, models=models, seen_to=end, dense=result.dense)
