@@ -199,7 +199,7 @@ def test_unknown_model_is_a_404(server: RuntimeProcess) -> None:
                                               ("POST", "/wake_up"), ("GET", "/is_sleeping"),
                                               ("POST", "/validate/inputs"), ("POST", "/validate"), ("POST", "/ready")])
 def test_control_endpoints_need_the_token(server: RuntimeProcess, method: str, path: str) -> None:
-    body = {} if method == "POST" else None
+    body: dict[str, Any] | None = {} if method == "POST" else None
     status, resp, hdrs = call(server.url + path, method, body)
     assert status == 401 and resp["error"]["code"] == "missing_token"
     status, resp, _ = call(server.url + path, method, body, token="wrong")

@@ -238,7 +238,9 @@ def test_routed_through_the_gateway(world: World) -> None:
                 return None  # not listening yet
             return got if got[0] == 200 else None
 
-        status, body = wait_for(answer, 60, "the gateway to answer through vLLM")
+        got = wait_for(answer, 60, "the gateway to answer through vLLM")
+        assert got is not None  # wait_for returns only a truthy answer
+        status, body = got
         assert body["model"] == "tiny" and str(body.get("system_fingerprint", "")).startswith("vllm")
         assert body["usage"]["completion_tokens"] == 4
         status, chat = call(f"http://127.0.0.1:{port}/v1/chat/completions",
