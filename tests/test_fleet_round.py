@@ -163,14 +163,21 @@ def test_a_model_back_in_the_dense_set_does_not_count_the_misses_from_before_as_
     waited[-6:] = 200.0  # the last minute's requests all waited
     inp = replace(inp, observed=replace(inp.observed, waited=waited))
     counted = PlannerState(margin=6.0, counted_end=now - 600.0)
-    was_dense, _ = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(dense=("m3",)),
-                               dense={"m3": (inp, counted)})
-    was_not, carried = fleet_round(counts, catalog, nodes, now=now, params=params, state=RoundState(),
-                                   dense={"m3": (inp, counted)})
-    margin = was_dense.states["m3"].margin
-    assert margin is not None and margin > 6.0
-    assert was_not.states["m3"].margin == 6.0 and was_not.states["m3"].counted_end == now
+    last = now - STEP  # the last round's end
+
+    def after(state: RoundState) -> tuple[PlannerState, RoundState]:
+        result, carried = fleet_round(counts, catalog, nodes, now=now, params=params, state=state,
+                                      dense={"m3": (inp, counted)})
+        return result.states["m3"], carried
+
+    was_dense, _ = after(RoundState(seen_to=last, dense=("m3",)))
+    assert was_dense.margin is not None and was_dense.margin > 6.0
+    was_not, carried = after(RoundState(seen_to=last))
+    assert was_not.margin == 6.0 and was_not.counted_end == now
     assert carried.dense == ("m3",)  # the next round counts its misses
+    # no round on record (a restarted planner, `prewarm plan --dry-run`): its counting goes on as carried
+    unknown, _ = after(RoundState())
+    assert unknown.margin == was_dense.margin
 
 
 def test_a_dense_model_not_in_the_catalog_is_refused_by_name() -> None:

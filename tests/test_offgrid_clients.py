@@ -20,7 +20,7 @@ def _rates() -> dict[str, dict[int, float]]:
     return {f"c{k}": {i * 600: float(r) for i in range(48) if (r := rng.integers(0, 4)) > 0} for k in range(3)}
 
 
-def test_each_client_keeps_its_rates_in_order_with_its_steps_off_the_grid(tmp_path: Path) -> None:
+def test_each_client_keeps_its_rates_in_order_with_its_steps_off_the_grid() -> None:
     rates = _rates()
     out = list(offgrid_clients(rates, seed=1))
     moved = set()

@@ -19,7 +19,8 @@ warm) are two regimes of this one decision:
   budget and calibrated margin as a model planned alone, its state carried per model. The
   round asks for that many replicas (serving target plus warm pool) on GPU. A model the last
   round did not size starts its margin's counting afresh: what waited meanwhile (a quiet
-  model's burst before any round saw it) was short of no margin;
+  model's burst before any round saw it) was short of no margin (with no last round on
+  record, a restarted planner or a dry run, its counting goes on as carried);
 - the long tail's forecast is the estimator's outlook: no model of its own; a burst of one of
   them beyond one replica's capacity gets the replicas an HPA would give it (`burst_replicas`).
 
@@ -72,7 +73,7 @@ class RoundState:
     estimator: ArrivalEstimator | None = None
     models: tuple[str, ...] = ()
     seen_to: float | None = None
-    dense: tuple[str, ...] = ()  # the models the last round sized by the count planner
+    dense: tuple[str, ...] = ()  # the models the last round sized by the count planner (known once `seen_to` is)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,9 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     states: dict[str, PlannerState] = {}
     replicas: dict[str, int] = {name: n for name, n in burst_replicas(counts, catalog, params).items()
                                 if name not in (dense or {})}
+    known = state.seen_to is not None  # a round before this one recorded which models it sized
     for name, (inp, planner_state) in (dense or {}).items():
-        if name not in state.dense:  # its margin sized none of the buckets since it was last dense: not its misses
+        if known and name not in state.dense:  # its margin sized none of the buckets since: not its misses
             planner_state = replace(planner_state, counted_end=None)
         decisions[name], states[name] = step(inp, planner_state)
         replicas[name] = max(1, decisions[name].cluster_target)
