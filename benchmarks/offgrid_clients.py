@@ -13,49 +13,30 @@ Usage: python benchmarks/offgrid_clients.py IN.csv OUT.csv [SEED]
 
 from __future__ import annotations
 
-import csv
 import random
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
+
+from forecasting.fleet.traces import FleetTrace, read_client_rates
 
 GRID_S = 60
 
 
-def _window(starts: set[int]) -> int:
-    ordered = sorted(starts)
-    gaps = [b - a for a, b in zip(ordered, ordered[1:]) if b > a]
-    if not gaps:
-        raise ValueError("a per-client file needs at least two distinct window starts to read its window from")
-    return min(gaps)
-
-
-def offgrid_clients(rates: dict[str, dict[int, float]], seed: int) -> Iterator[tuple[str, int, float]]:
-    """(client, start s, rate) per 60 s for ``rates[client][window start s]``, every client's window
+def offgrid_clients(trace: FleetTrace, seed: int) -> Iterator[tuple[str, int, float]]:
+    """(client, start s, rate) per 60 s for a per-client rate trace (`read_client_rates`), every client's window
     boundaries moved by its own draws of ``seed`` (uniform +-40% of a window, rounded to 60 s)."""
-    window = _window({s for per in rates.values() for s in per})
-    n = max(s for per in rates.values() for s in per) // window + 1
-    for k, client in enumerate(sorted(rates)):
-        rng = random.Random(seed * 100_003 + k)  # the client's own stream (k: its place in name order)
+    window, n = int(trace.step_s), trace.n_steps
+    for k, client in enumerate(trace.names):  # in name order
+        rng = random.Random(seed * 100_003 + k)  # the client's own stream
         bounds = [0] + [int(round((i * window + window * rng.uniform(-0.4, 0.4)) / GRID_S)) * GRID_S
                         for i in range(1, n)] + [n * window]
-        for i in range(n):
-            rate = rates[client].get(i * window, 0.0)
+        for i in np.flatnonzero(trace.counts[:, k] > 0):
+            rate = float(trace.counts[i, k]) / window
             for s in range(bounds[i], bounds[i + 1], GRID_S):
-                if rate > 0:
-                    yield client, s, rate
-
-
-def read_rates(path: Path) -> dict[str, dict[int, float]]:
-    rates: dict[str, dict[int, float]] = defaultdict(dict)
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            try:
-                rates[row["client"]][int(float(row["window_start_s"]))] = float(row["rate_req_per_s"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}: a row without client, window_start_s and rate_req_per_s: {row}") from e
-    return rates
+                yield client, s, rate
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +48,7 @@ def main(argv: list[str]) -> int:
     rows = 0
     with dst.open("w", newline="") as fh:
         fh.write("client,window_start_s,rate_req_per_s\n")
-        for client, start, rate in offgrid_clients(read_rates(src), seed):
+        for client, start, rate in offgrid_clients(read_client_rates(src), seed):
             fh.write(f"{client},{start},{rate:.6f}\n")
             rows += 1
     print(f"{dst}: {rows} rows per {GRID_S} s, every client's window boundaries moved off the grid (seed {seed})")

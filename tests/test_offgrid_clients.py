@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.offgrid_clients import main, offgrid_clients
-from forecasting.fleet.traces import read_client_rates
+from forecasting.fleet.traces import FleetTrace, read_client_rates
 
 
 def _rates() -> dict[str, dict[int, float]]:
@@ -20,9 +20,18 @@ def _rates() -> dict[str, dict[int, float]]:
     return {f"c{k}": {i * 600: float(r) for i in range(48) if (r := rng.integers(0, 4)) > 0} for k in range(3)}
 
 
+def _trace(rates: dict[str, dict[int, float]]) -> FleetTrace:
+    counts = np.zeros((48, len(rates)))
+    for k, per in enumerate(rates.values()):
+        for s, r in per.items():
+            counts[s // 600, k] = r * 600.0
+    return FleetTrace(tuple(rates), counts, 600.0, "synthetic", "client_rates")
+
+
 def test_each_client_keeps_its_rates_in_order_with_its_steps_off_the_grid() -> None:
     rates = _rates()
-    out = list(offgrid_clients(rates, seed=1))
+    trace = _trace(rates)
+    out = list(offgrid_clients(trace, seed=1))
     moved = set()
     for client, rows in groupby(out, key=lambda r: r[0]):
         rows_ = list(rows)
@@ -36,7 +45,7 @@ def test_each_client_keeps_its_rates_in_order_with_its_steps_off_the_grid() -> N
         moved.add(tuple(changes))
         assert any(s % 600 for s in changes), f"{client}: every step still on the 600 s grid"
     assert len(moved) == 3  # each client's boundaries moved its own way
-    assert out == list(offgrid_clients(rates, seed=1)) != list(offgrid_clients(rates, seed=2))
+    assert out == list(offgrid_clients(trace, seed=1)) != list(offgrid_clients(trace, seed=2))
 
 
 def test_the_fleet_backtest_reads_the_variant(tmp_path: Path) -> None:
