@@ -33,8 +33,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--limit-s", type=float, default=None, metavar="S",
                    help="replay only the first S seconds of the trace (say so when quoting figures)")
     p.add_argument("--sweep", metavar="OUT.png", nargs="?", const="sweep.png",
-                   help="run each policy over its knob (reactive target, pool percent, keep-alive, prewarm quantile) "
-                        "and draw GPU-hours against cold-start hits, one curve per policy (default file: sweep.png)")
+                   help="run each policy over its knob (reactive target, reactive_sized queue_beta, pool percent, "
+                        "keep-alive, prewarm cold-start budget) and draw GPU-hours against cold-start hits, one curve "
+                        "per policy (default file: sweep.png)")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     g = p.add_argument_group("rollout scenario (a canary rollout in the middle of the trace)")
