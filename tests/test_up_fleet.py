@@ -29,6 +29,7 @@ def test_up_with_three_models_plans_a_fleet_and_reports(tmp_path: Path) -> None:
     assert sum(m["mem_mb"] for m in models.values()) > report["budget_mb"]  # the budget cannot hold them all
     for m in models.values():
         assert m["ok"] == m["sent"] > 0, models  # the gateway held requests for cold models; none was lost
+    assert report["dense_rounds"]["fleet0"] > 0, report["dense_rounds"]  # the steady model: sized by the count planner
     assert [r["policy"] for r in report["simulated"]] == ["keepalive", "hybrid_histogram", "fleet", "oracle"]
     # the fidelity check: the fleet planner replayed on the same arrivals against what the run held and made wait
     fid = report["sim_vs_measured"]

@@ -279,6 +279,6 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
             publish_cluster_target(ctx, name, view[name]["replicas"], int(name in plan.asleep), now=now,
                                    revision=specs[name].revision)
         out.append(ModelPlan(name, status, (), tuple(sent[name]), 0, view[name]["replicas"]))
-    log.info("fleet round: %d models, %.0f GB on GPU (budget %.0f), %d asleep, %d action(s), %d dense",
+    log.info("fleet round: %d models, %.4g GB on GPU (budget %.4g), %d asleep, %d action(s), %d dense",
              len(names_), plan.gpu_gb, p.fleet_budget_gb, len(plan.asleep), len(plan.actions), len(result.dense))
     return out

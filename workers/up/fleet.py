@@ -50,6 +50,11 @@ ON_GPU = ("pending", "loading", "warming", "ready", "draining")
 FIDELITY_WAIT_S = 0.1
 #: A registration is matched to the arrivals that found its model cold at most this long before it.
 DEMAND_WINDOW_S = 30.0
+#: The demo's `planner.fleet_dense_rps` (unless the environment or the settings file sets it): model 0 sends 1 request/s, the default
+#: threshold's own rate, so counted from its first request over a short run it fell under it as often as not and
+#: most rounds sized no model by the count planner; a sparse model's bursts (5 requests in 5 s every 35-50 s) stay
+#: under it.
+DENSE_RPS = 0.8
 
 
 def fleet_arrivals(n: int, duration_s: float, seed: int) -> list[np.ndarray]:
@@ -74,11 +79,15 @@ class FleetUpRun(UpRun):
 
     def __init__(self, settings: Settings, opts: UpOptions, console: Console, n_models: int) -> None:
         super().__init__(settings, opts, console)
+        if "fleet_dense_rps" not in settings.planner.model_fields_set:  # not set: the demo's (the round and its replay)
+            self.settings.planner = settings.planner.model_copy(update={"fleet_dense_rps": DENSE_RPS})
         self.n = n_models
         self.models: list[tuple[str, str, float]] = []  # name, revision, GB
         self.per_model: dict[str, TrafficStats] = {}
         self.gpu_t: list[float] = []  # monotonic sample times of `gpu_n`
         self.gpu_n: dict[str, list[int]] = {}  # model -> replicas on GPU at each sample
+        self.dense_rounds: dict[str, int] = {}  # model -> rounds seen (one per plan record) that sized it as dense
+        self.plan_at: float | None = None
 
     def _build(self) -> None:
         root = Path(self.settings.runtime.models_dir)
@@ -110,6 +119,7 @@ class FleetUpRun(UpRun):
             "PREWARM_PLANNER_MODELS": json.dumps([f"{n}@{r}" for n, r, _ in self.models]),
             "PREWARM_PLANNER_MODEL_MEMORY_GB": json.dumps({n: gb for n, _, gb in self.models}),
             "PREWARM_PLANNER_FLEET_BUDGET_GB": repr(self.budget_gb),
+            "PREWARM_PLANNER_FLEET_DENSE_RPS": repr(self.settings.planner.fleet_dense_rps),
             "PREWARM_AGENT_GPU_MEMORY_GB": repr(self.budget_gb),  # each node could take the whole budget
             "PREWARM_AGENT_REPLICA_SLOTS": str(max(2, self.n)),
         })
@@ -141,6 +151,10 @@ class FleetUpRun(UpRun):
 
     def _fleet_view(self, phase: str) -> Group:
         plan = self._fleet_plan()
+        if plan.get("at") is not None and plan["at"] != self.plan_at:  # a new round: count the models it sized
+            self.plan_at = plan["at"]
+            for name, m in plan.get("models", {}).items():
+                self.dense_rounds[name] = self.dense_rounds.get(name, 0) + int(bool(m.get("dense")))
         counts = self._sample()
         table = Table(title=f"models (fleet budget {self.budget_gb * 1e3:.1f} MB; on GPU now "
                             f"{plan.get('gpu_gb', 0.0) * 1e3:.1f} MB)", expand=True)
@@ -148,7 +162,8 @@ class FleetUpRun(UpRun):
             table.add_column(col, justify="right")
         for name, _, gb in self.models:
             s = self.per_model.get(name, TrafficStats())
-            tier = plan.get("models", {}).get(name, {}).get("tier", "-")
+            entry = plan.get("models", {}).get(name, {})
+            tier = str(entry.get("tier", "-")) + (" (dense)" if entry.get("dense") else "")
             ready = counts.get((name, "ready", "serving"), 0)
             loading = sum(counts.get((name, st, "serving"), 0) for st in ("pending", "loading", "warming"))
             p99 = s.percentile(99)
@@ -225,7 +240,10 @@ class FleetUpRun(UpRun):
                            f"({'within' if fidelity['gpu_mb_seconds_within'] else 'OUTSIDE'} the bar), waited "
                            f"{fidelity['waited_simulated']} simulated vs {fidelity['waited_measured']} measured "
                            f"({'within' if fidelity['waited_within'] else 'OUTSIDE'} the bar)")
-        out = {"models": measured, "simulated": sim, "budget_mb": self.budget_gb * 1e3, "sim_vs_measured": fidelity}
+        self.console.print("rounds that sized a model by the count planner (dense): " +
+                           ", ".join(f"{name} {self.dense_rounds.get(name, 0)}" for name, _, _ in self.models))
+        out = {"models": measured, "simulated": sim, "budget_mb": self.budget_gb * 1e3, "sim_vs_measured": fidelity,
+               "dense_rounds": {name: self.dense_rounds.get(name, 0) for name, _, _ in self.models}}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "fleet-report.json").write_text(json.dumps(out, indent=2, default=float))
         self.console.print(f"report: {self.run_dir / 'fleet-report.json'}")
