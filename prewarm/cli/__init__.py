@@ -241,6 +241,7 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
     import json
     import time
 
+    from prewarm.core.keys import PLAN_ROUND_LOCK
     from workers.context import WorkerContext
     from workers.planning.forecast import decide, forecast_and_plan
 
@@ -252,17 +253,26 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
     now = time.time()
     fleet = settings.planner.fleet_budget_gb > 0  # one fleet round over the pool, as the planner worker runs it
     if not args.dry_run:
-        if fleet:
-            from workers.app import make_app
-            from workers.planning.fleet import fleet_and_plan
+        from workers.planning.round_lock import planning_round, ttl_s
 
-            app = make_app(settings)
-            try:
-                plans = fleet_and_plan(ctx, app, now=now)
-            finally:
-                app.close()
-        else:
-            plans = forecast_and_plan(ctx, now=now)
+        wait = ttl_s(settings.planner.interval_s)
+        with planning_round(ctx.client, settings.planner.interval_s, wait_s=wait) as mine:
+            if not mine:  # the planner worker's round runs in milliseconds to seconds: one held this long is stuck
+                print(f"prewarm plan: another planning round has held its lock for over {wait:.0f} s "
+                      f"({PLAN_ROUND_LOCK}); nothing done", file=sys.stderr)
+                return 1
+            now = time.time()  # after any wait for the lock
+            if fleet:
+                from workers.app import make_app
+                from workers.planning.fleet import fleet_and_plan
+
+                app = make_app(settings)
+                try:
+                    plans = fleet_and_plan(ctx, app, now=now)
+                finally:
+                    app.close()
+            else:
+                plans = forecast_and_plan(ctx, now=now)
         for m in plans:
             print(json.dumps({"model": m.model, "status": m.status, "mode": m.mode, "events": list(m.events),
                               "new_events": list(m.new_events), "dropped": m.dropped}))

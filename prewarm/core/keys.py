@@ -245,6 +245,9 @@ def keep_warm(rid: str) -> str:
     return f"{PREFIX}:keepwarm:{rid}"
 
 
+#: Lock held while a planning round runs (`workers.planning.round_lock`): rounds do not overlap.
+PLAN_ROUND_LOCK = f"{PREFIX}:lock:planround"
+
 #: Lock held by the one active beat; a second beat waits as a standby until it expires.
 BEAT_LOCK = f"{PREFIX}:beat:lock"
 BEAT_LOCK_TTL_S = 30

@@ -10,7 +10,8 @@
 - `sweep_fragmentation`: ask every ready replica's agent to check its fragmentation.
 - `dispatch_due_events` / `apply_scale_event(event_id)`: carry out the planner's scale
   events when they are due (see `workers.planning.executor`).
-- `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`).
+- `forecast_and_plan`: counters → forecast → plan → submitted events (see `workers.planning.forecast`); one
+  round at a time (`workers.planning.round_lock`): a round that finds another running is skipped.
 - `place_elsewhere(replica_id, need_bytes, reason)`: a load or a wake its node's memory refused is
   placed on another node (see `workers.planning.elsewhere`).
 - `sweep_outbox`: send again the tasks a Redis failover lost (see `workers.delivery`).
@@ -37,6 +38,7 @@ from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
 from workers.planning.forecast import plan_model, planned_models
 from workers.planning.kubernetes import owns_replicas
 from workers.planning.rollout import tick_all
+from workers.planning.round_lock import planning_round
 
 log = logging.getLogger("prewarm.planner.tasks")
 
@@ -205,13 +207,17 @@ def forecast_and_plan(self: Task, *args: Any, **kwargs: Any) -> Any:
     at = payload.parse_forecast(args, kwargs)
     ctx = _ctx(self)
     now = ctx.clock() if at is None else at
-    if ctx.settings.planner.fleet_budget_gb > 0:  # many models, one GPU budget: one fleet round
-        from workers.planning.fleet import fleet_and_plan
+    with planning_round(ctx.client, ctx.settings.planner.interval_s) as mine:
+        if not mine:  # another round is running (this pod's other thread, another pod, `prewarm plan`)
+            log.warning("forecast_and_plan: a planning round is still running; this one is skipped")
+            return {"models": [], "rollouts": [], "skipped": "a planning round is in progress"}
+        if ctx.settings.planner.fleet_budget_gb > 0:  # many models, one GPU budget: one fleet round
+            from workers.planning.fleet import fleet_and_plan
 
-        plans = fleet_and_plan(ctx, self.app, now=now)
-    else:
-        plans = run_forecast_and_plan(ctx, now=now)
-    rollouts = [] if ctx.settings.planner.dry_run else tick_all(ctx, self.app, now=now)  # after the targets are recorded
+            plans = fleet_and_plan(ctx, self.app, now=now)
+        else:
+            plans = run_forecast_and_plan(ctx, now=now)
+        rollouts = [] if ctx.settings.planner.dry_run else tick_all(ctx, self.app, now=now)  # after the targets
     return {"models": [{"model": m.model, "status": m.status, "need_now": m.need_now, "events": list(m.events),
                         "new_events": list(m.new_events), "dropped": m.dropped, "mode": m.mode}
                        for m in plans], "rollouts": [r.to_json() for r in rollouts]}
