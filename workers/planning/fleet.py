@@ -8,8 +8,9 @@ model alone:
    registry's measured load time p95 as its time to ready from the node's cache, and no asleep
    tier where its engine reports no sleep mode (the agents' `sleep_mode`, `prewarm.policy.sleep_tier`);
 3. nodes: what agents publish (`keys.node_info`: `gpu_memory_gb`, `host_memory_gb`) and
-   which models are live on each (the registry); a model with a request in the last bucket
-   counts as in flight there, so the planner never evicts it;
+   which models are live on each (the registry); a model with a request in the last complete
+   bucket or in the one still being counted (`counting_now`) counts as in flight there, so the
+   planner never evicts it;
 4. plan: the pure `forecasting.fleet.round.fleet_round`: one shared arrival estimator for
    every model, the dense models (`dense_models`) sized by the count planner's `step` on the
    inputs `plan_model` builds for a model planned alone (`workers.planning.forecast.inputs`:
@@ -136,6 +137,28 @@ def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket
     return rate_series(frame, model, bucket_s=int(bucket)) if not frame.empty else pd.Series(dtype=float)
 
 
+def counting_now(ctx: WorkerContext, models: list[str], *, start: float, now: float, bucket: float) -> set[str]:
+    """The models with requests since ``start`` (the bucket still being counted, up to ``now``): counted (the
+    gateway counts a request when it is answered) or in flight (its in-flight peak of the fine buckets, which a
+    request held for a load raises at the next flush, within a second). In flight now, as the replay's step with
+    requests keeps its model on GPU. Read with the last complete bucket only, a sparse model loaded on demand for a
+    burst that began after that bucket was evicted by the next round mid-burst (the live demo evicted one 2 s after
+    it turned ready, its burst's requests still held) and loaded again for the rest of its burst."""
+    fine = keys.FINE_RESOLUTION_S
+    asked: list[tuple[str, str]] = [(m, keys.inflight_peak(m, fine, int(t))) for m in models
+                                    for t in np.arange(math.floor(start / fine) * fine, now, fine)]
+    try:
+        res = counter_resolution(bucket)
+        asked += [(m, keys.requests(m, res, int(t))) for m in models
+                  for t in np.arange(math.floor(start / res) * res, now, res)]
+    except HistoryError:
+        pass
+    if not asked:
+        return set()
+    values = ctx.client.mget([key for _, key in asked])
+    return {m for (m, _), value in zip(asked, values) if float(value or 0) > 0}
+
+
 def load_state(ctx: WorkerContext) -> FleetState:
     raw = ctx.client.hgetall(keys.FLEET_STATE)
     try:
@@ -189,7 +212,8 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
             ok = (pos < n) & (grid[np.minimum(pos, n - 1)] == y.index.to_numpy(dtype=float))
             counts[pos[ok], j] = y.to_numpy(dtype=float)[ok] * bucket
     catalog = fleet_catalog(ctx, names_)
-    busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)}
+    busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)} | counting_now(ctx, names_, start=end, now=now,
+                                                                                bucket=bucket)
     nodes = _nodes(ctx, catalog, busy)
     fleet = FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb)
     params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
