@@ -13,21 +13,10 @@ from prewarm.cli import main
 from prewarm.core import keys
 from prewarm.core.planner_settings import PlannerSettings
 from prewarm.core.settings import RedisSettings, Settings
+from tests.test_rollout_planner import steady_load
 from workers import names
 from workers.app import make_app
 from workers.planning.round_lock import MIN_TTL_S, planning_round, ttl_s
-
-
-def _history(client: "redis.Redis[str]") -> None:
-    """An hour of 20 requests in flight for `tiny`: a round plans it and records its forecast."""
-    fine = int(time.time() // 10) * 10
-    for i in range(-3, 361):
-        start = fine - 10 * i
-        client.set(keys.requests("tiny", 10, start), 100)
-        client.set(keys.inflight_peak("tiny", 10, start), 24)
-        client.set(keys.busy("tiny", 10, start), 200.0)
-    client.hset(keys.REQUESTS_FIRST, "tiny", fine - 3600)
-    client.sadd(keys.REQUEST_MODELS, "tiny")
 
 
 def test_the_lock_is_held_for_the_round_only_and_expires_after_three_intervals(redis_client: "redis.Redis[str]") -> None:
@@ -46,7 +35,7 @@ def test_the_lock_is_held_for_the_round_only_and_expires_after_three_intervals(r
 
 
 def test_the_beats_round_is_skipped_while_another_runs(redis_url: str, redis_client: "redis.Redis[str]") -> None:
-    _history(redis_client)
+    steady_load(redis_client)  # an hour of 20 requests in flight for tiny: a round plans it
     app = make_app(Settings(redis=RedisSettings(url=redis_url), planner=PlannerSettings(models=["tiny@r1"])))
     try:
         task = app.tasks[names.FORECAST]
@@ -70,7 +59,7 @@ def test_prewarm_plan_waits_for_the_round_in_progress(redis_url: str, redis_clie
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     clean_env.setenv("PREWARM_REDIS_URL", redis_url)
     clean_env.setenv("PREWARM_PLANNER_MODELS", '["tiny@r1"]')
-    _history(redis_client)
+    steady_load(redis_client)  # an hour of 20 requests in flight for tiny: a round plans it
     holder = redis_client.lock(keys.PLAN_ROUND_LOCK, timeout=30, thread_local=False)  # released by a timer thread
     assert holder.acquire(blocking=False)
     released = threading.Timer(1.0, holder.release)
