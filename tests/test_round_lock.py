@@ -19,7 +19,8 @@ from workers.app import make_app
 from workers.planning.round_lock import MIN_TTL_S, planning_round, ttl_s
 
 
-def test_the_lock_is_held_for_the_round_only_and_expires_after_three_intervals(redis_client: "redis.Redis[str]") -> None:
+def test_the_lock_is_held_for_the_round_only_and_expires_after_three_intervals(
+        redis_client: "redis.Redis[str]") -> None:
     assert ttl_s(5.0) == MIN_TTL_S and ttl_s(60.0) == 180.0
     with planning_round(redis_client, 60.0) as mine:
         assert mine

@@ -50,10 +50,10 @@ ON_GPU = ("pending", "loading", "warming", "ready", "draining")
 FIDELITY_WAIT_S = 0.1
 #: A registration is matched to the arrivals that found its model cold at most this long before it.
 DEMAND_WINDOW_S = 30.0
-#: The demo's `planner.fleet_dense_rps` (unless the environment or the settings file sets it): model 0 sends 1 request/s, the default
-#: threshold's own rate, so counted from its first request over a short run it fell under it as often as not and
-#: most rounds sized no model by the count planner; a sparse model's bursts (5 requests in 5 s every 35-50 s) stay
-#: under it.
+#: The demo's `planner.fleet_dense_rps` (unless the environment or the settings file sets it). Model 0 sends 1
+#: request/s, the default threshold's own rate, so counted from its first request over a short run it fell under it as
+#: often as not and most rounds sized no model by the count planner. A sparse model's bursts (5 requests in 5 s every
+#: 35-50 s) stay under it but for a round or two at its first burst: a new model's rate counts from its first request.
 DENSE_RPS = 0.8
 
 
