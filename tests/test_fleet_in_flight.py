@@ -56,6 +56,11 @@ def test_a_model_with_requests_in_the_bucket_being_counted_is_not_evicted(agent:
     assert counting_now(ctx, ["b", "c"], start=start, now=now, bucket=bucket) == {"b"}
     assert evicted() == set()
     ctx.client.delete(keys.inflight_peak("b", fine, int(now // fine) * fine))
+    # a round just after a boundary: the new bucket has had no flush yet, the last fine one holds the requests
+    after = start + 0.5
+    ctx.client.set(keys.inflight_peak("b", fine, int(start) - fine), 2)
+    assert counting_now(ctx, ["b", "c"], start=start, now=after, bucket=bucket) == {"b"}
+    ctx.client.delete(keys.inflight_peak("b", fine, int(start) - fine))
     for res in keys.REQUEST_RESOLUTIONS_S:  # ... or answered already: counted, at each resolution
         ctx.client.incrby(keys.requests("b", res, int(now // res) * res), 3)
     assert counting_now(ctx, ["b", "c"], start=start, now=now, bucket=bucket) == {"b"}

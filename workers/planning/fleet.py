@@ -139,14 +139,16 @@ def _history(ctx: WorkerContext, model: str, *, start: float, end: float, bucket
 
 def counting_now(ctx: WorkerContext, models: list[str], *, start: float, now: float, bucket: float) -> set[str]:
     """The models with requests since ``start`` (the bucket still being counted, up to ``now``): counted (the
-    gateway counts a request when it is answered) or in flight (its in-flight peak of the fine buckets, which a
-    request held for a load raises at the next flush, within a second). In flight now, as the replay's step with
+    gateway counts a request when it is answered) or in flight (its in-flight peak of the fine buckets, from the
+    one before ``now`` at least, which a request held for a load raises at the next flush, within a second). In flight now, as the replay's step with
     requests keeps its model on GPU. Read with the last complete bucket only, a sparse model loaded on demand for a
     burst that began after that bucket was evicted by the next round mid-burst (the live demo evicted one 2 s after
     it turned ready, its burst's requests still held) and loaded again for the rest of its burst."""
     fine = keys.FINE_RESOLUTION_S
+    # from the fine bucket before `now` at least: just after a boundary the new bucket has had no flush yet
+    first_fine = math.floor(min(start, now - fine) / fine) * fine
     asked: list[tuple[str, str]] = [(m, keys.inflight_peak(m, fine, int(t))) for m in models
-                                    for t in np.arange(math.floor(start / fine) * fine, now, fine)]
+                                    for t in np.arange(first_fine, now, fine)]
     try:
         res = counter_resolution(bucket)
         asked += [(m, keys.requests(m, res, int(t))) for m in models
