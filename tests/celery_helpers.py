@@ -9,14 +9,11 @@ so a test can read what the worker said and a failure shows it.
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
@@ -24,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 import pytest
 
 from prewarm.core import keys
-from prewarm.registry.embedded import stop_process
+from prewarm.registry.embedded import claim_port_block, stop_process
 from prewarm.core.settings import Settings
 
 if TYPE_CHECKING:
@@ -119,48 +116,17 @@ def publish_node(client: "redis.Redis[str]", node: str, slots: int) -> None:
 # Runtime port blocks live below the kernel's ephemeral range (32768+ on Linux), where nothing
 # else gets a port by accident: `free_port()` (bind to port 0) and every outgoing connection
 # draw theirs from the ephemeral range, so a block chosen there could be handed to another
-# test's server between the check and the runtime's bind. `prewarm up` uses 20000-29999.
+# test's server between the check and the runtime's bind. `prewarm up` claims its blocks in 20000-29999.
 # A block is claimed with an exclusive lock on a file named after it, held until this test
 # process exits, so neither another xdist worker nor another test session on this machine
 # (a second checkout, a developer's run beside CI) can take it; the walk starts at a random
 # block so that two sessions do not queue on the same first blocks.
 _BLOCKS_FROM, _BLOCKS_TO = 30000, 32760
-_LOCK_DIR = Path(tempfile.gettempdir()) / "prewarm-test-port-blocks"
-_held_blocks: dict[int, int] = {}  # base port -> the fd whose flock claims it (kept open on purpose)
 
 
 def _port_block(size: int = 8) -> int:
     """A base port with `size` free ports after it (runtime ports are port_base + slot), claimed for this process."""
-    _LOCK_DIR.mkdir(exist_ok=True)
-    count = (_BLOCKS_TO - _BLOCKS_FROM) // size
-    first = random.randrange(count)
-    for k in range(count):
-        base = _BLOCKS_FROM + ((first + k) % count) * size
-        if base in _held_blocks:
-            continue
-        fd = os.open(_LOCK_DIR / f"{base}-{size}", os.O_CREAT | os.O_RDWR, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        if all(_free(base + i) for i in range(size)):
-            _held_blocks[base] = fd
-            return base
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-    raise RuntimeError(f"no block of {size} free ports in {_BLOCKS_FROM}..{_BLOCKS_TO}")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return claim_port_block(size, _BLOCKS_FROM, _BLOCKS_TO)
 
 
 class WorkerProcess:

@@ -7,6 +7,9 @@ and is stopped (and waited for) by whoever started it.
 
 from __future__ import annotations
 
+import fcntl
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,6 +25,46 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: Where port blocks are claimed: one file per block, exclusively locked by the process that holds it.
+PORT_BLOCK_LOCKS = Path(tempfile.gettempdir()) / "prewarm-port-blocks"
+_held_blocks: dict[int, int] = {}  # base port -> the fd whose flock claims it (kept open on purpose)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def claim_port_block(size: int, lo: int, hi: int) -> int:
+    """A base port in [lo, hi) with `size` free ports from it (an agent's runtime ports are its port base + slot),
+    claimed for this process until it exits: an exclusive lock on a file named after the block, so no other
+    process that claims blocks so (another `prewarm up`, a test worker) gets it, whatever ports it has not bound
+    yet. The walk starts at a random block, so that claimants do not queue on the same first blocks."""
+    PORT_BLOCK_LOCKS.mkdir(exist_ok=True)
+    count = (hi - lo) // size
+    first = random.randrange(count)
+    for k in range(count):
+        base = lo + ((first + k) % count) * size
+        if base in _held_blocks:
+            continue
+        fd = os.open(PORT_BLOCK_LOCKS / f"{base}-{size}", os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if all(_port_free(base + i) for i in range(size)):
+            _held_blocks[base] = fd
+            return base
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    raise TemporaryError(f"no block of {size} free ports in {lo}..{hi}", 5.0)
 
 
 def stop_process(proc: "subprocess.Popen[bytes]", timeout_s: float = 10.0) -> int:

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from forecasting.planner import warm_cost
 from prewarm.core import keys
-from prewarm.registry.embedded import free_port
+from prewarm.registry.embedded import claim_port_block, free_port
 from prewarm.runtime.model import load_manifest, make_model
 from prewarm.registry.connection import sync_client
 from prewarm.registry.replicas import ReplicaRegistry
@@ -46,6 +46,8 @@ from workers.up.workload import Timeline, UpOptions, Workload, from_trace, synth
 
 MODEL = "demo"
 NODES = ("node-a", "node-b")
+#: Where `prewarm up` claims its agents' runtime port blocks (the tests claim theirs in 30000-32760).
+UP_PORT_RANGE = (20000, 30000)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -139,14 +141,18 @@ class UpRun:
 
     def _start_stack(self, env: dict[str, str]) -> None:
         self.sup.env = env
+        slots = max(8, int(env.get("PREWARM_AGENT_REPLICA_SLOTS", "8")))
         gw_port = free_port()
         self.gateway_url = f"http://127.0.0.1:{gw_port}"
         self.sup.start("gateway", ["gateway", "--port", str(gw_port)])
-        for i, node in enumerate(NODES):
+        for node in NODES:
             state = self.run_dir / "agents" / node
             self.sup.pid_dirs.append(state)
             self.sup.start(f"agent-{node}", ["agent", "--node", node, "--metrics-port", str(free_port())], {
-                "PREWARM_AGENT_PORT_BASE": str(20000 + 100 * i + (os.getpid() % 50) * 200),
+                # a block of free ports no other `prewarm up` or test worker holds: runtimes on a port another
+                # run's agent uses are stopped by it as unrecorded (two concurrent runs whose pids agreed modulo 50
+                # did that to each other under the old `20000 + 200 * (pid % 50)`)
+                "PREWARM_AGENT_PORT_BASE": str(claim_port_block(slots, *UP_PORT_RANGE)),
                 "PREWARM_AGENT_STATE_DIR": str(state),
                 "PREWARM_RUNTIME_SNAPSHOT_DIR": str(self.run_dir / "snapshots" / node),
             })
