@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prewarm.core import keys, signing
 from prewarm.registry.counters import RequestCounter, announce_demand, demand_met, record_demand
 from prewarm.core.domain import ReplicaState
+from prewarm.core.json_body import NestedTooDeep, load_json
 from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
@@ -256,11 +257,11 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body_too_large")
         try:
-            payload = json.loads(body)
+            payload = load_json(body)
+        except NestedTooDeep as exc:  # a bound of our own: where json.loads gives up differs between Pythons
+            return _error(400, f"request body is nested too deeply: {exc}", "invalid_json")
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
-        except RecursionError:
-            return _error(400, "request body is not valid JSON: nested too deeply", "invalid_json")
         if not isinstance(payload, dict):
             return _error(400, "request body must be a JSON object", "invalid_body")
         model = payload.get("model")

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from prewarm.core.json_body import NestedTooDeep, load_json
+
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -69,11 +71,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise bad_request("request body is empty: a JSON object is required")
     try:
-        data = json.loads(raw)
+        data = load_json(raw)
+    except NestedTooDeep as exc:  # a bound of our own: where json.loads gives up differs between Pythons
+        raise bad_request(f"request body is nested too deeply: {exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # ~1000 nested arrays: the parser's stack, not the server's fault
-        raise bad_request("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return data
