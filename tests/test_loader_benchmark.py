@@ -31,6 +31,9 @@ def test_loader_benchmark_reports_every_figure(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in KEYS:
+        if key.endswith("_efficiency") and r[key] is None:  # too little to hide for the run-to-run spread: says so
+            assert r["reads"][key].startswith("not measurable"), r["reads"][key]
+            continue
         assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r.get(key))
     assert r["snapshot_load_ratio"] == pytest.approx(r["snapshot_load_s"] / r["first_replica_load_s"])
     assert r["snapshot_load_after_drop_ratio"] == pytest.approx(r["snapshot_load_after_drop_s"] / r["first_replica_load_s"])
