@@ -280,19 +280,15 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         # Where that shorter time is within the run-to-run spread of the TTFTs compared (on a
         # GPU the first token's compute is a few ms), the ratio divides noise by almost
         # nothing (an H200 run read +6.7 and another -4.4): it is reported as null, with why.
-        spread = max(_spread(out["samples"]["ttft_full_s"]), _spread(out["samples"]["ttft_progressive_s"]))
-        out["overlap_efficiency"] = _efficiency(out["ttft_full_s"] - out["ttft_progressive_s"],
-                                                min(out["load_s"], out["compute_s"]), spread)
-        reads["overlap_efficiency"] = ("vs the safetensors path, which does not verify (the sha256 is a cost, not overlap)"
-                                       if out["overlap_efficiency"] is not None else
-                                       _too_little(min(out["load_s"], out["compute_s"]), spread))
+        smp = out["samples"]
+        _efficiency(out, reads, "overlap_efficiency", out["ttft_full_s"] - out["ttft_progressive_s"],
+                    min(out["load_s"], out["compute_s"]), [smp["ttft_full_s"], smp["ttft_progressive_s"]],
+                    "vs the safetensors path, which does not verify (the sha256 is a cost, not overlap)")
         # Pipelining alone: the same loader doing the same work, answering after vs during the load.
-        spread = max(_spread(out["samples"]["ttft_verified_sequential_s"]), _spread(out["samples"]["ttft_progressive_s"]))
-        out["pipelining_efficiency"] = _efficiency(out["ttft_verified_sequential_s"] - out["ttft_progressive_s"],
-                                                   min(out["verified_load_s"], out["verified_compute_s"]), spread)
-        reads["pipelining_efficiency"] = ("same loader and work, answer during vs after the load"
-                                          if out["pipelining_efficiency"] is not None else
-                                          _too_little(min(out["verified_load_s"], out["verified_compute_s"]), spread))
+        _efficiency(out, reads, "pipelining_efficiency", out["ttft_verified_sequential_s"] - out["ttft_progressive_s"],
+                    min(out["verified_load_s"], out["verified_compute_s"]),
+                    [smp["ttft_verified_sequential_s"], smp["ttft_progressive_s"]],
+                    "same loader and work, answer during vs after the load")
         out["vs_torch_load_ratio"] = out["ttft_progressive_s"] / out["ttft_torch_load_s"]
         out["snapshot_load_ratio"] = out["snapshot_load_s"] / out["first_replica_load_s"]
         out["snapshot_load_after_drop_ratio"] = out["snapshot_load_after_drop_s"] / out["first_replica_load_s"]
@@ -307,19 +303,17 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def _spread(samples: list[float]) -> float:
-    return max(samples) - min(samples)
-
-
-def _efficiency(hidden_s: float, hideable_s: float, spread_s: float) -> float | None:
-    """The share of the hideable time that pipelining hid; None when the hideable time is
-    within the TTFTs' run-to-run spread, where the ratio would be noise over almost nothing."""
-    return hidden_s / hideable_s if hideable_s > spread_s else None
-
-
-def _too_little(hideable_s: float, spread_s: float) -> str:
-    return (f"not measurable: the time pipelining could hide ({hideable_s * 1e3:.1f} ms, the shorter of load and "
-            f"compute) is within the TTFTs' run-to-run spread ({spread_s * 1e3:.1f} ms)")
+def _efficiency(out: dict[str, Any], reads: dict[str, str], key: str, hidden_s: float, hideable_s: float,
+                samples: list[list[float]], read: str) -> None:
+    """`out[key]`: the share of the hideable time that pipelining hid; None (and `reads[key]` says why) when the
+    hideable time is within the compared TTFTs' run-to-run spread, where the ratio would be noise over almost nothing."""
+    spread = max(max(x) - min(x) for x in samples)
+    if hideable_s > spread:
+        out[key], reads[key] = hidden_s / hideable_s, read
+    else:
+        out[key] = None
+        reads[key] = (f"not measurable: the time pipelining could hide ({hideable_s * 1e3:.1f} ms, the shorter of load "
+                      f"and compute) is within the TTFTs' run-to-run spread ({spread * 1e3:.1f} ms)")
 
 
 def table(r: dict[str, Any]) -> str:
