@@ -305,8 +305,8 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
 
 def _efficiency(out: dict[str, Any], reads: dict[str, str], key: str, hidden_s: float, hideable_s: float,
                 samples: list[list[float]], read: str) -> None:
-    """`out[key]`: the share of the hideable time that pipelining hid; None (and `reads[key]` says why) when the
-    hideable time is within the compared TTFTs' run-to-run spread, where the ratio would be noise over almost nothing."""
+    """`out[key]`: the share of the hideable time that pipelining hid; None (and `reads[key]` says why) when
+    the hideable time is within the compared TTFTs' run-to-run spread: the ratio would be noise over almost nothing."""
     spread = max(max(x) - min(x) for x in samples)
     if hideable_s > spread:
         out[key], reads[key] = hidden_s / hideable_s, read

@@ -30,10 +30,9 @@ import redis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from prewarm.core import keys, signing
+from prewarm.core import json_body, keys, signing
 from prewarm.registry.counters import RequestCounter, announce_demand, demand_met, record_demand
 from prewarm.core.domain import ReplicaState
-from prewarm.core.json_body import NestedTooDeep, load_json
 from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
 from prewarm.core.metrics import Metrics, RegistryCollector
 from prewarm.registry.connection import async_client, sync_client
@@ -257,8 +256,8 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body exceeds {self.cfg.max_body_bytes} bytes", "body_too_large")
         try:
-            payload = load_json(body)
-        except NestedTooDeep as exc:  # a bound of our own: where json.loads gives up differs between Pythons
+            payload = json_body.load_json(body)
+        except json_body.NestedTooDeep as exc:  # a bound of our own: where json.loads gives up differs between Pythons
             return _error(400, f"request body is nested too deeply: {exc}", "invalid_json")
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"request body is not valid JSON: {exc}", "invalid_json")
