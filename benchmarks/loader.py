@@ -19,6 +19,11 @@ progressive path's sha256 counts against it; `pipelining_efficiency` isolates th
 pipelining: the same progressive loader doing the same work, answering after the load
 (`ttft_verified_sequential_s`) against answering during it.
 
+The burst figures start `--burst` replica processes of the model together on the node, cold,
+with no snapshot yet: each reading the original at once, against the runtime's default, one
+filling the node snapshot while the others wait for it and map it (`SnapshotStore.fill`).
+The first is ready sooner; the others wait for its read and its snapshot write.
+
 The full and progressive paths are alternated `--repeat` times and the snapshot path is
 repeated as often; medians are reported (the machines are shared and noisy). Torch runs
 one intra-op thread unless `--threads` says otherwise: measured on a shared 2-core machine,
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -121,7 +127,7 @@ def first_token(model: TransformerLM, prompt: list[int], device: torch.device, h
 
 
 def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, snapdir: Path | None,
-        repeat: int = 3, machine_cache: bool = True) -> dict[str, Any]:
+        repeat: int = 3, machine_cache: bool = True, burst: int = 4) -> dict[str, Any]:
     device = resolve_device(device_name)
     cold = partial(cold_files, machine=machine_cache)
     tmp = Path(tempfile.mkdtemp(prefix="prewarm-bench-", dir=workdir))
@@ -270,10 +276,29 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         out["snapshot_load_after_drop_s"] = median(after_drop)
         reads["snapshot_load_after_drop_s"] = "the same, after drop_caches (see step 4)"
         out["snapshot_load_s"] = median(snaps)
+        # 6. a burst: `burst` replica processes of the model started together on this node with no snapshot yet,
+        # each reading the original at once, or one filling the snapshot while the others wait and map it
+        # (the runtime's default, `runtime.snapshot_fill_wait_s`); alternated, cold.
+        bursts: dict[str, list[list[float]]] = {"at_once": [], "fill": []}
+        for _ in range(repeat):
+            for mode, wait in (("at_once", 0.0), ("fill", 600.0)):
+                bursts[mode].append(_burst(mdir, device_name, shm, burst, wait, cold, weights))
+        for mode, runs in bursts.items():
+            out[f"burst_first_ready_{mode}_s"] = median(r[0] for r in runs)
+            out[f"burst_last_ready_{mode}_s"] = median(r[-1] for r in runs)
+        out["burst_replicas"] = burst
+        reads["burst_first_ready_at_once_s"] = (f"{burst} replica processes started together, cold, each reading "
+                                                f"{weights.name} at once (snapshot_fill_wait_s 0)")
+        reads["burst_first_ready_fill_s"] = "the same, one filling the node snapshot while the others wait and map it"
+        out["burst_first_ready_ratio"] = out["burst_first_ready_fill_s"] / out["burst_first_ready_at_once_s"]
+        out["burst_last_ready_ratio"] = out["burst_last_ready_fill_s"] / out["burst_last_ready_at_once_s"]
+        reads["burst_first_ready_ratio"] = "fill lock vs at once: the first replica of the burst ready"
+        reads["burst_last_ready_ratio"] = "fill lock vs at once: the last (it waits for the first's read and write)"
         out["samples"] = {"ttft_full_s": [r[0] for r in full_runs], "ttft_progressive_s": [r[0] for r in prog_runs],
                           "ttft_verified_sequential_s": [r[0] for r in seq_runs], "first_replica_load_s": loads,
                           "raw_read_gbps": raws, "snapshot_load_s": snaps, "snapshot_load_after_drop_s": after_drop,
-                          "resident_after_drop": resident}
+                          "resident_after_drop": resident,
+                          **{f"burst_{mode}_ready_s": runs for mode, runs in bursts.items()}}
 
         # Pipelining can at best hide the shorter of load and compute; on a CPU-only machine
         # the load's sha256 and the answer's compute share the same cores, so less is hidden.
@@ -303,6 +328,44 @@ def run(size: str, prompt_tokens: int, device_name: str, workdir: Path | None, s
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def _burst_replica(mdir: Path, device: str, snapdir: Path, wait_s: float, go: Any, q: Any) -> None:
+    """One replica process of a burst: set up, wait for the others (`go`: torch's import is not the load's), then
+    load (from the original or the node snapshot) and report how long until it was ready."""
+    torch.set_num_threads(1)
+    loader = ProgressiveLoader(mdir, device=device, snapshots=SnapshotStore(snapdir, 64 << 30, wait_s))
+    go.wait()
+    t0 = time.perf_counter()
+    loader.start().wait()
+    q.put((time.perf_counter() - t0, loader.stats.source))
+    loader.join()  # the snapshot written (the process's exit would abandon it)
+    loader.release()
+
+
+def _burst(mdir: Path, device: str, shm: Path, k: int, wait_s: float, cold: Any, weights: Path) -> list[float]:
+    """`k` replica processes of one model started together on this node, cold, with a fresh snapshot directory
+    (none on the node yet): each one's time to ready, sorted. With `wait_s` 0 each reads the original at once;
+    otherwise one fills the snapshot while the others wait for it (`SnapshotStore.fill`) and map it."""
+    ctx = mp.get_context("spawn")  # no fork of a process that has run torch
+    snapdir = Path(tempfile.mkdtemp(prefix="burst-", dir=shm))
+    try:
+        cold([weights])
+        q, go = ctx.Queue(), ctx.Barrier(k)
+        procs = [ctx.Process(target=_burst_replica, args=(mdir, device, snapdir, wait_s, go, q)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        ready = sorted(q.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join(600)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a burst replica exited with {p.exitcode}")
+        sources = [src for _, src in ready]
+        if wait_s > 0 and sources.count("original") != 1:
+            raise RuntimeError(f"the fill lock let {sources.count('original')} of {k} replicas read the original")
+        return [t for t, _ in ready]
+    finally:
+        shutil.rmtree(snapdir, ignore_errors=True)
+
+
 def _efficiency(out: dict[str, Any], reads: dict[str, str], key: str, hidden_s: float, hideable_s: float,
                 samples: list[list[float]], read: str) -> None:
     """`out[key]`: the share of the hideable time that pipelining hid; None (and `reads[key]` says why) when
@@ -325,6 +388,8 @@ def table(r: dict[str, Any]) -> str:
         ("first_replica_load_s", "s"), ("snapshot_write_s", "s"), ("load_gbps", "GB/s"), ("raw_read_gbps", "GB/s"),
         ("bandwidth_ratio", "x"), ("snapshot_load_s", "s"), ("snapshot_load_ratio", "x"),
         ("snapshot_load_after_drop_s", "s"), ("snapshot_load_after_drop_ratio", "x"),
+        ("burst_first_ready_at_once_s", "s"), ("burst_first_ready_fill_s", "s"), ("burst_first_ready_ratio", "x"),
+        ("burst_last_ready_at_once_s", "s"), ("burst_last_ready_fill_s", "s"), ("burst_last_ready_ratio", "x"),
     ]
     lines = [
         f"model: {r['model']}, {r['model_bytes'] / 2**20:.0f} MiB; prompt {r['prompt_tokens']} tokens; "
@@ -349,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--size", help="model size (default 512MB, 96MB with --quick)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each path; medians are reported")
+    ap.add_argument("--burst", type=int, default=4, help="replica processes started together for the burst figures")
     ap.add_argument("--prompt-tokens", type=int, default=320, help="prefill length of the first request")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=1,
@@ -368,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.burst < 2:
+        ap.error("--burst must be at least 2")
     r = run(size, args.prompt_tokens, args.device, args.workdir, args.snapshot_dir, args.repeat,
-            machine_cache=not args.files_only)
+            machine_cache=not args.files_only, burst=args.burst)
     print(table(r))
     if args.json:
         print(json.dumps(r, sort_keys=True))

@@ -156,6 +156,45 @@ def test_second_load_maps_the_snapshot_and_never_opens_the_original(
     first.release()
 
 
+def test_a_replica_started_during_the_first_load_waits_for_its_snapshot_and_maps_it(
+    model_dir: Path, reference: tuple[torch.Tensor, list[int]], tmp_path: Path
+) -> None:
+    """Two replicas of one model started together on a node: the first reads the original (slowed, so the
+    second starts mid-read), the second waits for the snapshot the first fills and never opens the original."""
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30, fill_wait_s=60)
+    total = load_manifest(model_dir).total_bytes
+    first = ProgressiveLoader(model_dir, device="cpu", snapshots=store, read_limit_bps=total / 1.5).start()
+    assert first.wait_embeddings(30) and not first.loaded  # mid-read
+    second = ProgressiveLoader(model_dir, device="cpu", snapshots=store).start()
+    assert second.wait(60) and second.join(60) and first.join(60)
+    assert first.stats.source == "original" and first.stats.fill_waited_s == 0.0
+    assert second.stats.source == "snapshot" and second.stats.bytes_from_original == 0
+    assert second.stats.opened == [first.stats.snapshot_written]
+    assert second.stats.fill_waited_s > 0.2  # it waited for the rest of the first one's read and write
+    assert torch.equal(last_logits(second.model, PROMPT, CPU), reference[0])
+    second.release()
+    first.release()
+
+
+def test_a_fill_that_outlasts_the_wait_or_no_wait_reads_the_original(model_dir: Path, tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps", 1 << 30, fill_wait_s=0.3)
+    loader = ProgressiveLoader(model_dir, device="cpu", snapshots=store)
+    with store.fill(loader.snapshot_key) as held:  # a stuck filler elsewhere on the node
+        assert held.acquired and not held.contended
+        loader.start()
+        assert loader.wait(30)
+        assert loader.stats.source == "original" and loader.stats.bytes_from_snapshot == 0
+        assert loader.stats.fill_waited_s == pytest.approx(0.3, abs=0.25)
+        assert loader.join(30) and loader.stats.snapshot_written  # it still writes one for the next
+    loader.release()
+    eager = SnapshotStore(tmp_path / "eager", 1 << 30)  # fill_wait_s 0: every replica reads at once (as before)
+    a = ProgressiveLoader(model_dir, device="cpu", snapshots=eager)
+    with eager.fill(a.snapshot_key):
+        a.start()
+        assert a.wait(30) and a.join(30)
+    assert a.stats.source == "original" and a.stats.fill_waited_s < 0.05
+
+
 def test_snapshot_in_another_dtype(model_dir: Path, tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "snaps", 1 << 30)
     first = ProgressiveLoader(model_dir, device="cpu", dtype="bfloat16", snapshots=store).start()

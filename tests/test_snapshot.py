@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prewarm.runtime.model import ModelConfig
-from prewarm.runtime.snapshot import ALIGN, MAGIC, CorruptSnapshot, SnapshotKey, SnapshotStore
+from prewarm.runtime.snapshot import ALIGN, MAGIC, CorruptSnapshot, FillLock, SnapshotKey, SnapshotStore
 
 CFG = ModelConfig.for_size("tiny")
 
@@ -215,3 +215,42 @@ def test_the_last_use_lives_in_a_sidecar_and_leaves_the_snapshot_untouched(tmp_p
     held.release()
     store.invalidate(_key("a"), "test")
     assert not path.exists() and not used.exists()
+
+
+def test_the_fill_lock_is_one_holder_per_key_waits_at_most_its_bound_and_dies_with_its_process(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store = SnapshotStore(tmp_path, 1 << 30, fill_wait_s=0.2)
+    first = store.fill(_key())
+    assert first.acquired and not first.contended and first.wait(0.0)
+    other = store.fill(_key("r2"))  # another key: its own lock
+    assert other.acquired
+    second = store.fill(_key())
+    assert not second.acquired and second.contended
+    t0 = time.monotonic()
+    assert not second.wait(store.fill_wait_s) and 0.2 <= time.monotonic() - t0 < 2 and second.waited_s >= 0.2
+    first.release()
+    assert second.wait(store.fill_wait_s) and second.contended  # the filler is done: the waiter holds it now
+    second.release()
+    with store.fill(_key()) as again:
+        assert again.acquired
+    assert not again.acquired  # released on leaving the block
+    # The snapshot store's listing and its clean-up leave lock files alone (they are not snapshots).
+    assert store.entries() == [] and first.path.exists()
+    # A holder that dies drops the lock (the kernel releases a dead process's flock).
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"), str(first.path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        waiter = FillLock(first.path)
+        assert not waiter.acquired
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waiter.wait(5.0)
+    waiter.release()
+    with pytest.raises(ValueError, match="fill_wait_s"):
+        SnapshotStore(tmp_path, 1 << 30, fill_wait_s=-1)

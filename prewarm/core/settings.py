@@ -256,6 +256,10 @@ class RuntimeSettings(_Group):
     first_layers: int | None = Field(None, ge=1)  # K of phase 2; default a quarter of the layers
     snapshot_dir: str = "/dev/shm/prewarm-snapshots"
     snapshot_max_bytes: int = Field(8 * 1024**3, gt=0)
+    # A replica whose node has no snapshot of its weights yet waits this long for another replica already
+    # filling it (`SnapshotStore.fill`) before it reads the original itself: about one whole read of a large
+    # model (140 GB at 1.2 GB/s), so only a stuck filler runs it out. 0: never wait (all read at once).
+    snapshot_fill_wait_s: float = Field(120.0, ge=0)
     models_dir: str = ".prewarm/models"
     token: SecretStr | None = None  # Bearer token of the control endpoints; unset (loopback only): the warmup secret
     api_key: SecretStr | None = None  # Bearer token /v1/*, /stats and /metrics require (gateway, agents send it)

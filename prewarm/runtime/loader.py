@@ -12,8 +12,9 @@ Where the bytes come from:
   mapped and (on CUDA) copied to the device; their crc32c checks run on a thread pool
   ahead of use, and a tensor is installed only after its own check passed; nothing
   reads model.safetensors;
-- otherwise model.safetensors, through `prewarm.runtime.verified_read.VerifiedReader`: a reader
-  thread reads ahead in `read_chunk_bytes` chunks (on CPU by mapping the file and asking
+- otherwise, after waiting for another replica of the node that is filling the snapshot (and
+  then mapping it: `SnapshotStore.fill`), model.safetensors, through
+  `prewarm.runtime.verified_read.VerifiedReader`: a reader thread reads ahead in `read_chunk_bytes` chunks (on CPU by mapping the file and asking
   the kernel to read ahead, on CUDA with `os.preadv` into pinned buffers) while a pool
   hashes the tensors already in, so reading tensor i+1 overlaps hashing tensor i and the
   load runs near the disk's speed; each tensor is checked against the manifest's shape,
@@ -99,6 +100,7 @@ class LoadStats:
     original_read: str = ""  # "mapped" (CPU: views of the verified file) | "pread" (CUDA: pinned staging)
     snapshot_rejected: str = ""  # why a present snapshot was not (fully) used
     snapshot_written: str = ""  # path of the snapshot this load wrote for the next replica
+    fill_waited_s: float = 0.0  # waited for another replica on the node to fill the snapshot (`SnapshotStore.fill`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0  # start to every weight on the device
     layer_waits: int = 0  # forward passes that had to wait for a block (pipelining happened)
@@ -324,9 +326,26 @@ class ProgressiveLoader:
         return snap
 
     def _load_all(self) -> None:
+        snap = self._open_snapshot()
+        if snap is not None or self.snapshots is None:
+            self._load_from(snap)
+            return
+        # No snapshot: fill it, unless another replica on the node is filling it; then wait for it and map it,
+        # building the module tree meanwhile (seconds for a process's first, off the path once the snapshot is in).
+        with self.snapshots.fill(self.snapshot_key) as fill:
+            if fill.contended:
+                self.model  # noqa: B018 - built now, while waiting
+                fill.wait(self.snapshots.fill_wait_s)
+                self.stats.fill_waited_s = fill.waited_s
+                snap = self._open_snapshot()
+                if snap is not None:
+                    fill.release()
+            self._load_from(snap)
+
+    def _load_from(self, snap: MappedSnapshot | None) -> None:
+        """Load every weight from `snap` (else the original, then write the snapshot)."""
         plan = _partition(self.config, self.first_layers)
         order = [n for _, groups in plan for _, names in groups for n in names]
-        snap = self._open_snapshot()
         pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="verify")
         # The snapshot's per-tensor checks run ahead of use, in parallel; each tensor waits for its own.
         checks: dict[str, Future[None]] = {n: pool.submit(snap.verify, n) for n in order} if snap is not None else {}

@@ -59,7 +59,7 @@ def build_host(
     if rt.snapshot_dir:
         from prewarm.runtime.snapshot import SnapshotStore
 
-        snapshots = SnapshotStore(rt.snapshot_dir, rt.snapshot_max_bytes)
+        snapshots = SnapshotStore(rt.snapshot_dir, rt.snapshot_max_bytes, rt.snapshot_fill_wait_s)
 
     def on_phase(phase: Any, seconds: float, *rest: Any) -> None:
         value = phase.value if isinstance(phase, LoadPhase) else str(phase)

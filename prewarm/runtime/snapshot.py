@@ -31,6 +31,15 @@ The directory is bounded by `max_bytes` with least-recently-used eviction (a sna
 last use is its sidecar's modification time; the snapshot's own times are left as written). A replica holds a shared `flock` on the snapshot it maps for as
 long as it serves from it; eviction takes an exclusive non-blocking lock first and skips
 a snapshot in use, in this process or any other on the node.
+
+One replica fills a snapshot; the others wait for it (`SnapshotStore.fill`). Replicas of
+the same weights started together on a node would otherwise all read the original at
+once, sharing the disk's bandwidth, so the first of them was ready no sooner than the last
+and none of them used the snapshot the first one writes. The first takes an exclusive
+`flock` on the key's fill lock (`.<snapshot>.fill`) for its read and the snapshot's write;
+the next ones wait for it (at most `fill_wait_s`), then find the snapshot and map it. The
+kernel drops the lock of a replica that dies, and a wait that runs out reads the original
+as before, so a stuck first replica delays the others by at most `fill_wait_s`.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"PWSNAP2\n"  # version 2: crc32c checksums (version 1 files fail the magic check and are rebuilt)
 ALIGN = 4096
 SUFFIX = ".snap"
+FILL_SUFFIX = ".fill"  # `.<snapshot>.fill`: the lock one replica holds while it fills the snapshot
 USED_SUFFIX = ".used"  # sidecar whose mtime is the snapshot's last use (the snapshot's inode is never touched)
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
@@ -302,12 +312,61 @@ class SnapshotWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+class FillLock:
+    """An exclusive flock on a snapshot's fill lock file: tried once when made, `wait` for it within a bound."""
+
+    POLL_S = 0.02  # flock has no timeout: a non-blocking try this often until the wait runs out
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.waited_s = 0.0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.acquired = self._try()
+        self.contended = not self.acquired  # another replica held it when first asked
+
+    def _try(self) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def wait(self, wait_s: float) -> bool:
+        """Wait up to `wait_s` for the lock (at once if held already); whether it is held."""
+        t0 = time.monotonic()
+        while not self.acquired and self._fd >= 0:
+            self.acquired = self._try()
+            if self.acquired or time.monotonic() - t0 >= wait_s:
+                break
+            time.sleep(self.POLL_S)
+        self.waited_s += time.monotonic() - t0
+        return self.acquired
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+            self.acquired = False
+
+    def __enter__(self) -> "FillLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class SnapshotStore:
     """A bounded directory of snapshots with LRU eviction that never evicts one in use."""
 
-    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int, fill_wait_s: float = 0.0) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if fill_wait_s < 0:
+            raise ValueError(f"fill_wait_s must be >= 0, got {fill_wait_s}")
+        self.fill_wait_s = float(fill_wait_s)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = int(max_bytes)
@@ -333,6 +392,12 @@ class SnapshotStore:
         except OSError as exc:
             log.warning("could not record the use of %s: %s", path.name, exc)
         return snap
+
+    def fill(self, key: SnapshotKey) -> FillLock:
+        """The key's fill lock, tried once (see the module docstring). Hold it (`with`) while reading the
+        original and writing the snapshot; when `contended`, `wait(fill_wait_s)` for the replica filling it,
+        then map its snapshot (a wait that runs out: read the original anyway)."""
+        return FillLock(self.directory / f".{key.filename}{FILL_SUFFIX}")
 
     def writer(self, key: SnapshotKey, config: ModelConfig) -> SnapshotWriter | None:
         """A writer, or None when the snapshot can never fit under max_bytes."""
