@@ -33,6 +33,9 @@ def _drain(bank: LoadBank, until: float = 1e9) -> dict[int, float]:
     return ready
 
 
+SHARED = replace(IDEAL, node_loads="shared")
+
+
 @pytest.mark.parametrize(("gpus_per_node", "share", "expected"), [
     (1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: no sharing
     (2, 1.0, {0: 20.0, 1: 20.0}),  # one node: two transfers at half speed
@@ -41,6 +44,24 @@ def _drain(bank: LoadBank, until: float = 1e9) -> dict[int, float]:
 ])
 def test_concurrent_loads_on_one_node_share_its_bandwidth(gpus_per_node: int, share: float,
                                                           expected: dict[int, float]) -> None:
+    bank = LoadBank(replace(SHARED, cold_start_s=10.0, gpus_per_node=gpus_per_node, load_share=share),
+                    np.random.default_rng(0))
+    bank.begin(0, 0.0)
+    bank.begin(1, 0.0)
+    assert _drain(bank) == pytest.approx(expected)
+    assert bank.starts == 2 and bank.loading == 0
+
+
+@pytest.mark.parametrize(("gpus_per_node", "share", "expected"), [
+    (1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: nothing to wait for
+    (2, 1.0, {0: 10.0, 1: 20.0}),  # one node: the second transfers after the first
+    (2, 0.5, {0: 10.0, 1: 15.0}),  # the second's transfer waits for the first's (5 s), not for its rest
+    (2, 0.0, {0: 10.0, 1: 10.0}),  # no transfer: nothing waits
+])
+def test_ordered_loads_on_one_node_run_one_after_another(gpus_per_node: int, share: float,
+                                                          expected: dict[int, float]) -> None:
+    """The default (prewarm's runtime fills the node snapshot once): the first replica is ready after one load,
+    where sharing made both wait for two; the last is no later."""
     bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=gpus_per_node, load_share=share),
                     np.random.default_rng(0))
     bank.begin(0, 0.0)
@@ -50,7 +71,7 @@ def test_concurrent_loads_on_one_node_share_its_bandwidth(gpus_per_node: int, sh
 
 
 def test_a_cancelled_load_held_bandwidth_until_cancelled() -> None:
-    bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=2, load_share=1.0), np.random.default_rng(0))
+    bank = LoadBank(replace(SHARED, cold_start_s=10.0, gpus_per_node=2, load_share=1.0), np.random.default_rng(0))
     bank.begin(0, 0.0)
     bank.begin(1, 0.0)
     assert _drain(bank, until=4.0) == {}
@@ -59,11 +80,27 @@ def test_a_cancelled_load_held_bandwidth_until_cancelled() -> None:
     assert bank.starts == 2  # the cancelled start was paid for
 
 
+@pytest.mark.parametrize(("cancel", "expected"), [(0, {1: 14.0, 2: 24.0}), (1, {0: 10.0, 2: 20.0})])
+def test_ordered_a_cancelled_transfer_hands_the_node_on_and_a_cancelled_waiter_leaves_the_queue(
+        cancel: int, expected: dict[int, float]) -> None:
+    bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=4, load_share=1.0), np.random.default_rng(0))
+    for rid in range(3):
+        bank.begin(rid, 0.0)
+    assert _drain(bank, until=4.0) == {}
+    bank.release(cancel, 4.0)  # 0 transfers (the next starts at 4 s), or 1 waits (gone; 2 follows 0)
+    assert _drain(bank) == pytest.approx(expected)
+    assert bank.starts == 3 and bank.loading == 0
+
+
 def test_a_later_load_joins_the_sharing_and_slows_the_first() -> None:
-    bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=8, load_share=1.0), np.random.default_rng(0))
+    bank = LoadBank(replace(SHARED, cold_start_s=10.0, gpus_per_node=8, load_share=1.0), np.random.default_rng(0))
     bank.begin(0, 0.0)
     bank.begin(1, 6.0)  # 0 has 4 s left, now at half speed: done at 14; 1 then has 6 s left alone: 20
     assert _drain(bank) == pytest.approx({0: 14.0, 1: 20.0})
+    ordered = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=8, load_share=1.0), np.random.default_rng(0))
+    ordered.begin(0, 0.0)
+    ordered.begin(1, 6.0)  # ordered: 0 is not slowed; 1 transfers after it
+    assert _drain(ordered) == pytest.approx({0: 10.0, 1: 20.0})
 
 
 def test_replicas_pack_onto_the_lowest_node_and_free_gpus_are_reused() -> None:
@@ -238,13 +275,14 @@ def test_cli_sweep_json_and_the_charges_flags(tmp_path: Path, capsys: pytest.Cap
                                                                                                    tr.rate)))
     rc = main(["backtest", str(path), "--policies", "reactive,reactive_sized,prewarm", "--sweep",
                str(tmp_path / "s.png"), "--json", "--cold-start", "60", "--actuation-delay", "4",
-               "--gpus-per-node", "4"])
+               "--gpus-per-node", "4", "--node-loads", "shared"])
     out = capsys.readouterr().out
     assert rc == 0, out
     last = json.loads(out.strip().splitlines()[-1])
     assert {"rows", "points", "at_equal_cold_start_share"} <= set(last)
     assert last["params"]["cold_start_s"] == 60.0 and last["params"]["actuation_delay_s"] == 4.0
     assert last["params"]["gpus_per_node"] == 4 and last["params"]["cold_start_cv"] == 0.3
+    assert last["params"]["node_loads"] == "shared"
     assert (tmp_path / "s.png").stat().st_size > 10_000
     rc = main(["backtest", str(path), "--policies", "reactive", "--json", "--ideal"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -257,7 +295,8 @@ def test_cli_sweep_json_and_the_charges_flags(tmp_path: Path, capsys: pytest.Cap
 def test_bad_charges_are_named() -> None:
     for kw, name in [({"cold_start_cv": -1.0}, "cold_start_cv"), ({"actuation_delay_s": -1.0}, "actuation_delay_s"),
                      ({"cold_starts_s": (5.0, 0.0)}, "cold_starts_s"), ({"gpus_per_node": 0}, "gpus_per_node"),
-                     ({"load_share": 1.5}, "load_share"), ({"planner_cold_start": "psychic"}, "planner_cold_start")]:
+                     ({"load_share": 1.5}, "load_share"), ({"planner_cold_start": "psychic"}, "planner_cold_start"),
+                     ({"node_loads": "psychic"}, "node_loads")]:
         with pytest.raises(ValueError, match=name):
             SimParams(**kw)  # type: ignore[arg-type]
 

@@ -8,10 +8,12 @@ what a node pays instead, the same way for every policy and both engines of
 - each cold start is drawn (`SimParams.cold_starts_s`, measured, else a lognormal of
   `cold_start_cv`), and split into a weight transfer (`load_share` of it) and the rest
   (process start, warmup, validation);
-- replicas sit on nodes of `gpus_per_node` GPUs, packed (the lowest node with a free GPU);
-  the transfers running on one node share its load bandwidth (processor sharing: with k
-  transfers on the node each progresses at 1/k speed), so a burst of starts on a node ends
-  later than one start would;
+- replicas sit on nodes of `gpus_per_node` GPUs, packed (the lowest node with a free GPU),
+  and a node's transfers use its one load bandwidth (`node_loads`): "ordered", one after
+  another in the order they began, as prewarm's runtime does (one replica fills the node's
+  snapshot while the others wait for it), or "shared", all at once (processor sharing: with
+  k transfers on the node each progresses at 1/k speed). Either way a burst of starts on a
+  node ends later than one start would; ordered, its first replica is ready as soon as one;
 - a load cancelled half-way has still held its GPU and bandwidth until then;
 - the starts that completed are the planner's only knowledge of cold starts: the p95 of the
   last `LOADTIMES_KEEP` of them, as the live registry's `load_time_p95` computes it.
@@ -61,6 +63,7 @@ def cold_start_p95(params: SimParams) -> float:
 class LoadBank:
     """Which node each replica holds a GPU on, and the loads in progress (see the module docstring).
 
+    Ordered: a queue of transfers per node, its head's real end in `_nodes`.
     Processor sharing per node with a virtual clock: a node's clock runs at 1/k of real time
     while k transfers run on it, so a transfer of W seconds (at full bandwidth) that began at
     node clock v ends when the clock reaches v + W, whatever the sharing meanwhile. Transfers
@@ -72,6 +75,8 @@ class LoadBank:
     def __init__(self, params: SimParams, rng: np.random.Generator) -> None:
         self._cold = cold_sampler(params, rng)
         self._gpn = params.gpus_per_node
+        self._ordered = params.node_loads == "ordered"
+        self._queue: dict[int, deque[tuple[int, float]]] = {}  # ordered: node -> (rid, transfer s), head transferring
         self._share = params.load_share
         self._used: list[int] = []  # replicas holding a GPU per node
         self._free: list[int] = []  # heap of nodes with a free GPU (lowest first; stale entries skipped)
@@ -107,10 +112,17 @@ class LoadBank:
         """Replica `rid` gives its GPU back (retired); a load still in progress is cancelled at `now`."""
         if self._started.pop(rid, None) is not None and rid in self._rest_of:
             node = self._node_of[rid]
-            self._sync(node, now)
             del self._rest_of[rid]  # its heap entry is skipped from now on
-            self._k[node] -= 1
-            self._touch(node, now)
+            if self._ordered:
+                queue = self._queue[node]
+                head = queue[0][0] == rid
+                queue.remove(next(e for e in queue if e[0] == rid))
+                if head:
+                    self._start_head(node, now)
+            else:
+                self._sync(node, now)
+                self._k[node] -= 1
+                self._touch(node, now)
         node_ = self._node_of.pop(rid, None)
         if node_ is not None:
             if self._used[node_] == self._gpn:
@@ -130,8 +142,14 @@ class LoadBank:
         if transfer <= _EPS:
             heapq.heappush(self._rest, (now + rest, rid))
             return
-        clock = self._sync(node, now)
         self._rest_of[rid] = rest
+        if self._ordered:
+            queue = self._queue.setdefault(node, deque())
+            queue.append((rid, transfer))
+            if len(queue) == 1:
+                self._start_head(node, now)
+            return
+        clock = self._sync(node, now)
         self._k[node] = self._k.get(node, 0) + 1
         heapq.heappush(self._xfer.setdefault(node, []), (clock + transfer, rid))
         self._touch(node, now)
@@ -153,8 +171,13 @@ class LoadBank:
     def pop_ready(self, now: float) -> list[tuple[int, float]]:
         """Step to `now` (never past `next_time()`) and return the loads finished by then: (rid, ready time)."""
         while self._nodes and self._nodes[0][0] <= now + _EPS:
-            _, node, ver = heapq.heappop(self._nodes)
+            end, node, ver = heapq.heappop(self._nodes)
             if ver != self._ver.get(node):
+                continue
+            if self._ordered:  # the head's transfer is over: its rest starts, and the next transfer
+                rid, _ = self._queue[node].popleft()
+                heapq.heappush(self._rest, (end + self._rest_of.pop(rid), rid))
+                self._start_head(node, end)
                 continue
             clock = self._sync(node, now)
             heap = self._xfer[node]
@@ -182,6 +205,14 @@ class LoadBank:
     def observed_p95(self) -> float | None:
         """The p95 of the last `LOADTIMES_KEEP` completed cold starts (None before the first)."""
         return self._p95
+
+    def _start_head(self, node: int, now: float) -> None:
+        """Ordered: the node's next transfer (if any) starts at `now`; (re)schedule its end."""
+        ver = self._ver.get(node, 0) + 1
+        self._ver[node] = ver
+        queue = self._queue[node]
+        if queue:
+            heapq.heappush(self._nodes, (now + queue[0][1], node, ver))
 
     def _sync(self, node: int, now: float) -> float:
         """The node's virtual clock brought to real time `now` (at its sharing since the last change)."""

@@ -22,6 +22,7 @@ import numpy as np
 #: Azure LLM code trace means (2023-11-16): used when a trace carries no token counts.
 AZURE_CODE_MEAN_CONTEXT = 2048.0
 AZURE_CODE_MEAN_GENERATED = 28.0
+NODE_LOADS = ("ordered", "shared")  # `SimParams.node_loads`
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,15 @@ class SimParams:
     # (workers.schedule.EVENT_DISPATCH_S = 2 s), the Celery queue and the agent's task start. Default: the beat
     # period plus 0.5 s; a `prewarm up` run measures it (see docs/simulator.md)
     actuation_delay_s: float = 2.5
-    # churn: replicas sit on nodes of this many GPUs (packed, lowest node first), and concurrent loads on one node
-    # share its load bandwidth: the `load_share` of a cold start that is weight transfer runs at 1/k speed with k
-    # loads transferring on the node (the rest, process start, warmup and validation, is not shared)
+    # churn: replicas sit on nodes of this many GPUs (packed, lowest node first), and the `load_share` of a cold
+    # start that is weight transfer uses the node's load bandwidth (the rest, process start, warmup and
+    # validation, is the replica's own). `node_loads` says how a node's concurrent transfers share it:
+    # "ordered" (prewarm's runtime: one replica fills the node's snapshot while the others wait for it,
+    # `SnapshotStore.fill`, so transfers run one after another) or "shared" (an engine that reads at once, each
+    # of k transfers at 1/k speed). The snapshot's own speed-up is not credited: a waiting replica pays a whole
+    # transfer after the one it waited for, as if it read the original
     gpus_per_node: int = 8
+    node_loads: str = "ordered"
     # the pool's capacity in replicas (nodes x replica slots): a policy's wish beyond it is not placed, as the
     # live placement drops a scale-up no node has a slot for. None: unbounded
     max_replicas: int | None = None
@@ -74,6 +80,8 @@ class SimParams:
             raise ValueError(f"SimParams.gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.max_replicas is not None and self.max_replicas < 1:
             raise ValueError(f"SimParams.max_replicas must be >= 1 (or None: unbounded), got {self.max_replicas}")
+        if self.node_loads not in NODE_LOADS:
+            raise ValueError(f"SimParams.node_loads must be one of {NODE_LOADS}, got {self.node_loads!r}")
         if not 0 <= self.load_share <= 1:
             raise ValueError(f"SimParams.load_share must be within [0, 1], got {self.load_share}")
         if self.cold_start_cv < 0:

@@ -60,7 +60,11 @@ def _charge_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-cold-start", choices=["running", "exact"], default=None,
                    help="what the planner knows of cold starts: the running p95 of those seen (default) or the exact p95")
     g.add_argument("--gpus-per-node", type=int, default=None,
-                   help=f"GPUs per node; concurrent loads on a node share its bandwidth (default {d.gpus_per_node})")
+                   help=f"GPUs per node; a node's concurrent loads use one load bandwidth (default {d.gpus_per_node})")
+    g.add_argument("--node-loads", choices=["ordered", "shared"], default=None,
+                   help="a node's concurrent weight transfers: one after another, as prewarm's runtime fills the "
+                        "node snapshot once (default), or all at once at a share of the bandwidth (an engine "
+                        "without it)")
     g.add_argument("--load-share", type=float, default=None,
                    help=f"the share of a cold start that is weight transfer, shared on a node (default {d.load_share:g})")
     g.add_argument("--max-replicas", type=int, default=None, metavar="N",
@@ -86,7 +90,7 @@ def sim_params(args: argparse.Namespace, settings: Settings) -> Any:
         kw |= {"cold_start_cv": 0.0, "actuation_delay_s": 0.0, "load_share": 0.0, "planner_cold_start": "exact"}
     for flag, name in (("cold_start_cv", "cold_start_cv"), ("cold_starts", "cold_starts_s"),
                        ("actuation_delay", "actuation_delay_s"), ("planner_cold_start", "planner_cold_start"),
-                       ("gpus_per_node", "gpus_per_node"), ("load_share", "load_share"),
+                       ("gpus_per_node", "gpus_per_node"), ("node_loads", "node_loads"), ("load_share", "load_share"),
                        ("max_replicas", "max_replicas")):
         if getattr(args, flag) is not None:
             kw[name] = getattr(args, flag)
