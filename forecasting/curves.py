@@ -1,5 +1,7 @@
 """Claims at equal cost or equal cold starts: a policy's curve over its knob, read at another policy's point.
 
+Also the TTFT quantiles both replays report (`weighted_quantile`: a request cohort counted by its size).
+
 A policy scored at one setting wins or loses by its default; over its knob it is a curve of
 cold-start share against cost (GPU-hours, warm GB·h). These helpers read a curve at the
 anchor's (prewarm's, the fleet planner's) default point, so "prewarm saves X% at the same
@@ -42,3 +44,17 @@ def sweep_summary(points: Sequence[Mapping[str, Any]], anchor: str = "prewarm", 
     for name, pts in by.items():
         out["policies"][name] = base[y] if name == anchor else at_equal_share(pts, float(base[x]), x, y)
     return out
+
+
+def weighted_quantile(values: np.ndarray, weights: np.ndarray | None, q: float) -> float:
+    """The q-quantile of values (each counted `weight` times; None: once each); nan when there is no weight."""
+    if values.size == 0:
+        return float("nan")
+    if weights is None:
+        return float(np.quantile(values, q))
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    if cum[-1] <= 0:
+        return float("nan")
+    i = int(np.searchsorted(cum, q * cum[-1], side="left"))
+    return float(values[order][min(i, values.size - 1)])

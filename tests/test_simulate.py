@@ -13,7 +13,8 @@ import pytest
 from forecasting.planner import StepInputs
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
-from forecasting.sim.scoring import run_backtest, weighted_quantile
+from forecasting.curves import weighted_quantile
+from forecasting.sim.scoring import run_backtest
 from forecasting.sim.simulate import SimParams, build_workload, replay
 from forecasting.data.traces import RateTrace, RequestTrace
 from prewarm.cli import main

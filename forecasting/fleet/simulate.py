@@ -37,21 +37,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from forecasting.curves import weighted_quantile
 from forecasting.fleet.capacity import HpaCounts, capacity_waits
 from forecasting.fleet.catalog import Tier
 from forecasting.fleet.policies import FleetEnv, FleetPolicy
 from forecasting.fleet.traces import FleetTrace
 
 _TIERS = (Tier.ASLEEP, Tier.CACHED, Tier.DISK)
-
-
-def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
-    """The q-quantile of ``values``, each counted ``weights`` times."""
-    order = np.argsort(values, kind="stable")
-    cum = np.cumsum(weights[order])
-    if values.size == 0 or cum[-1] <= 0:
-        return float("nan")
-    return float(values[order][min(int(np.searchsorted(cum, q * cum[-1])), values.size - 1)])
 
 
 @dataclass(frozen=True)

@@ -13,23 +13,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
+from forecasting.curves import weighted_quantile
 from forecasting.planner import PlannerParams, warm_cost
 from forecasting.sim.policies import KNOWN, POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
-
-
-def weighted_quantile(values: np.ndarray, weights: np.ndarray | None, q: float) -> float:
-    """The q-quantile of values (each counted `weight` times; None: once each)."""
-    if values.size == 0:
-        return float("nan")
-    if weights is None:
-        return float(np.quantile(values, q))
-    order = np.argsort(values, kind="stable")
-    cum = np.cumsum(weights[order])
-    if cum[-1] <= 0:
-        return float("nan")
-    i = int(np.searchsorted(cum, q * cum[-1], side="left"))
-    return float(values[order][min(i, values.size - 1)])
 
 
 def score(run: PolicyRun, work: Workload, params: SimParams, after_s: float = 0.0) -> dict[str, float | int]:
