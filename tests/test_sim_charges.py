@@ -36,34 +36,22 @@ def _drain(bank: LoadBank, until: float = 1e9) -> dict[int, float]:
 SHARED = replace(IDEAL, node_loads="shared")
 
 
-@pytest.mark.parametrize(("gpus_per_node", "share", "expected"), [
-    (1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: no sharing
-    (2, 1.0, {0: 20.0, 1: 20.0}),  # one node: two transfers at half speed
-    (2, 0.5, {0: 15.0, 1: 15.0}),  # half of each start is transfer (shared), half is not
-    (2, 0.0, {0: 10.0, 1: 10.0}),  # nothing shared
+@pytest.mark.parametrize(("node_loads", "gpus_per_node", "share", "expected"), [
+    ("shared", 1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: no sharing
+    ("shared", 2, 1.0, {0: 20.0, 1: 20.0}),  # one node: two transfers at half speed
+    ("shared", 2, 0.5, {0: 15.0, 1: 15.0}),  # half of each start is transfer (shared), half is not
+    ("shared", 2, 0.0, {0: 10.0, 1: 10.0}),  # nothing shared
+    # the default (prewarm's runtime fills the node snapshot once): the first replica is ready after one
+    # load, where sharing made both wait for two; the last is no later
+    ("ordered", 1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: nothing to wait for
+    ("ordered", 2, 1.0, {0: 10.0, 1: 20.0}),  # one node: the second transfers after the first
+    ("ordered", 2, 0.5, {0: 10.0, 1: 15.0}),  # the second's transfer waits for the first's (5 s), not its rest
+    ("ordered", 2, 0.0, {0: 10.0, 1: 10.0}),  # no transfer: nothing waits
 ])
-def test_concurrent_loads_on_one_node_share_its_bandwidth(gpus_per_node: int, share: float,
-                                                          expected: dict[int, float]) -> None:
-    bank = LoadBank(replace(SHARED, cold_start_s=10.0, gpus_per_node=gpus_per_node, load_share=share),
-                    np.random.default_rng(0))
-    bank.begin(0, 0.0)
-    bank.begin(1, 0.0)
-    assert _drain(bank) == pytest.approx(expected)
-    assert bank.starts == 2 and bank.loading == 0
-
-
-@pytest.mark.parametrize(("gpus_per_node", "share", "expected"), [
-    (1, 1.0, {0: 10.0, 1: 10.0}),  # a node each: nothing to wait for
-    (2, 1.0, {0: 10.0, 1: 20.0}),  # one node: the second transfers after the first
-    (2, 0.5, {0: 10.0, 1: 15.0}),  # the second's transfer waits for the first's (5 s), not for its rest
-    (2, 0.0, {0: 10.0, 1: 10.0}),  # no transfer: nothing waits
-])
-def test_ordered_loads_on_one_node_run_one_after_another(gpus_per_node: int, share: float,
-                                                          expected: dict[int, float]) -> None:
-    """The default (prewarm's runtime fills the node snapshot once): the first replica is ready after one load,
-    where sharing made both wait for two; the last is no later."""
-    bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=gpus_per_node, load_share=share),
-                    np.random.default_rng(0))
+def test_concurrent_loads_on_one_node_share_its_bandwidth_or_take_turns(
+        node_loads: str, gpus_per_node: int, share: float, expected: dict[int, float]) -> None:
+    bank = LoadBank(replace(IDEAL, node_loads=node_loads, cold_start_s=10.0, gpus_per_node=gpus_per_node,
+                            load_share=share), np.random.default_rng(0))
     bank.begin(0, 0.0)
     bank.begin(1, 0.0)
     assert _drain(bank) == pytest.approx(expected)
