@@ -254,3 +254,6 @@ def test_the_fill_lock_is_one_holder_per_key_waits_at_most_its_bound_and_dies_wi
     waiter.release()
     with pytest.raises(ValueError, match="fill_wait_s"):
         SnapshotStore(tmp_path, 1 << 30, fill_wait_s=-1)
+    # no lock file to be had (its directory gone, or read-only): neither held nor waited for, the load goes on
+    gone = FillLock(tmp_path / "gone" / ".x.snap.fill")
+    assert not gone.acquired and not gone.contended and not gone.wait(5.0) and gone.waited_s < 1

@@ -320,7 +320,13 @@ class FillLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.waited_s = 0.0
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a directory gone or read-only: load as if alone (the snapshot is only a cache)
+            log.warning("snapshot fill lock %s not available (%s): loading without it", path.name, exc)
+            self._fd = -1
+            self.acquired = self.contended = False
+            return
         self.acquired = self._try()
         self.contended = not self.acquired  # another replica held it when first asked
 
