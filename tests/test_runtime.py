@@ -325,6 +325,32 @@ def test_explicit_load_then_serve_then_sigterm(lazy_server: RuntimeProcess, serv
     assert "shutting down tiny" in lazy_server.output()
 
 
+def test_two_replicas_of_a_node_one_reads_the_other_waits_and_maps_its_snapshot(
+        model_dir: Path, tmp_path: Path, server: RuntimeProcess) -> None:
+    """Two `serve-model` processes of one model sharing a node's snapshot directory: the second, asked to load
+    while the first reads the original (capped), waits for the first's snapshot and maps it (`/load` says so)."""
+    env = {"PREWARM_RUNTIME_READ_LIMIT_BPS": "800000"}  # the ~4 MB model reads in ~5 s
+    first = start_runtime(model_dir, tmp_path, "--no-autoload", "--model-name", "tiny", env=env)
+    second = start_runtime(model_dir, tmp_path, "--no-autoload", "--model-name", "tiny", env=env)
+    try:
+        assert call(first.url + "/load", "POST", {}, token=TOKEN)[0] == 202
+        deadline = time.monotonic() + 30
+        while call(first.url + "/load", token=TOKEN)[1]["phase"] == "none":  # the first is reading
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert call(second.url + "/load", "POST", {}, token=TOKEN)[0] == 202
+        one, two = wait_loaded(first.url), wait_loaded(second.url)
+        assert one["source"] == "original" and one["fill_waited_s"] == 0.0
+        assert two["source"] == "snapshot" and two["fill_waited_s"] > 0.5, two
+        _, a, _ = _complete(first.url)
+        _, b, _ = _complete(second.url)
+        _, c, _ = _complete(server.url)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] == c["choices"][0]["text"]
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_serve_model_refuses_a_directory_without_a_model(tmp_path: Path, clean_env: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from prewarm.cli import main

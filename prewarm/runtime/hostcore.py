@@ -132,6 +132,10 @@ class HostCore:
             "error_kind": None if self.engine.error is None else failure_reason(self.engine.error),
             "device": str(self.engine.device),
             "sleeping": bool(self.engine.is_sleeping),
+            # where the weights came from ("snapshot", "original", "snapshot+original"; "" until loaded), and how
+            # long the load waited for another replica of the node filling its snapshot (`SnapshotStore.fill`)
+            "source": self.engine.loader.stats.source,
+            "fill_waited_s": round(float(self.engine.loader.stats.fill_waited_s), 3),
         }
 
     def _require_loaded(self) -> None:

@@ -412,7 +412,8 @@ class ProgressiveLoader:
         self.stats.load_seconds = time.perf_counter() - self._t0
         gbps = self.manifest.total_bytes / max(self.stats.load_seconds, 1e-9) / 1e9
         coldstart_log(event="loaded", model=self.model_name, node=self.node, seconds=self.stats.load_seconds,
-                      source=self.stats.source, bytes=self.manifest.total_bytes, gbps=gbps)
+                      source=self.stats.source, bytes=self.manifest.total_bytes, gbps=gbps,
+                      fill_waited_s=self.stats.fill_waited_s)
         self._progress = 1.0
         self._phase = LoadPhase.DONE
         self._done.set()
