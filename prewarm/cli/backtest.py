@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
 
 def _charge_args(p: argparse.ArgumentParser) -> None:
     """What the simulator charges (docs/simulator.md): each a default these flags change."""
-    from forecasting.sim.workload import SimParams
+    from forecasting.sim.workload import NODE_LOADS, SimParams
 
     d = SimParams()
     g = p.add_argument_group("what the replay charges (defaults: docs/simulator.md)")
@@ -61,7 +61,7 @@ def _charge_args(p: argparse.ArgumentParser) -> None:
                    help="what the planner knows of cold starts: the running p95 of those seen (default) or the exact p95")
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help=f"GPUs per node; a node's concurrent loads use one load bandwidth (default {d.gpus_per_node})")
-    g.add_argument("--node-loads", choices=["ordered", "shared"], default=None,
+    g.add_argument("--node-loads", choices=NODE_LOADS, default=None,
                    help="a node's concurrent weight transfers: one after another, as prewarm's runtime fills the "
                         "node snapshot once (default), or all at once at a share of the bandwidth (an engine "
                         "without it)")

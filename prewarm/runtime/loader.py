@@ -14,9 +14,10 @@ Where the bytes come from:
   reads model.safetensors;
 - otherwise, after waiting for another replica of the node that is filling the snapshot (and
   then mapping it: `SnapshotStore.fill`), model.safetensors, through
-  `prewarm.runtime.verified_read.VerifiedReader`: a reader thread reads ahead in `read_chunk_bytes` chunks (on CPU by mapping the file and asking
-  the kernel to read ahead, on CUDA with `os.preadv` into pinned buffers) while a pool
-  hashes the tensors already in, so reading tensor i+1 overlaps hashing tensor i and the
+  `prewarm.runtime.verified_read.VerifiedReader`: a reader thread reads ahead in
+  `read_chunk_bytes` chunks (on CPU by mapping the file and asking the kernel to read
+  ahead, on CUDA with `os.preadv` into pinned buffers) while a pool hashes the tensors
+  already in, so reading tensor i+1 overlaps hashing tensor i and the
   load runs near the disk's speed; each tensor is checked against the manifest's shape,
   dtype and sha256 (`CorruptWeights` names the tensor) before it is converted to the
   runtime dtype and moved to the device (non-blocking copies on CUDA); then

@@ -141,9 +141,10 @@ def counting_now(ctx: WorkerContext, models: list[str], *, start: float, now: fl
     """The models with requests since ``start`` (the bucket still being counted, up to ``now``): counted (the
     gateway counts a request when it is answered) or in flight (its in-flight peak of the fine buckets, from the
     one before ``now`` at least, which a request held for a load raises at the next flush, within a second).
-    In flight now, as the replay's step with requests keeps its model on GPU. Read with the last complete bucket only, a sparse model loaded on demand for a
-    burst that began after that bucket was evicted by the next round mid-burst (the live demo evicted one 2 s after
-    it turned ready, its burst's requests still held) and loaded again for the rest of its burst."""
+    In flight now, as the replay's step with requests keeps its model on GPU. Read with the last complete bucket
+    only, a sparse model loaded on demand for a burst that began after that bucket was evicted by the next round
+    mid-burst (the live demo evicted one 2 s after it turned ready, its burst's requests still held) and loaded
+    again for the rest of its burst."""
     fine = keys.FINE_RESOLUTION_S
     # from the fine bucket before `now` at least: just after a boundary the new bucket has had no flush yet
     first_fine = math.floor(min(start, now - fine) / fine) * fine
