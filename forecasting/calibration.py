@@ -14,6 +14,10 @@ proportion to how much of a window's budget they spent; calm buckets bring it do
 per window. It is an integrator of the overspend, so over a long run the realised share is
 the budget whatever the trace, as long as the margin stays within its bounds (the clip at
 [0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
+Nor is it ever above the largest margin a counted bucket needed (the quantile rule's scores,
+below, kept under both rules), once one budget's worth of requests has been scored: a calm
+start comes down to what the traffic needed at once, not by the gain per window (NASA, which
+one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.05x with the cap).
 
 "Requests per calibration window" is the mean request rate over the budget's horizon
 (`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
@@ -189,19 +193,29 @@ def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> floa
     return float(np.argmax(above <= alpha * total)) * SCORE_BIN
 
 
-def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
-                        bucket_s: float, c: Carried, p: BudgetParams) -> Calibrated:
+def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int | None,
+                 c: Carried, p: BudgetParams) -> np.ndarray:
+    """The carried histogram of needed margins (`needed_margins`), decayed over `shortfall_horizon_s`, with the
+    buckets from `first` added (None: none new)."""
     nbins = _bins(p)
     hist = np.asarray(c.shortfalls, dtype=np.float64) if len(c.shortfalls) == nbins else np.zeros(nbins)
+    if first is None:
+        return hist
+    span = (requests.size - first) * bucket_s
+    return hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s, first,
+                                                                           c.sized, nbins)
+
+
+def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
+                        bucket_s: float, c: Carried, p: BudgetParams) -> Calibrated:
     alpha = p.cold_start_budget if c.alpha is None else float(c.alpha)
     rate, weight_s = c.counted_rate, c.counted_weight_s
     first, end = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
+    hist = _needed_hist(requests, peak, start, bucket_s, first if waited is not None else None, c, p)
     if first is not None and waited is not None:
         req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
         span = (requests.size - first) * bucket_s
         norm, rate, weight_s = _carry_rate(req, span, rate, weight_s, p)
-        hist = hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s,
-                                                                                first, c.sized, nbins)
         per_window = norm * p.budget_calibration_s
         if per_window > 0:  # the integrator's move, in units of the level: gain x budget per calm window
             alpha = min(1.0, max(0.0, alpha + p.budget_gain * (p.cold_start_budget * req - miss) / per_window))
@@ -216,18 +230,22 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
     """The margin after this step's new buckets, by the rule `p.margin_rule` (see the module docstring)."""
     if p.margin_rule == "quantile":
         return _calibrate_quantile(requests, waited, peak, start, bucket_s, c, p)
+    first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
     beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
                                                  c.counted_rate, c.counted_weight_s, p)
-    return Calibrated(beta, end, rate, weight_s, c.shortfalls, c.alpha)
+    hist = _needed_hist(requests, peak, start, bucket_s, first if waited is not None else None, c, p)
+    # never above the largest margin a counted bucket needed (read once it holds one budget's worth of requests)
+    cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
+    if cap is not None and beta > cap:
+        beta = cap
+    return Calibrated(beta, end, rate, weight_s, tuple(float(x) for x in hist), c.alpha)
 
 
 def record_sizing(sized: tuple[Sizing, ...], now: float, lead_s: float, load: float, offset: float,
                   p: BudgetParams) -> tuple[Sizing, ...]:
     """The sizings the quantile rule will score the coming buckets against, with this step's: (now, lead, the
     load sized, the margin's offset: the staffing beta a peak in flight already holds). Kept: those whose lead
-    ends within the buckets not yet counted, and the last one before them (empty under the integrator)."""
-    if p.margin_rule != "quantile":
-        return ()
+    ends within the buckets not yet counted, and the last one before them."""
     horizon = now - 2 * p.fine_bucket_s - p.interval_s
     recent = [r for r in sized if r[0] + r[1] >= horizon]
     older = [r for r in sized if r[0] + r[1] < horizon]

@@ -209,9 +209,9 @@ class PlannerState:
     counted_weight_s: float | None = None  # the decayed seconds of counting it rests on
     quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
     lead_holds: holds.Holds = ()  # recommendations whose lead has not run out (`forecasting.holds`)
-    shortfalls: tuple[float, ...] = ()  # the quantile rule: requests per bin of the margin their bucket needed
-    alpha: float | None = None  # ... the share of them its margin may leave short (None: the budget)
-    sized: tuple[Sizing, ...] = ()  # ... the recent steps' sizings, to score the coming buckets against
+    shortfalls: tuple[float, ...] = ()  # requests per bin of the margin their bucket needed (both rules)
+    alpha: float | None = None  # the quantile rule: the share of them its margin may leave short (None: the budget)
+    sized: tuple[Sizing, ...] = ()  # the recent steps' sizings, to score the coming buckets against
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
