@@ -14,10 +14,12 @@ proportion to how much of a window's budget they spent; calm buckets bring it do
 per window. It is an integrator of the overspend, so over a long run the realised share is
 the budget whatever the trace, as long as the margin stays within its bounds (the clip at
 [0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
-Nor is it ever above the largest margin a counted bucket needed (the quantile rule's scores,
-below, kept under both rules), once one budget's worth of requests has been scored: a calm
-start comes down to what the traffic needed at once, not by the gain per window (NASA, which
-one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.05x with the cap).
+Until its first overspend (`overspent`) it is never above the largest margin a counted bucket
+needed (the quantile rule's scores, below), once one budget's worth of requests has been scored:
+a calm start comes down to what the traffic needed at once, not by the gain per window (NASA,
+which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.05x with the
+cap). After it, the integrator alone: a wait the scores do not show (a load later than its lead)
+must not be argued away by them.
 
 "Requests per calibration window" is the mean request rate over the budget's horizon
 (`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
@@ -105,6 +107,8 @@ class Carried(Protocol):
     def alpha(self) -> float | None: ...
     @property
     def sized(self) -> tuple[Sizing, ...]: ...
+    @property
+    def overspent(self) -> bool: ...
 
 
 class Calibrated(NamedTuple):
@@ -116,6 +120,7 @@ class Calibrated(NamedTuple):
     counted_weight_s: float | None
     shortfalls: tuple[float, ...]
     alpha: float | None
+    overspent: bool
 
 
 def _new_buckets(n: int, waited: np.ndarray | None, start: float, bucket_s: float, counted_end: float | None,
@@ -222,7 +227,7 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     # read once it holds one budget's worth of requests (one of them may wait)
     m = quantile_margin(hist, alpha, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(p.margin_initial if m is None else min(m, p.margin_max), end, rate, weight_s,
-                      tuple(float(x) for x in hist), alpha)
+                      tuple(float(x) for x in hist), alpha, c.overspent)
 
 
 def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float, bucket_s: float,
@@ -233,12 +238,19 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
     first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
     beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
                                                  c.counted_rate, c.counted_weight_s, p)
-    hist = _needed_hist(requests, peak, start, bucket_s, first if waited is not None else None, c, p)
-    # never above the largest margin a counted bucket needed (read once it holds one budget's worth of requests)
+    counted = first is not None and waited is not None
+    if counted and waited is not None:
+        overspent = c.overspent or float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:]))
+    else:
+        overspent = c.overspent
+    if overspent:
+        return Calibrated(beta, end, rate, weight_s, c.shortfalls, c.alpha, True)
+    # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
+    # hold one budget's worth of requests)
+    hist = _needed_hist(requests, peak, start, bucket_s, first if counted else None, c, p)
     cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
-    if cap is not None and beta > cap:
-        beta = cap
-    return Calibrated(beta, end, rate, weight_s, tuple(float(x) for x in hist), c.alpha)
+    return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
+                      tuple(float(x) for x in hist), c.alpha, False)
 
 
 def record_sizing(sized: tuple[Sizing, ...], now: float, lead_s: float, load: float, offset: float,

@@ -212,6 +212,7 @@ class PlannerState:
     shortfalls: tuple[float, ...] = ()  # requests per bin of the margin their bucket needed (both rules)
     alpha: float | None = None  # the quantile rule: the share of them its margin may leave short (None: the budget)
     sized: tuple[Sizing, ...] = ()  # the recent steps' sizings, to score the coming buckets against
+    overspent: bool = False  # a counted step's waits were over the budget: the integrator's margin is uncapped since
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
@@ -225,6 +226,7 @@ class PlannerState:
         p = d.get("profile")
         return cls(**{k: v for k, v in d.items() if k in known}
                    | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE)),
+                      "overspent": bool(d.get("overspent", False)),
                       "lead_holds": tuple((float(u), int(n)) for u, n in d.get("lead_holds", ())),
                       "shortfalls": tuple(float(x) for x in d.get("shortfalls", ())),
                       "sized": tuple((float(t), float(lead), float(a), float(o))
@@ -493,7 +495,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
             fc, mode = _forecast(inp, state, lead)
             margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     offset = p.queue_beta if mode == REACTIVE else 0.0  # the quantile rule scores what this step sizes
-    state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
+    if p.margin_rule == "quantile" or not state.overspent:  # what the coming buckets will be scored against
+        state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)

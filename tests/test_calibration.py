@@ -93,28 +93,30 @@ def test_planner_state_carries_the_margin_through_json() -> None:
     assert PlannerState.from_json(s.to_json()) == s
 
 
-def test_the_integrators_margin_is_never_above_the_largest_margin_a_counted_bucket_needed() -> None:
+def test_until_its_first_overspend_the_margin_is_never_above_the_largest_a_counted_bucket_needed() -> None:
     """A calm start: the integrator comes down from its safe start by the gain an hour, but once one budget's worth
     of requests has been counted its margin is no higher than the largest any of their buckets needed (with slots
-    for 16 and 9 sized, peaks of 20 and 12 needed (20 - 16) / 4 = 1 and (12 - 9) / 3 = 1: one bin, 1.0). Misses
-    that come later raise it from there, and the needed margins they bring raise the cap with it."""
+    for 16 and 9 sized, peaks of 20 and 12 needed (20 - 16) / 4 = 1 and (12 - 9) / 3 = 1: one bin, 1.0). The first
+    step whose waits are over the budget ends the cap: a wait the needed margins do not show (a load that came
+    late) must not be argued away by them, so from there the integrator alone moves the margin."""
     p = replace(P, margin_initial=6.0)
     req, waited, peak = _counts(360), np.zeros(360), np.r_[np.full(180, 20.0), np.full(180, 12.0)]
     sized = ((-60.0, 20.0, 16.0, 0.0), (1790.0, 20.0, 9.0, 0.0))
     calm = calibrate(req, waited, peak, 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), p)
-    assert calm.margin == pytest.approx(1.0)  # capped: the integrator alone gives 6 - 0.1
+    assert calm.margin == pytest.approx(1.0) and not calm.overspent  # capped: the integrator alone gives 6 - 0.1
     assert calibrate_margin(req, waited, 0.0, 10.0, 6.0, 0.0, None, None, p)[0] == pytest.approx(5.9)
     few = calibrate(req[:5], waited[:5], peak[:5], 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), p)
     assert few.margin == pytest.approx(6.0 - 0.1 * 5 / 360)  # 500 requests: fewer than one budget's (1,000)
-    burst = np.full(360, 12.0)
-    burst[-1] = 9.0 + 4.0 * 3.0  # a bucket that needed a margin of 4
     missed = waited.copy()
     missed[-1] = 72.0  # the window's budget (36) spent twice
-    after = calibrate(req, missed, burst, 3600.0, 10.0,
-                      PlannerState(margin=calm.margin, counted_end=3600.0, counted_rate=10.0, counted_weight_s=3600.0,
-                                   shortfalls=calm.shortfalls, sized=((3500.0, 20.0, 9.0, 0.0),)), p)
-    assert after.margin == pytest.approx(1.0 + 0.1 * (72.0 - 36.0) / 36.0)  # the integrator's rise, below the new cap
-    assert quantile_margin(np.asarray(after.shortfalls), 0.0, 1.0) == 4.0
+    carried = PlannerState(margin=calm.margin, counted_end=3600.0, counted_rate=10.0, counted_weight_s=3600.0,
+                           shortfalls=calm.shortfalls, sized=((3500.0, 20.0, 9.0, 0.0),))
+    after = calibrate(req, missed, peak, 3600.0, 10.0, carried, p)
+    assert after.overspent and after.margin == pytest.approx(1.0 + 0.1 * (72.0 - 36.0) / 36.0)
+    high = replace(carried, margin=5.0, counted_end=7200.0, overspent=True)
+    later = calibrate(req, waited, peak, 7200.0, 10.0, high, p)  # calm again: down by the gain, no cap
+    assert later.overspent and later.margin == pytest.approx(4.9)
+    assert PlannerState.from_json(replace(high, overspent=True).to_json()).overspent
 
 
 # -- the quantile rule: the margin read from the margins past buckets needed -------------------------------------
