@@ -238,16 +238,15 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
     first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
     beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
                                                  c.counted_rate, c.counted_weight_s, p)
-    counted = first is not None and waited is not None
-    if counted and waited is not None:
-        overspent = c.overspent or float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:]))
-    else:
-        overspent = c.overspent
-    if overspent:
-        return Calibrated(beta, end, rate, weight_s, c.shortfalls, c.alpha, True)
+    if first is None or waited is None:
+        first = None
+    elif float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:])):
+        return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
+    if c.overspent:
+        return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
     # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
     # hold one budget's worth of requests)
-    hist = _needed_hist(requests, peak, start, bucket_s, first if counted else None, c, p)
+    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p)
     cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
                       tuple(float(x) for x in hist), c.alpha, False)

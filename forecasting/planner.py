@@ -495,8 +495,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
             fc, mode = _forecast(inp, state, lead)
             margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     offset = p.queue_beta if mode == REACTIVE else 0.0  # the quantile rule scores what this step sizes
-    if p.margin_rule == "quantile" or not state.overspent:  # what the coming buckets will be scored against
-        state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
+    scored = p.margin_rule == "quantile" or not state.overspent  # the coming buckets are scored against this step
+    state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p) if scored else ())
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
