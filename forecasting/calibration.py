@@ -172,10 +172,13 @@ def _bins(p: BudgetParams) -> int:
 
 
 def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int,
-                   sized: tuple[Sizing, ...], nbins: int) -> np.ndarray:
+                   sized: tuple[Sizing, ...], nbins: int, per_replica: float | None = None) -> np.ndarray:
     """Requests per bin of the margin each bucket from `first` needed: (peak in flight - a) / sqrt(a), plus the
     sizing's offset, against the load `a` sized by the latest step whose lead had run out by the bucket's end
-    (its capacity was there in time). Buckets no recorded step sized are left out."""
+    (its capacity was there in time). Buckets no recorded step sized are left out. With `per_replica` (the load
+    one replica is sized for: its slots over 1 + headroom) a margin is needed only for the replicas: enough when
+    the sizing asks for as many replicas as the peak fills, so the load it needs is just above what one replica
+    fewer is sized for, (ceil(peak / slots) - 1) x per_replica."""
     out = np.zeros(nbins)
     for k in range(first, requests.size):
         end = start + (k + 1) * bucket_s
@@ -183,7 +186,10 @@ def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_
         if not due:
             continue
         _, _, a, offset = max(due)
-        need = (float(peak[k]) - a) / math.sqrt(max(a, 1.0)) + offset
+        load = float(peak[k])
+        if per_replica is not None:
+            load = (math.ceil(round(load / per_replica, 9)) - 1) * per_replica + 1e-6
+        need = (load - a) / math.sqrt(max(a, 1.0)) + offset
         out[min(nbins - 1, max(0, int(math.ceil(need / SCORE_BIN - 1e-9))))] += float(requests[k])
     return out
 
@@ -199,7 +205,7 @@ def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> floa
 
 
 def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int | None,
-                 c: Carried, p: BudgetParams) -> np.ndarray:
+                 c: Carried, p: BudgetParams, per_replica: float | None = None) -> np.ndarray:
     """The carried histogram of needed margins (`needed_margins`), decayed over `shortfall_horizon_s`, with the
     buckets from `first` added (None: none new)."""
     nbins = _bins(p)
@@ -208,7 +214,7 @@ def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s:
         return hist
     span = (requests.size - first) * bucket_s
     return hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s, first,
-                                                                           c.sized, nbins)
+                                                                           c.sized, nbins, per_replica)
 
 
 def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
@@ -231,8 +237,9 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
 
 
 def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float, bucket_s: float,
-              c: Carried, p: BudgetParams) -> Calibrated:
-    """The margin after this step's new buckets, by the rule `p.margin_rule` (see the module docstring)."""
+              c: Carried, p: BudgetParams, per_replica: float | None = None) -> Calibrated:
+    """The margin after this step's new buckets, by the rule `p.margin_rule` (see the module docstring);
+    `per_replica`: the load one replica is sized for, which the integrator's cap scores in whole replicas."""
     if p.margin_rule == "quantile":
         return _calibrate_quantile(requests, waited, peak, start, bucket_s, c, p)
     first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
@@ -246,7 +253,7 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
         return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
     # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
     # hold one budget's worth of requests)
-    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p)
+    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p, per_replica)
     cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
                       tuple(float(x) for x in hist), c.alpha, False)

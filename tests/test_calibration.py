@@ -125,6 +125,18 @@ Q = PlannerParams(cold_start_budget=0.01, budget_gain=0.1, margin_initial=2.0, m
                   shortfall_horizon_s=3600.0)
 
 
+def test_in_whole_replicas_a_bucket_needs_a_margin_only_for_the_replicas_its_peak_fills() -> None:
+    """Eight slots a replica: a peak of 5 is served by the one a load of 2 is sized for (it needs no margin), a peak
+    of 12 needs two replicas, so a load just over 8: (8 - 4) / 2 = 2 against a sized 4, where the slots alone
+    ask (12 - 4) / 2 = 4."""
+    sized = ((0.0, 10.0, 4.0, 0.0),)
+    req, peak = np.array([1.0, 1.0, 1.0]), np.array([5.0, 12.0, 16.0])
+    assert needed_margins(req, peak, 0.0, 10.0, 0, sized, 41)[[int(0.5 / SCORE_BIN), int(4 / SCORE_BIN), 24]].tolist() \
+        == [1.0, 1.0, 1.0]
+    whole = needed_margins(req, peak, 0.0, 10.0, 0, sized, 41, per_replica=8.0)
+    assert whole[0] == 1.0 and whole[int(2 / SCORE_BIN) + 1] == 2.0  # 5: none; 12 and 16: just over 2 (two replicas)
+
+
 def test_each_bucket_is_scored_against_the_sizing_whose_capacity_was_there_in_time() -> None:
     """A bucket's needed margin is (peak - a) / sqrt(a) against the load `a` the latest step sized whose lead had run
     out by the bucket's end, plus that step's offset (a peak's staffing beta); a bucket no step sized is left out."""
@@ -338,3 +350,16 @@ def test_a_request_refused_for_want_of_a_replica_counts_as_waited(redis_url: str
         _until(lambda: _waited_total(h, since) == 1.0, "the refused request counted as waited")
     finally:
         h.close()
+
+
+def test_idle_traffic_one_replica_serves_is_not_held_at_two_for_the_safe_start() -> None:
+    """A steady 0.7 req/s (NASA's mean) for six hours: one replica serves it and nothing waits. From its safe start
+    of 6 the integrator alone comes down by the gain an hour (to 4.8), and the peaks in flight sized with it keep
+    a second replica all six hours. Capped at the margins the first 1,000 requests' buckets needed, read as
+    (peak - a) / sqrt(a), it still did (their largest, 3.4: 2.0x `reactive`'s GPU-hours); read in whole replicas
+    (one holds 8 slots, and no peak here fills two), the planner holds one within the first half hour."""
+    secs = np.arange(0, 6 * 3600, 60.0)
+    tr = RateTrace(window_start_s=secs, rate=np.full(secs.size, 0.7), window_s=60.0, source="steady 0.7 req/s")
+    out = run_backtest(tr, SimParams(), ["reactive", "prewarm"])["result"]["policies"]
+    assert out["prewarm"]["cold_start_share"] == 0.0 == out["reactive"]["cold_start_share"]
+    assert out["prewarm"]["gpu_hours_vs_reactive"] < 1.2
