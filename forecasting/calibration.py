@@ -17,9 +17,10 @@ the budget whatever the trace, as long as the margin stays within its bounds (th
 Until its first overspend (`overspent`) it is never above the largest margin a counted bucket
 needed (the quantile rule's scores, below), once one budget's worth of requests has been scored:
 a calm start comes down to what the traffic needed at once, not by the gain per window (NASA,
-which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.05x with the
-cap). After it, the integrator alone: a wait the scores do not show (a load later than its lead)
-must not be argued away by them.
+which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.01x with the
+cap). The cap reads the scores in whole replicas (`needed_margins`' `per_replica`): a peak the
+replicas sized already serve needs no margin. After the first overspend, the integrator alone: a
+wait the scores do not show (a load later than its lead) must not be argued away by them.
 
 "Requests per calibration window" is the mean request rate over the budget's horizon
 (`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
