@@ -18,7 +18,7 @@ Until its first overspend (`overspent`) it is never above the largest margin a c
 needed (the quantile rule's scores, below), once one budget's worth of requests has been scored:
 a calm start comes down to what the traffic needed at once, not by the gain per window (NASA,
 which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.01x with the
-cap). The cap reads the scores in whole replicas (`needed_margins`' `per_replica`): a peak the
+cap). The cap reads the scores in whole replicas (`needed_margins`' `slots`): a peak the
 replicas sized already serve needs no margin. After the first overspend, the integrator alone: a
 wait the scores do not show (a load later than its lead) must not be argued away by them.
 
@@ -78,6 +78,8 @@ class BudgetParams(Protocol):
     def budget_horizon_s(self) -> float: ...
     @property
     def margin_rule(self) -> str: ...
+    @property
+    def headroom(self) -> float: ...
     @property
     def shortfall_horizon_s(self) -> float: ...
     @property
@@ -173,13 +175,14 @@ def _bins(p: BudgetParams) -> int:
 
 
 def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int,
-                   sized: tuple[Sizing, ...], nbins: int, per_replica: float | None = None) -> np.ndarray:
+                   sized: tuple[Sizing, ...], nbins: int, slots: float | None = None,
+                   headroom: float = 0.0) -> np.ndarray:
     """Requests per bin of the margin each bucket from `first` needed: (peak in flight - a) / sqrt(a), plus the
     sizing's offset, against the load `a` sized by the latest step whose lead had run out by the bucket's end
-    (its capacity was there in time). Buckets no recorded step sized are left out. With `per_replica` (the load
-    one replica is sized for: its slots over 1 + headroom) a margin is needed only for the replicas: enough when
-    the sizing asks for as many replicas as the peak fills, so the load it needs is just above what one replica
-    fewer is sized for, (ceil(peak / slots) - 1) x per_replica."""
+    (its capacity was there in time). Buckets no recorded step sized are left out. With `slots` (a replica's) a
+    margin is needed only for the replicas: enough when the sizing asks for as many replicas as the peak fills,
+    so the load it needs is just above what one replica fewer is sized for, (ceil(peak / slots) - 1) x slots /
+    (1 + headroom) (`forecasting.planner.replicas_needed`)."""
     out = np.zeros(nbins)
     for k in range(first, requests.size):
         end = start + (k + 1) * bucket_s
@@ -188,8 +191,8 @@ def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_
             continue
         _, _, a, offset = max(due)
         load = float(peak[k])
-        if per_replica is not None:
-            load = (math.ceil(round(load / per_replica, 9)) - 1) * per_replica + 1e-6
+        if slots is not None:
+            load = (math.ceil(round(load / slots, 9)) - 1) * slots / (1.0 + headroom) + 1e-6
         need = (load - a) / math.sqrt(max(a, 1.0)) + offset
         out[min(nbins - 1, max(0, int(math.ceil(need / SCORE_BIN - 1e-9))))] += float(requests[k])
     return out
@@ -206,7 +209,7 @@ def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> floa
 
 
 def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int | None,
-                 c: Carried, p: BudgetParams, per_replica: float | None = None) -> np.ndarray:
+                 c: Carried, p: BudgetParams, slots: float | None = None) -> np.ndarray:
     """The carried histogram of needed margins (`needed_margins`), decayed over `shortfall_horizon_s`, with the
     buckets from `first` added (None: none new)."""
     nbins = _bins(p)
@@ -215,7 +218,7 @@ def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s:
         return hist
     span = (requests.size - first) * bucket_s
     return hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s, first,
-                                                                           c.sized, nbins, per_replica)
+                                                                           c.sized, nbins, slots, p.headroom)
 
 
 def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
@@ -238,23 +241,21 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
 
 
 def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float, bucket_s: float,
-              c: Carried, p: BudgetParams, per_replica: float | None = None) -> Calibrated:
+              c: Carried, p: BudgetParams, slots: float | None = None) -> Calibrated:
     """The margin after this step's new buckets, by the rule `p.margin_rule` (see the module docstring);
-    `per_replica`: the load one replica is sized for, which the integrator's cap scores in whole replicas."""
+    `slots`: a replica's, so that the integrator's cap scores the buckets in whole replicas."""
     if p.margin_rule == "quantile":
         return _calibrate_quantile(requests, waited, peak, start, bucket_s, c, p)
     first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
     beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
                                                  c.counted_rate, c.counted_weight_s, p)
-    if first is None or waited is None:
-        first = None
-    elif float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:])):
-        return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
-    if c.overspent:
+    new = first if waited is not None else None
+    if c.overspent or (new is not None and waited is not None
+                       and float(np.sum(waited[new:])) > p.cold_start_budget * float(np.sum(requests[new:]))):
         return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
     # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
     # hold one budget's worth of requests)
-    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p, per_replica)
+    hist = _needed_hist(requests, peak, start, bucket_s, new, c, p, slots)
     cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
                       tuple(float(x) for x in hist), c.alpha, False)

@@ -480,7 +480,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     p, slots = inp.params, inp.model.slots
     state = _learn(inp, state)
     obs = inp.observed
-    cal = calibrate(obs.requests, obs.waited, obs.peak, obs.start, obs.bucket_s, state, p, slots / (1.0 + p.headroom))
+    cal = calibrate(obs.requests, obs.waited, obs.peak, obs.start, obs.bucket_s, state, p, slots)
     state, margin_now = replace(state, **cal._asdict()), cal.margin
     # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)

@@ -133,7 +133,7 @@ def test_in_whole_replicas_a_bucket_needs_a_margin_only_for_the_replicas_its_pea
     req, peak = np.array([1.0, 1.0, 1.0]), np.array([5.0, 12.0, 16.0])
     assert needed_margins(req, peak, 0.0, 10.0, 0, sized, 41)[[int(0.5 / SCORE_BIN), int(4 / SCORE_BIN), 24]].tolist() \
         == [1.0, 1.0, 1.0]
-    whole = needed_margins(req, peak, 0.0, 10.0, 0, sized, 41, per_replica=8.0)
+    whole = needed_margins(req, peak, 0.0, 10.0, 0, sized, 41, slots=8.0)
     assert whole[0] == 1.0 and whole[int(2 / SCORE_BIN) + 1] == 2.0  # 5: none; 12 and 16: just over 2 (two replicas)
 
 
