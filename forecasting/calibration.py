@@ -140,12 +140,23 @@ def _new_buckets(n: int, waited: np.ndarray | None, start: float, bucket_s: floa
 
 
 def _carry_rate(req: float, span: float, rate: float | None, weight_s: float | None,
-                p: BudgetParams) -> tuple[float, float, float]:
+               horizon_s: float) -> tuple[float, float, float]:
     """(the rate that normalises these buckets' overspend, the new carried rate, its weight in seconds): the
-    rate carried so far (before these buckets join it), or with none yet these buckets' own."""
+    rate carried so far (before these buckets join it), or with none yet these buckets' own; the carried rate is
+    an exponential average over `horizon_s` (the budget's horizon), corrected for its start."""
     norm = rate if rate is not None and weight_s else req / span
-    w = math.exp(-span / p.budget_horizon_s) * (weight_s or 0.0)
+    w = math.exp(-span / horizon_s) * (weight_s or 0.0)
     return norm, (w * (rate or 0.0) + req) / (w + span), w + span
+
+
+def _overspend_windows(miss: float, req: float, norm_rate: float, budget: float, calibration_s: float) -> float | None:
+    """The budget overspent by `miss` waits among `req` requests, in calibration windows' budgets (a window's
+    requests at `norm_rate` per second): what the integrator moves by `gain` per unit (negative: underspent;
+    None: no requests to measure it against)."""
+    per_window = norm_rate * calibration_s
+    if not per_window > 0:
+        return None
+    return (miss - budget * req) / (budget * per_window)
 
 
 def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
@@ -162,11 +173,11 @@ def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: flo
     if first is None or waited is None:
         return beta, end, rate, weight_s
     req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
-    norm, rate, weight_s = _carry_rate(req, (requests.size - first) * bucket_s, rate, weight_s, p)
-    per_window = norm * p.budget_calibration_s
-    if not per_window > 0:
+    norm, rate, weight_s = _carry_rate(req, (requests.size - first) * bucket_s, rate, weight_s, p.budget_horizon_s)
+    over = _overspend_windows(miss, req, norm, p.cold_start_budget, p.budget_calibration_s)
+    if over is None:
         return beta, end, rate, weight_s
-    beta += p.budget_gain * (miss - p.cold_start_budget * req) / (p.cold_start_budget * per_window)
+    beta += p.budget_gain * over
     return min(p.margin_max, max(0.0, beta)), end, rate, weight_s
 
 
@@ -230,10 +241,10 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     if first is not None and waited is not None:
         req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
         span = (requests.size - first) * bucket_s
-        norm, rate, weight_s = _carry_rate(req, span, rate, weight_s, p)
-        per_window = norm * p.budget_calibration_s
-        if per_window > 0:  # the integrator's move, in units of the level: gain x budget per calm window
-            alpha = min(1.0, max(0.0, alpha + p.budget_gain * (p.cold_start_budget * req - miss) / per_window))
+        norm, rate, weight_s = _carry_rate(req, span, rate, weight_s, p.budget_horizon_s)
+        over = _overspend_windows(miss, req, norm, p.cold_start_budget, p.budget_calibration_s)
+        if over is not None:  # the integrator's move, in units of the level: gain x budget per calm window
+            alpha = min(1.0, max(0.0, alpha - p.budget_gain * p.cold_start_budget * over))
     # read once it holds one budget's worth of requests (one of them may wait)
     m = quantile_margin(hist, alpha, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(p.margin_initial if m is None else min(m, p.margin_max), end, rate, weight_s,
