@@ -237,7 +237,7 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     alpha = p.cold_start_budget if c.alpha is None else float(c.alpha)
     rate, weight_s = c.counted_rate, c.counted_weight_s
     first, end = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
-    hist = _needed_hist(requests, peak, start, bucket_s, first if waited is not None else None, c, p)
+    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p)
     if first is not None and waited is not None:
         req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
         span = (requests.size - first) * bucket_s
@@ -260,13 +260,13 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
     first, _ = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
     beta, end, rate, weight_s = calibrate_margin(requests, waited, start, bucket_s, c.margin, c.counted_end,
                                                  c.counted_rate, c.counted_weight_s, p)
-    new = first if waited is not None else None
-    if c.overspent or (new is not None and waited is not None
-                       and float(np.sum(waited[new:])) > p.cold_start_budget * float(np.sum(requests[new:]))):
+    # `first` is None where nothing is counted (no waits read among them)
+    if c.overspent or (first is not None and waited is not None
+                       and float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:]))):
         return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
     # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
     # hold one budget's worth of requests)
-    hist = _needed_hist(requests, peak, start, bucket_s, new, c, p, slots)
+    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p, slots)
     cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
                       tuple(float(x) for x in hist), c.alpha, False)
