@@ -15,12 +15,18 @@ per window. It is an integrator of the overspend, so over a long run the realise
 the budget whatever the trace, as long as the margin stays within its bounds (the clip at
 [0, margin_max] keeps it from winding up while the budget cannot be met, or is met for free).
 Until its first overspend (`overspent`) it is never above the largest margin a counted bucket
-needed (the quantile rule's scores, below), once one budget's worth of requests has been scored:
-a calm start comes down to what the traffic needed at once, not by the gain per window (NASA,
-which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start, 1.01x with the
-cap). The cap reads the scores in whole replicas (`needed_margins`' `slots`): a peak the
-replicas sized already serve needs no margin. After the first overspend, the integrator alone: a
-wait the scores do not show (a load later than its lead) must not be argued away by them.
+needed (the quantile rule's scores, below), once the scored buckets hold one budget's worth of
+requests and are one budget's worth of buckets (1 / budget: 1,000 buckets, 2.8 hours of 10 s
+buckets, at 0.1%): a calm start comes down to what the traffic needed, not by the gain per window
+(NASA, which one replica serves: 1.34x `reactive`'s GPU-hours for a day of safe start). The largest
+of n buckets stands for the share 1/n of them that may need more; read from fewer buckets it
+claimed a tail they cannot show (on dense traffic a few seconds of buckets hold 1,000 requests,
+the cap pulled the margin to what a calm hour needed, and the next rise overspent the day's
+budget: 1.5x it on a day of off-grid steps). The cap reads the scores in whole replicas
+(`needed_margins`' `slots`): a peak the replicas sized already serve needs no margin. A step that
+saw no bucket sized no load, and no bucket is scored against it. After the first overspend, the
+integrator alone: a wait the scores do not show (a load later than its lead) must not be argued
+away by them.
 
 "Requests per calibration window" is the mean request rate over the budget's horizon
 (`budget_horizon_s`, a day by default: the span the operator's share is meant over), carried
@@ -112,6 +118,8 @@ class Carried(Protocol):
     def sized(self) -> tuple[Sizing, ...]: ...
     @property
     def overspent(self) -> bool: ...
+    @property
+    def scored_buckets(self) -> float: ...
 
 
 class Calibrated(NamedTuple):
@@ -124,6 +132,7 @@ class Calibrated(NamedTuple):
     shortfalls: tuple[float, ...]
     alpha: float | None
     overspent: bool
+    scored_buckets: float
 
 
 def _new_buckets(n: int, waited: np.ndarray | None, start: float, bucket_s: float, counted_end: float | None,
@@ -194,7 +203,13 @@ def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_
     margin is needed only for the replicas: enough when the sizing asks for as many replicas as the peak fills,
     so the load it needs is just above what one replica fewer is sized for, (ceil(peak / slots) - 1) x slots /
     (1 + headroom) (`forecasting.planner.replicas_needed`)."""
-    out = np.zeros(nbins)
+    return _scores(requests, peak, start, bucket_s, first, sized, nbins, slots, headroom)[0]
+
+
+def _scores(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int,
+            sized: tuple[Sizing, ...], nbins: int, slots: float | None, headroom: float) -> tuple[np.ndarray, int]:
+    """`needed_margins`, and how many buckets it scored."""
+    out, scored = np.zeros(nbins), 0
     for k in range(first, requests.size):
         end = start + (k + 1) * bucket_s
         due = [r for r in sized if r[0] + r[1] <= end + 1e-9]
@@ -206,7 +221,8 @@ def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_
             load = (math.ceil(round(load / slots, 9)) - 1) * slots / (1.0 + headroom) + 1e-6
         need = (load - a) / math.sqrt(max(a, 1.0)) + offset
         out[min(nbins - 1, max(0, int(math.ceil(need / SCORE_BIN - 1e-9))))] += float(requests[k])
-    return out
+        scored += 1
+    return out, scored
 
 
 def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> float | None:
@@ -220,16 +236,18 @@ def quantile_margin(hist: np.ndarray, alpha: float, min_requests: float) -> floa
 
 
 def _needed_hist(requests: np.ndarray, peak: np.ndarray, start: float, bucket_s: float, first: int | None,
-                 c: Carried, p: BudgetParams, slots: float | None = None) -> np.ndarray:
-    """The carried histogram of needed margins (`needed_margins`), decayed over `shortfall_horizon_s`, with the
-    buckets from `first` added (None: none new)."""
+                 c: Carried, p: BudgetParams, slots: float | None = None) -> tuple[np.ndarray, float]:
+    """The carried histogram of needed margins (`needed_margins`) and the buckets it holds, both decayed over
+    `shortfall_horizon_s`, with the buckets from `first` added (None: none new)."""
     nbins = _bins(p)
-    hist = np.asarray(c.shortfalls, dtype=np.float64) if len(c.shortfalls) == nbins else np.zeros(nbins)
+    fresh = len(c.shortfalls) != nbins
+    hist = np.zeros(nbins) if fresh else np.asarray(c.shortfalls, dtype=np.float64)
+    held = 0.0 if fresh else float(c.scored_buckets)
     if first is None:
-        return hist
-    span = (requests.size - first) * bucket_s
-    return hist * math.exp(-span / p.shortfall_horizon_s) + needed_margins(requests, peak, start, bucket_s, first,
-                                                                           c.sized, nbins, slots, p.headroom)
+        return hist, held
+    decay = math.exp(-(requests.size - first) * bucket_s / p.shortfall_horizon_s)
+    new, scored = _scores(requests, peak, start, bucket_s, first, c.sized, nbins, slots, p.headroom)
+    return hist * decay + new, held * decay + scored
 
 
 def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float,
@@ -237,7 +255,7 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     alpha = p.cold_start_budget if c.alpha is None else float(c.alpha)
     rate, weight_s = c.counted_rate, c.counted_weight_s
     first, end = _new_buckets(int(requests.size), waited, start, bucket_s, c.counted_end, p)
-    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p)
+    hist, held = _needed_hist(requests, peak, start, bucket_s, first, c, p)
     if first is not None and waited is not None:
         req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
         span = (requests.size - first) * bucket_s
@@ -248,7 +266,7 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     # read once it holds one budget's worth of requests (one of them may wait)
     m = quantile_margin(hist, alpha, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
     return Calibrated(p.margin_initial if m is None else min(m, p.margin_max), end, rate, weight_s,
-                      tuple(float(x) for x in hist), alpha, c.overspent)
+                      tuple(float(x) for x in hist), alpha, c.overspent, held)
 
 
 def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray, start: float, bucket_s: float,
@@ -263,13 +281,15 @@ def calibrate(requests: np.ndarray, waited: np.ndarray | None, peak: np.ndarray,
     # `first` is None where nothing is counted (no waits read among them)
     if c.overspent or (first is not None and waited is not None
                        and float(np.sum(waited[first:])) > p.cold_start_budget * float(np.sum(requests[first:]))):
-        return Calibrated(beta, end, rate, weight_s, (), c.alpha, True)
-    # until the first overspend, never above the largest margin a counted bucket needed (read once the buckets
-    # hold one budget's worth of requests)
-    hist = _needed_hist(requests, peak, start, bucket_s, first, c, p, slots)
-    cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if 0 < p.cold_start_budget < 1 else None
+        return Calibrated(beta, end, rate, weight_s, (), c.alpha, True, 0.0)
+    # until the first overspend, never above the largest margin a counted bucket needed, read once the buckets
+    # hold one budget's worth of requests and are one budget's worth of buckets: the largest of n buckets
+    # stands for the share 1/n of them beyond it, so under 1/budget of them it claims a tail they cannot show
+    hist, held = _needed_hist(requests, peak, start, bucket_s, first, c, p, slots)
+    enough = 0 < p.cold_start_budget < 1 and held >= 1.0 / p.cold_start_budget - 1e-9
+    cap = quantile_margin(hist, 0.0, 1.0 / p.cold_start_budget) if enough else None
     return Calibrated(min(beta, cap) if cap is not None else beta, end, rate, weight_s,
-                      tuple(float(x) for x in hist), c.alpha, False)
+                      tuple(float(x) for x in hist), c.alpha, False, held)
 
 
 def record_sizing(sized: tuple[Sizing, ...], now: float, lead_s: float, load: float, offset: float,

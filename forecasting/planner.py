@@ -213,6 +213,7 @@ class PlannerState:
     alpha: float | None = None  # the quantile rule: the share of them its margin may leave short (None: the budget)
     sized: tuple[Sizing, ...] = ()  # the recent steps' sizings, to score the coming buckets against
     overspent: bool = False  # a counted step's waits were over the budget: the integrator's margin is uncapped since
+    scored_buckets: float = 0.0  # the buckets `shortfalls` holds (decayed as it is)
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
@@ -496,7 +497,10 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
             margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     offset = p.queue_beta if mode == REACTIVE else 0.0  # the quantile rule scores what this step sizes
     scored = p.margin_rule == "quantile" or not state.overspent  # the coming buckets are scored against this step
-    state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p) if scored else ())
+    if not scored:
+        state = replace(state, sized=())
+    elif obs.requests.size:  # a step that saw no bucket sized no load: the buckets after it are not its score
+        state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)

@@ -17,11 +17,11 @@ from forecasting.calibration import (SCORE_BIN, calibrate, calibrate_margin, nee
 from forecasting.data.history import load_fine_counters
 from forecasting.data.traces import RateTrace
 from forecasting.forecast.nowcast import fit_profile
-from forecasting.planner import PlannerParams, PlannerState
+from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from forecasting.sim.scoring import run_backtest
 from forecasting.sim.workload import SimParams
 from prewarm.core import keys
-from prewarm.core.domain import LoadPhase, ReplicaState
+from prewarm.core.domain import LoadPhase, ModelSpec, ReplicaState
 from tests.httpservers import Upstream
 from tests.test_gateway import Harness, served_by
 
@@ -94,35 +94,56 @@ def test_planner_state_carries_the_margin_through_json() -> None:
 
 
 def test_until_its_first_overspend_the_margin_is_never_above_the_largest_a_counted_bucket_needed() -> None:
-    """A calm start: the integrator comes down from its safe start by the gain an hour, but once one budget's worth
-    of requests has been counted its margin is no higher than the largest any of their buckets needed (with slots
-    for 16 and 9 sized, peaks of 20 and 12 needed (20 - 16) / 4 = 1 and (12 - 9) / 3 = 1: one bin, 1.0). The first
-    step whose waits are over the budget ends the cap: a wait the needed margins do not show (a load that came
-    late) must not be argued away by them, so from there the integrator alone moves the margin."""
+    """A calm start: the integrator comes down from its safe start by the gain an hour, but once the counted
+    buckets hold one budget's worth of requests and are one budget's worth of buckets its margin is no higher
+    than the largest any of them needed (with slots for 16 and 9 sized, peaks of 20 and 12 needed
+    (20 - 16) / 4 = 1 and (12 - 9) / 3 = 1: one bin, 1.0). The largest of n buckets claims that at most 1/n of
+    them need more, so an hour of 10 s buckets (360) does not show a 0.1% tail, however many requests they hold.
+    The first step whose waits are over the budget ends the cap: a wait the needed margins do not show (a load
+    that came late) must not be argued away by them, so from there the integrator alone moves the margin."""
     p = replace(P, margin_initial=6.0)
-    req, waited, peak = _counts(360), np.zeros(360), np.r_[np.full(180, 20.0), np.full(180, 12.0)]
-    sized = ((-60.0, 20.0, 16.0, 0.0), (1790.0, 20.0, 9.0, 0.0))
+    n = 1080  # three hours of 10 s buckets of 100 requests
+    req, waited, peak = _counts(n), np.zeros(n), np.r_[np.full(n // 2, 20.0), np.full(n // 2, 12.0)]
+    sized = ((-60.0, 20.0, 16.0, 0.0), (n * 5.0 - 10.0, 20.0, 9.0, 0.0))
     calm = calibrate(req, waited, peak, 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), p)
-    assert calm.margin == pytest.approx(1.0) and not calm.overspent  # capped: the integrator alone gives 6 - 0.1
-    assert calibrate_margin(req, waited, 0.0, 10.0, 6.0, 0.0, None, None, p)[0] == pytest.approx(5.9)
-    few = calibrate(req[:5], waited[:5], peak[:5], 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), p)
-    assert few.margin == pytest.approx(6.0 - 0.1 * 5 / 360)  # 500 requests: fewer than one budget's (1,000)
+    assert calm.margin == pytest.approx(1.0) and not calm.overspent  # capped: the integrator alone gives 6 - 0.3
+    assert calm.scored_buckets == n
+    assert calibrate_margin(req, waited, 0.0, 10.0, 6.0, 0.0, None, None, p)[0] == pytest.approx(5.7)
+    hour = calibrate(req[:360], waited[:360], peak[:360], 0.0, 10.0, PlannerState(counted_end=0.0, sized=sized), p)
+    assert hour.margin == pytest.approx(5.9)  # 36,000 requests, but 360 buckets: fewer than one budget's (1,000)
+    req, waited, peak = req[:360], waited[:360], peak[n // 2 - 180: n // 2 + 180]
     missed = waited.copy()
     missed[-1] = 72.0  # the window's budget (36) spent twice
     carried = PlannerState(margin=calm.margin, counted_end=3600.0, counted_rate=10.0, counted_weight_s=3600.0,
-                           shortfalls=calm.shortfalls, sized=((3500.0, 20.0, 9.0, 0.0),))
+                           shortfalls=calm.shortfalls, scored_buckets=calm.scored_buckets,
+                           sized=((3500.0, 20.0, 9.0, 0.0),))
     after = calibrate(req, missed, peak, 3600.0, 10.0, carried, p)
     assert after.overspent and after.margin == pytest.approx(1.0 + 0.1 * (72.0 - 36.0) / 36.0)
     high = replace(carried, margin=5.0, counted_end=7200.0, overspent=True)
     later = calibrate(req, waited, peak, 7200.0, 10.0, high, p)  # calm again: down by the gain, no cap
     assert later.overspent and later.margin == pytest.approx(4.9)
     assert PlannerState.from_json(replace(high, overspent=True).to_json()).overspent
+    assert PlannerState.from_json(carried.to_json()).scored_buckets == n
 
 
 # -- the quantile rule: the margin read from the margins past buckets needed -------------------------------------
 
 Q = PlannerParams(cold_start_budget=0.01, budget_gain=0.1, margin_initial=2.0, margin_max=10.0, margin_rule="quantile",
                   shortfall_horizon_s=3600.0)
+
+
+def test_a_step_that_saw_no_bucket_sized_no_load_to_score_buckets_against() -> None:
+    """The planner's first step has no counter to read: its forecast is 0, and the replicas it keeps are those it
+    was handed. Recorded as a sizing of 0, every later bucket needed its whole peak as margin ((peak - 0) / 1),
+    the cap read 40 (its ceiling) for the seven days the scores are kept, and the calm start never came down on
+    any trace that starts with more than one replica's load (Mooncake's hour: 1.6x `reactive`'s GPU-hours)."""
+    p, model, t0 = PlannerParams(cold_start_budget=0.001), ModelSpec(name="m", revision="r", slots=8), 1_700_000_000.0
+    blind = observed_from_counts(t0, 10.0, [], [], [], [])
+    _, state = step(StepInputs(model, t0, blind, ReplicaCounts(7, 0, 0), p), PlannerState())
+    assert state.sized == ()
+    seen = observed_from_counts(t0, 10.0, [400.0], [50.0], [500.0], [0.0])
+    decision, state = step(StepInputs(model, t0 + 10.0, seen, ReplicaCounts(7, 0, 0), p), state)
+    assert len(state.sized) == 1 and state.sized[0][2] == decision.forecast.upper > 0
 
 
 def test_in_whole_replicas_a_bucket_needs_a_margin_only_for_the_replicas_its_peak_fills() -> None:
@@ -353,12 +374,13 @@ def test_a_request_refused_for_want_of_a_replica_counts_as_waited(redis_url: str
 
 
 def test_idle_traffic_one_replica_serves_is_not_held_at_two_for_the_safe_start() -> None:
-    """A steady 0.7 req/s (NASA's mean) for six hours: one replica serves it and nothing waits. From its safe start
-    of 6 the integrator alone comes down by the gain an hour (to 4.8), and the peaks in flight sized with it keep
-    a second replica all six hours. Capped at the margins the first 1,000 requests' buckets needed, read as
-    (peak - a) / sqrt(a), it still did (their largest, 3.4: 2.0x `reactive`'s GPU-hours); read in whole replicas
-    (one holds 8 slots, and no peak here fills two), the planner holds one within the first half hour."""
-    secs = np.arange(0, 6 * 3600, 60.0)
+    """A steady 0.7 req/s (NASA's mean) for a day: one replica serves it and nothing waits. From its safe start
+    of 6 the integrator alone comes down by the gain an hour (to 4.8 after six), and the peaks in flight sized
+    with it keep a second replica for most of the day. Capped at the margins the counted buckets needed, read as
+    (peak - a) / sqrt(a), it still did (their largest, 3.4: 2.0x `reactive`'s GPU-hours over six hours); read in
+    whole replicas (one holds 8 slots, and no peak here fills two), the planner holds one from the cap's first
+    reading, once a budget's worth of buckets (1,000 of 10 s, 2.8 hours) is counted."""
+    secs = np.arange(0, 24 * 3600, 60.0)
     tr = RateTrace(window_start_s=secs, rate=np.full(secs.size, 0.7), window_s=60.0, source="steady 0.7 req/s")
     out = run_backtest(tr, SimParams(), ["reactive", "prewarm"])["result"]["policies"]
     assert out["prewarm"]["cold_start_share"] == 0.0 == out["reactive"]["cold_start_share"]

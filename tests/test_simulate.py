@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecasting.planner import StepInputs
+from forecasting.planner import PlannerParams, StepInputs, replicas_needed
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.curves import weighted_quantile
@@ -72,6 +73,23 @@ def test_steady_load_within_one_replica_no_cold_starts() -> None:
         run = replay(work, make_policy(name), P)
         assert run.wait.max() == 0.0, name
         assert run.starts == 0, name
+
+
+def test_every_policy_starts_at_its_own_sizing_of_the_first_minutes_load() -> None:
+    """"As if it had been running": each policy's replicas at time 0 are what it would size the first minute's
+    load to. The planner sized it with its starting margin (a + 6 sqrt(a)); the replay gave it ceil(a / slots),
+    fewer than any baseline started with, and counted the waits of that start as its misses (Mooncake at 60 s:
+    all 31 of its waits in the first three minutes, 2.6x the budget over the hour)."""
+    secs = np.arange(0, 1800, 60.0)
+    work = build_workload(RateTrace(window_start_s=secs, rate=np.full(secs.size, 100.0), window_s=60.0,
+                                    source="steady 100 req/s"), P)
+    env = PolicyEnv(work=work, params=P)
+    a, p = env.initial_load(), PlannerParams()
+    prewarm, sized = make_policy("prewarm").start(env), make_policy("reactive_sized").start(env)
+    assert prewarm == replicas_needed(a + p.margin_initial * math.sqrt(a), P.slots)
+    assert sized == replicas_needed(a + p.queue_beta * math.sqrt(a), P.slots)
+    assert prewarm > sized > math.ceil(a / P.slots)
+    assert make_policy("prewarm_fixed_margin", margin=0.0).start(env) == math.ceil(round(a / P.slots, 9))
 
 
 def test_gpu_hours_arithmetic() -> None:

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from forecasting.calibration import sizing
 from forecasting.planner import (
     Decision,
     PlannerParams,
@@ -324,7 +325,11 @@ class Prewarm(Policy):
         self.decisions = []
         self.modes = {}
         self._replayed_bucket = -1
-        return max(p.min_serving, math.ceil(round(env.initial_load() / self.slots, 9)))
+        # as if it had been running, as every policy starts: the first minute's load sized as its first step sizes
+        # a load, with the margin it starts from (sized without it, the replay handed it fewer replicas than any
+        # baseline starts with, and counted the waits of that start as its misses)
+        staffed = sizing(False, p.margin_initial, p.queue_beta)
+        return max(p.min_serving, replicas_needed(staffed(env.initial_load()), self.slots, p.headroom))
 
     def _observe(self, obs: Observation) -> None:
         """The time since the last decision, as the gateway counts it: requests in flight include those
