@@ -497,10 +497,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
             margin = sizing(mode == REACTIVE, margin_now, p.queue_beta)
     offset = p.queue_beta if mode == REACTIVE else 0.0  # the quantile rule scores what this step sizes
     scored = p.margin_rule == "quantile" or not state.overspent  # the coming buckets are scored against this step
-    if not scored:
-        state = replace(state, sized=())
-    elif obs.requests.size:  # a step that saw no bucket sized no load: the buckets after it are not its score
-        state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p))
+    if not scored or obs.requests.size:  # a step that saw no bucket sized no load to score the buckets after it on
+        state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p) if scored else ())
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
     fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
