@@ -91,6 +91,36 @@ def test_a_later_load_joins_the_sharing_and_slows_the_first() -> None:
     assert _drain(ordered) == pytest.approx({0: 10.0, 1: 20.0})
 
 
+def test_a_credited_snapshot_lets_the_fill_s_waiters_and_later_loads_copy_from_it_at_once() -> None:
+    credited = replace(IDEAL, cold_start_s=10.0, gpus_per_node=4, load_share=1.0, snapshot_ratio=0.3)
+    bank = LoadBank(credited, np.random.default_rng(0))
+    for rid in range(3):
+        bank.begin(rid, 0.0)
+    # 0 fills the snapshot (10 s); 1 and 2 waited for it, then copy from it together: 3 s each, not 10 after 10
+    assert _drain(bank) == pytest.approx({0: 10.0, 1: 13.0, 2: 13.0})
+    bank.begin(3, 20.0)  # the node has its snapshot: a later load copies from it at once
+    assert _drain(bank) == pytest.approx({3: 23.0})
+    bank.begin(4, 30.0)  # node 0 is full: node 1 has no snapshot yet, 4 fills it, 5 copies from it after
+    bank.begin(5, 30.0)
+    assert _drain(bank) == pytest.approx({4: 40.0, 5: 43.0})
+    uncredited = LoadBank(replace(credited, snapshot_ratio=None), np.random.default_rng(0))
+    for rid in range(3):
+        uncredited.begin(rid, 0.0)
+    assert _drain(uncredited) == pytest.approx({0: 10.0, 1: 20.0, 2: 30.0})  # the published rows' charge
+
+
+def test_a_cancelled_fill_leaves_no_snapshot_and_the_next_in_line_reads_the_original() -> None:
+    bank = LoadBank(replace(IDEAL, cold_start_s=10.0, gpus_per_node=4, load_share=1.0, snapshot_ratio=0.3),
+                    np.random.default_rng(0))
+    bank.begin(0, 0.0)
+    bank.begin(1, 0.0)
+    assert _drain(bank, until=4.0) == {}
+    bank.release(0, 4.0)  # the fill is cancelled: 1 transfers from the original from 4 s, filling it
+    assert _drain(bank) == pytest.approx({1: 14.0})
+    bank.begin(2, 15.0)
+    assert _drain(bank) == pytest.approx({2: 18.0})
+
+
 def test_replicas_pack_onto_the_lowest_node_and_free_gpus_are_reused() -> None:
     bank = LoadBank(replace(IDEAL, gpus_per_node=2), np.random.default_rng(0))
     assert [bank.place(r) for r in range(5)] == [0, 0, 1, 1, 2]
@@ -272,9 +302,10 @@ def test_cli_sweep_json_and_the_charges_flags(tmp_path: Path, capsys: pytest.Cap
     assert last["params"]["gpus_per_node"] == 4 and last["params"]["cold_start_cv"] == 0.3
     assert last["params"]["node_loads"] == "shared"
     assert (tmp_path / "s.png").stat().st_size > 10_000
-    rc = main(["backtest", str(path), "--policies", "reactive", "--json", "--ideal"])
+    rc = main(["backtest", str(path), "--policies", "reactive", "--json", "--ideal", "--snapshot-ratio", "0.34"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and last["params"]["cold_start_cv"] == 0.0 and last["params"]["actuation_delay_s"] == 0.0
+    assert last["params"]["snapshot_ratio"] == 0.34
     with pytest.raises(SystemExit):
         main(["backtest", str(path), "--cold-starts", "5,x"])
     assert "not a comma-separated list of seconds" in capsys.readouterr().err
@@ -284,7 +315,9 @@ def test_bad_charges_are_named() -> None:
     for kw, name in [({"cold_start_cv": -1.0}, "cold_start_cv"), ({"actuation_delay_s": -1.0}, "actuation_delay_s"),
                      ({"cold_starts_s": (5.0, 0.0)}, "cold_starts_s"), ({"gpus_per_node": 0}, "gpus_per_node"),
                      ({"load_share": 1.5}, "load_share"), ({"planner_cold_start": "psychic"}, "planner_cold_start"),
-                     ({"node_loads": "psychic"}, "node_loads")]:
+                     ({"node_loads": "psychic"}, "node_loads"), ({"snapshot_ratio": 0.0}, "snapshot_ratio"),
+                     ({"snapshot_ratio": 1.5}, "snapshot_ratio"),
+                     ({"snapshot_ratio": 0.3, "node_loads": "shared"}, "'shared' reads keep no snapshot")]:
         with pytest.raises(ValueError, match=name):
             SimParams(**kw)  # type: ignore[arg-type]
 

@@ -14,6 +14,9 @@ what a node pays instead, the same way for every policy and both engines of
   snapshot while the others wait for it), or "shared", all at once (processor sharing: with
   k transfers on the node each progresses at 1/k speed). Either way a burst of starts on a
   node ends later than one start would; ordered, its first replica is ready as soon as one;
+- ordered, with `snapshot_ratio` set, the snapshot is credited: a node's first completed
+  transfer fills it, and from then every transfer on the node (those queued behind the fill,
+  and any later one) copies from it at once, in `snapshot_ratio` of its transfer time;
 - a load cancelled half-way has still held its GPU and bandwidth until then;
 - the starts that completed are the planner's only knowledge of cold starts: the p95 of the
   last `LOADTIMES_KEEP` of them, as the live registry's `load_time_p95` computes it.
@@ -76,6 +79,8 @@ class LoadBank:
         self._cold = cold_sampler(params, rng)
         self._gpn = params.gpus_per_node
         self._ordered = params.node_loads == "ordered"
+        self._ratio = params.snapshot_ratio  # ordered: a filled node's transfers take this share (None: uncredited)
+        self._filled: set[int] = set()  # nodes whose snapshot a completed transfer filled
         self._queue: dict[int, deque[tuple[int, float]]] = {}  # ordered: node -> (rid, transfer s), head transferring
         self._share = params.load_share
         self._used: list[int] = []  # replicas holding a GPU per node
@@ -142,6 +147,9 @@ class LoadBank:
         if transfer <= _EPS:
             heapq.heappush(self._rest, (now + rest, rid))
             return
+        if self._ratio is not None and node in self._filled:  # mapped from the node's snapshot, alongside any other
+            heapq.heappush(self._rest, (now + self._ratio * transfer + rest, rid))
+            return
         self._rest_of[rid] = rest
         if self._ordered:
             queue = self._queue.setdefault(node, deque())
@@ -175,8 +183,14 @@ class LoadBank:
             if ver != self._ver.get(node):
                 continue
             if self._ordered:  # the head's transfer is over: its rest starts, and the next transfer
-                rid, _ = self._queue[node].popleft()
+                queue = self._queue[node]
+                rid, _ = queue.popleft()
                 heapq.heappush(self._rest, (end + self._rest_of.pop(rid), rid))
+                if self._ratio is not None:  # it filled the snapshot: the queued ones copy from it, all at once
+                    self._filled.add(node)
+                    while queue:
+                        waiter, transfer = queue.popleft()
+                        heapq.heappush(self._rest, (end + self._ratio * transfer + self._rest_of.pop(waiter), waiter))
                 self._start_head(node, end)
                 continue
             clock = self._sync(node, now)

@@ -52,10 +52,15 @@ class SimParams:
     # validation, is the replica's own). `node_loads` says how a node's concurrent transfers share it:
     # "ordered" (prewarm's runtime: one replica fills the node's snapshot while the others wait for it,
     # `SnapshotStore.fill`, so transfers run one after another) or "shared" (an engine that reads at once, each
-    # of k transfers at 1/k speed). The snapshot's own speed-up is not credited: a waiting replica pays a whole
-    # transfer after the one it waited for, as if it read the original
+    # of k transfers at 1/k speed). The snapshot's own speed-up is not credited by default: a waiting replica pays a
+    # whole transfer after the one it waited for, as if it read the original
     gpus_per_node: int = 8
     node_loads: str = "ordered"
+    # "ordered" only: credit the node snapshot. Once a node's first transfer has completed, its snapshot exists, and
+    # every later transfer on the node (those that waited for the fill, and those started after it) copies from it,
+    # at once, in this share of its transfer time (`benchmarks/loader.py`'s snapshot_load_ratio: 0.34 on an H200).
+    # None: not credited (the yardsticks' default)
+    snapshot_ratio: float | None = None
     # the pool's capacity in replicas (nodes x replica slots): a policy's wish beyond it is not placed, as the
     # live placement drops a scale-up no node has a slot for. None: unbounded
     max_replicas: int | None = None
@@ -82,6 +87,9 @@ class SimParams:
             raise ValueError(f"SimParams.max_replicas must be >= 1 (or None: unbounded), got {self.max_replicas}")
         if self.node_loads not in NODE_LOADS:
             raise ValueError(f"SimParams.node_loads must be one of {NODE_LOADS}, got {self.node_loads!r}")
+        if self.snapshot_ratio is not None and not (0 < self.snapshot_ratio <= 1 and self.node_loads == "ordered"):
+            raise ValueError(f"SimParams.snapshot_ratio must be within (0, 1] with node_loads='ordered' (the fill lock; "
+                             f"'shared' reads keep no snapshot), got {self.snapshot_ratio} with {self.node_loads!r}")
         if not 0 <= self.load_share <= 1:
             raise ValueError(f"SimParams.load_share must be within [0, 1], got {self.load_share}")
         if self.cold_start_cv < 0:
