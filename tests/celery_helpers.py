@@ -33,19 +33,20 @@ PREWARM = [sys.executable, "-m", "prewarm.cli"]
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], poll: float = 0.1) -> T:
-    """Poll until `predicate()` is truthy and return it; fail naming `what` after `timeout` seconds.
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str | Callable[[], str], poll: float = 0.1) -> T:
+    """Poll until `predicate()` is truthy and return it (never None, then); fail naming `what` after `timeout` seconds.
 
     `what` may be a callable, called only on failure: logs read then show what happened meanwhile.
     """
     deadline = time.monotonic() + timeout
-    last: T = predicate()
+    last = predicate()
     while not last:
         if time.monotonic() > deadline:
             said = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout}s waiting for {said} (last value: {last!r})")
         time.sleep(poll)
         last = predicate()
+    assert last is not None  # truthy
     return last
 
 

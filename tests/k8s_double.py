@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s_client
@@ -191,7 +191,7 @@ class KubeDouble:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "KubeDouble":
+    def start(self) -> Self:
         self.thread.start()
         return self
 
@@ -203,7 +203,7 @@ class KubeDouble:
         self.server.server_close()
         self.thread.join(timeout=5)
 
-    def __enter__(self) -> "KubeDouble":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -87,8 +87,8 @@ def test_quantile_forecaster_beats_seasonal_naive_on_servegen(traces_dir: Path) 
     """Hourly horizon on the real 14-day ServeGen series, one fit per 8 windows."""
     y = rate_series(load_file(traces_dir / "servegen_m_large_rate.csv", bucket_s=600))
     kw = dict(h=6, n_windows=16, step_size=25, refit=8)
-    q = scores(cross_validation(QuantileForecaster(bucket_s=600, max_horizon=6), y, **kw))  # type: ignore[arg-type]
-    naive = scores(cross_validation(SeasonalNaiveForecaster(bucket_s=600), y, **kw))  # type: ignore[arg-type]
+    q = scores(cross_validation(QuantileForecaster(bucket_s=600, max_horizon=6), y, **kw))
+    naive = scores(cross_validation(SeasonalNaiveForecaster(bucket_s=600), y, **kw))
     assert q["mae"] < 0.7 * naive["mae"]
     assert q["pinball"] < naive["pinball"]
     assert q["under_provision_rate"] <= 0.25

@@ -80,6 +80,7 @@ def test_the_overspend_is_weighed_by_the_horizon_rate_so_the_budget_is_a_share_o
     # the carried rate follows the traffic over the horizon (an exponential average of what was counted)
     _, _, r, w = calibrate_margin(busy, np.zeros(360), 0.0, 10.0, 2.0, 0.0, 1.0, 7200.0, P)
     keep = math.exp(-3600.0 / P.budget_horizon_s)
+    assert r is not None and w is not None
     assert w == pytest.approx(keep * 7200.0 + 3600.0)
     assert r == pytest.approx((keep * 7200.0 * 1.0 + 360 * 1000.0) / w)
     # before anything was counted the rate is what is counted first, whatever zeros the history held before

@@ -84,6 +84,7 @@ def test_dashboards_are_well_formed() -> None:
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) is not installed")
 def test_every_panel_query_parses(tmp_path: Path) -> None:
+    assert PROMTOOL is not None
     exprs = all_exprs()
     assert len(exprs) >= 10
     rules = {"groups": [{"name": "dashboards", "rules": [

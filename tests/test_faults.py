@@ -39,6 +39,7 @@ from typing import Any, Iterator
 
 import pytest
 import redis
+from redis import Redis
 
 from prewarm.core.domain import ReplicaState
 from prewarm.registry.embedded import EmbeddedRedis, free_port
@@ -65,7 +66,7 @@ class Stack:
     envs: dict[str, dict[str, str]]
     gateway: WorkerProcess
     gateway_url: str
-    client: "redis.Redis[str]"
+    client: "Redis[str]"  # (`redis` names the server here)
     registry: ReplicaRegistry
     settings: Settings
 

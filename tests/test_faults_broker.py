@@ -54,7 +54,7 @@ def ctx(redis_url: str) -> Iterator[WorkerContext]:
 
 
 def _dropped(ctx: WorkerContext, model: str, reason: str) -> float:
-    return ctx.metrics.dropped_events.labels(model, reason)._value.get()  # type: ignore[attr-defined]
+    return ctx.metrics.dropped_events.labels(model, reason)._value.get()
 
 
 def test_dispatch_with_the_broker_down_keeps_the_event_and_sends_it_once_when_back(

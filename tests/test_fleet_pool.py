@@ -103,7 +103,7 @@ def test_the_fleet_planner_runs_the_count_planners_replicas_for_its_dense_model(
     asked: list[int] = []
     real_round = fleet_policies.fleet_round
 
-    def recording_round(*args, **kw):  # type: ignore[no-untyped-def]
+    def recording_round(*args, **kw):
         result, state = real_round(*args, **kw)
         asked.append(result.replicas.get("busy", 0))
         return result, state

@@ -42,7 +42,7 @@ ESTIMATORS = [
 
 
 @pytest.mark.parametrize("est", ESTIMATORS, ids=lambda e: type(e).__name__)
-def test_estimator_contract(est, seasonal: pd.Series) -> None:  # type: ignore[no-untyped-def]
+def test_estimator_contract(est, seasonal: pd.Series) -> None:
     est = clone(est)
     with pytest.raises(NotFittedError):
         est.predict(seasonal, 3)
@@ -64,7 +64,7 @@ def test_estimator_contract(est, seasonal: pd.Series) -> None:  # type: ignore[n
 
 
 @pytest.mark.parametrize("est", ESTIMATORS, ids=lambda e: type(e).__name__)
-def test_prediction_shape(est, seasonal: pd.Series) -> None:  # type: ignore[no-untyped-def]
+def test_prediction_shape(est, seasonal: pd.Series) -> None:
     est = clone(est).fit(seasonal.iloc[:-20])
     out = est.predict(seasonal.iloc[:-20], 20)
     assert list(out.columns) == ["q0.5", "q0.9", "q0.99"] == quantile_columns((0.5, 0.9, 0.99))
@@ -85,14 +85,14 @@ def test_quantile_forecaster_learns_the_daily_cycle() -> None:
     y = daily_series(14)
     est = QuantileForecaster(bucket_s=BUCKET, max_horizon=12)
     kw = dict(h=12, n_windows=84, step_size=12, refit=False)
-    cv = cross_validation(est, y, **kw)  # type: ignore[arg-type]
+    cv = cross_validation(est, y, **kw)
     s = scores(cv)
     flat = float(np.mean(np.abs(cv["y"] - y.iloc[: 7 * PER_DAY].mean())))
     assert s["mae"] < 0.35 * flat
     # p90 covers ~90% of buckets (seeds 0-3 give 0.85-0.92: 1,008 correlated buckets).
     assert 0.8 <= s["coverage"] <= 0.97
     assert scores(cv, "q0.99")["coverage"] >= 0.95
-    naive = scores(cross_validation(SeasonalNaiveForecaster(bucket_s=BUCKET), y, **kw))  # type: ignore[arg-type]
+    naive = scores(cross_validation(SeasonalNaiveForecaster(bucket_s=BUCKET), y, **kw))
     assert s["pinball"] < naive["pinball"]
 
 

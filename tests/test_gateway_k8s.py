@@ -20,7 +20,7 @@ from tests.test_gateway import SECRET, Harness, _user_count, request
 
 
 @pytest.fixture()
-def two(redis_url: str):  # type: ignore[no-untyped-def]
+def two(redis_url: str):
     a, b = Harness(redis_url), Harness(redis_url)
     yield a, b
     a.close()
@@ -58,7 +58,7 @@ def _ready(h: Harness, slot: int, up: Upstream, auth_ref: str = "") -> Replica:
 
 
 @pytest.fixture()
-def keyed(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def keyed(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A gateway holding the runtimes' key and, as the chart mounts it, one pod Secret's key."""
     monkeypatch.setenv("PREWARM_RUNTIME_API_KEY", "runtime-key")
     (tmp_path / "vllm-llama").mkdir()
@@ -73,7 +73,8 @@ def test_each_upstream_gets_its_own_api_key(keyed: Harness) -> None:
     builtin, vllm = Upstream("builtin", api_key="runtime-key"), Upstream("vllm", api_key="pod-key")
     _ready(keyed, 0, builtin)
     _ready(keyed, 1, vllm, auth_ref="vllm-llama/api-key")
-    assert keyed.reg.get(Replica("m", "r1", "n1", 1).id).auth_ref == "vllm-llama/api-key"  # a reference, no key
+    rec = keyed.reg.get(Replica("m", "r1", "n1", 1).id)
+    assert rec is not None and rec.auth_ref == "vllm-llama/api-key"  # a reference, no key
     assert "pod-key" not in json.dumps(keyed.reg.client.hgetall(keys.replica(Replica("m", "r1", "n1", 1).id)))
     served = []
     for _ in range(2):  # each replica in turn: the one that served is drained

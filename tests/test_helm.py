@@ -68,7 +68,7 @@ def env_of(doc: dict[str, Any], container: int = 0) -> dict[str, Any]:
 
 
 def known_env_vars() -> set[str]:
-    names = set()
+    names: set[str] = set()
     for cls in _GROUPS.values():
         prefix = str(cls.model_config["env_prefix"])
         names.update(f"{prefix}{field}".upper() for field in cls.model_fields)

@@ -287,7 +287,7 @@ def test_rate_series_fills_gaps_and_resamples() -> None:
 
 
 # --- Redis counters ---------------------------------------------------------------------------------------------
-def test_load_redis_reads_counters_in_chunks(redis_client) -> None:  # type: ignore[no-untyped-def]
+def test_load_redis_reads_counters_in_chunks(redis_client) -> None:
     res = 10
     t0 = 1_700_000_000
     n = 2500  # more than two MGET chunks

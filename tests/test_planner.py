@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from forecasting.placement import place
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEventKind
 from prewarm.core.errors import InvalidPayload
 from prewarm.core.settings import PlannerSettings
+
+if TYPE_CHECKING:
+    from forecasting.forecast.nowcast import Profile
 
 MODEL = ModelSpec(name="m", revision="r1", slots=8)
 BASE = PlannerParams(budget_share=1.0, lead_margin_s=10.0, default_cold_start_s=8.7, margin_initial=1.5)
@@ -395,5 +399,5 @@ def test_the_planning_quantile_is_no_longer_a_knob_and_says_what_replaced_it(mon
         PlannerSettings()
     monkeypatch.delenv("PREWARM_PLANNER_QUANTILE")
     with pytest.raises(ValueError, match="no longer a setting"):
-        PlannerSettings(quantile=0.99)
+        PlannerSettings(quantile=0.99)  # type: ignore[call-arg]
     assert "quantile" not in PlannerSettings.model_fields

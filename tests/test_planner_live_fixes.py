@@ -69,7 +69,8 @@ def test_scale_down_cancels_loading_replicas_and_never_retires_one_a_hold_keeps(
     t = float(int(now // 600) * 600 + 590)  # 10 s before a run of the job: a rise within the 18.7 s lead
     y = np.full(400, 8.0)
     inp = StepInputs(ModelSpec("m", "r1", slots=8), t, observed_from_counts(t - 4000, 10.0, y, y, y * 10),
-                     ReplicaCounts(**counts), params)
+                     ReplicaCounts(ready=counts["ready"], loading=counts["loading"], warm=counts["warm"],
+                                   asleep=counts["asleep"]), params)
     d, _ = step(inp, PlannerState())
     assert [(e.kind.value, e.replicas) for e in d.events] == [("scale_down", 4), ("hold", 3)]
     assert submit_events(ctx, d.events) == [e.event_id for e in d.events]

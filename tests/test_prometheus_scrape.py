@@ -142,7 +142,8 @@ def test_prometheus_scrapes_the_gateway_and_the_agent(
         wait_for(lambda: (rec := registry.get(RID)) is not None and rec.state.value in ("ready", "failed"), 60,
                  lambda: f"{RID} to be ready (agent log: {agent.log()[-2000:]})")
         rec = registry.get(RID)
-        assert rec is not None and rec.state.value == "ready", rec.reason
+        assert rec is not None
+        assert rec.state.value == "ready", rec.reason
 
         # known traffic through the gateway: served by the replica, and refused for an unknown model
         for i in range(USER_REQUESTS):

@@ -188,8 +188,8 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
         reg.record_load_time("llama", float(s), revision="r1", node_class="h200")
     assert reg.load_time_p95("llama") == 19.0
     # issue 18: the lead is kept per revision and node class; read for one revision, it is the slowest class's
-    for s in (30.0, 31.0, 32.0):
-        reg.record_load_time("llama", s, revision="r1", node_class="a10")
+    for secs in (30.0, 31.0, 32.0):
+        reg.record_load_time("llama", secs, revision="r1", node_class="a10")
     reg.record_load_time("llama", 90.0, revision="r2", node_class="h200")
     assert reg.load_time_p95("llama", "r1", "h200") == 19.0 and reg.load_time_p95("llama", "r1", "a10") == 32.0
     assert reg.load_time_p95("llama", "r1") == 32.0 and reg.load_time_p95("llama", "r2") == 90.0
@@ -234,10 +234,10 @@ def test_redis_restart_is_repopulated_by_heartbeats() -> None:
             reg.heartbeat(hosted[0], now=now)  # type: ignore[arg-type]
         server.start()
         assert reg.ready("llama", Pool.SERVING, now=time.time()) == []
-        for r in hosted:
-            assert r is not None
-            reg.heartbeat(r, now=time.time())
-        assert {r.id for r in reg.ready("llama", Pool.SERVING, now=time.time())} == {r.id for r in hosted if r}
+        for h in hosted:
+            assert h is not None
+            reg.heartbeat(h, now=time.time())
+        assert {r.id for r in reg.ready("llama", Pool.SERVING, now=time.time())} == {h.id for h in hosted if h}
 
 
 def test_an_engines_speed_baseline_is_the_median_of_its_first_replicas(redis_client: "redis.Redis[str]") -> None:

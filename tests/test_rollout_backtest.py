@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prewarm.cli import main
 
 
-def backtest(traces_dir: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, dict[str, object]]:
+def backtest(traces_dir: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, dict[str, Any]]:
     argv = ["backtest", str(traces_dir / "servegen_m_large_rate.csv"), "--limit-s", "21600", "--policies",
             "reactive,prewarm", "--json", *extra]
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("  rollout_prewarm") for line in out)  # the readable rows
-    return json.loads(out[-1])["policies"]  # type: ignore[no-any-return]
+    return json.loads(out[-1])["policies"]
 
 
 def test_prewarm_rollout_waits_for_capacity_the_timer_does_not(traces_dir: Path,
@@ -28,16 +29,16 @@ def test_prewarm_rollout_waits_for_capacity_the_timer_does_not(traces_dir: Path,
         assert row["completed_at_s"] is not None
         assert row["shift_window_s"] == pre["shift_window_s"]  # both scored on the same requests
     assert timer["waited_during_shift"] > 0  # the timer shifts onto canary replicas still loading
-    assert pre["waited_during_shift"] <= 0.1 * timer["waited_during_shift"]  # type: ignore[operator]
-    assert pre["gpu_hours"] <= 1.1 * timer["gpu_hours"]  # type: ignore[operator]
+    assert pre["waited_during_shift"] <= 0.1 * timer["waited_during_shift"]
+    assert pre["gpu_hours"] <= 1.1 * timer["gpu_hours"]
     # the ablation: the same planner sizing with the shift on the timer still waits; the gating removes it
     planned = rows["rollout_timer_planned"]
     assert planned["waited_during_shift"] > 0
-    assert pre["waited_during_shift"] <= 0.1 * planned["waited_during_shift"]  # type: ignore[operator]
+    assert pre["waited_during_shift"] <= 0.1 * planned["waited_during_shift"]
     # the timer shifts on the clock; prewarm's shifts come no earlier, once the canary is ready
-    t_shifts = [t for t, _ in timer["shifts"]]  # type: ignore[attr-defined]
-    p_shifts = [t for t, _ in pre["shifts"]]  # type: ignore[attr-defined]
-    assert [w for _, w in pre["shifts"]] == [w for _, w in timer["shifts"]] == [5, 25, 50, 100]  # type: ignore[attr-defined]
+    t_shifts = [t for t, _ in timer["shifts"]]
+    p_shifts = [t for t, _ in pre["shifts"]]
+    assert [w for _, w in pre["shifts"]] == [w for _, w in timer["shifts"]] == [5, 25, 50, 100]
     assert all(p >= t for p, t in zip(p_shifts, t_shifts))
 
 

@@ -156,7 +156,8 @@ def test_a_slower_canary_with_the_same_answers_fails_on_speed(ctx: WorkerContext
         ctx.registry.transition(stable.id, st, now=now)
     roll(ctx, "r4")
     slow = compare_with_stable(ctx, model="tiny", revision="r4", served_model="tiny", endpoint=runtimes["r4"].url)
-    assert slow is not None and slow.numeric.outcome is Outcome.PASSED, slow.numeric  # the same answers
+    assert slow is not None
+    assert slow.numeric.outcome is Outcome.PASSED, slow.numeric  # the same answers
     assert slow.speed.outcome is Outcome.FAILED, slow.speed
     assert "decode" in slow.speed.detail and "measured side by side" in slow.speed.detail
     assert "canary performance check" in slow.problems

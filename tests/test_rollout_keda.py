@@ -220,7 +220,11 @@ def test_a_rollback_gives_the_stable_deployment_the_whole_target_and_the_canary_
                                                  running=running))
     assert plan_round(ctx, t) == ["prepare"]
     assert keda_asks(stub, meta["tiny-canary"]) == (True, 2)
-    store.update(MODEL, lambda s: rp.abort(s, now=t))  # `prewarm rollout abort`
+    def abort(s: rp.RolloutState | None) -> rp.RolloutState:  # `prewarm rollout abort`
+        assert s is not None
+        return rp.abort(s, now=t)
+
+    store.update(MODEL, abort)
     for _ in range(3):
         t += 100.0
         clock.t = t

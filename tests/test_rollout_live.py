@@ -68,7 +68,7 @@ def test_live_canary_errors_through_the_gateway_roll_back(planner: dict[str, Any
         assert statuses.count(500) >= 20 and statuses.count(200) >= 20, statuses
         time.sleep(1.5)  # the gateway's per-revision counts reach Redis (flushed each second)
         plan_tick(planner, 3)
-        st = wait_for(lambda: (s := store.get("tiny")) is not None and s.phase.value == "rolled_back" and s, 30,
+        st = wait_for(lambda: s if (s := store.get("tiny")) is not None and s.phase.value == "rolled_back" else None, 30,
                       lambda: f"the rollback (planner log:\n{planner['proc'].log()[-3000:]})")
         assert "canary error rate" in st.reason and "exceeds the stable 0.0%" in st.reason, st.reason
         assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]

@@ -190,7 +190,7 @@ def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any],
     agent_brings_up(reg, canary[0], fail="validation: top logprobs differ from r1 by 4.2 > 0.05")
     agent_brings_up(reg, canary[1])  # ready, but must never get weight now
     plan_tick(planner, 2)
-    st = wait_for(lambda: (s := store.get("tiny")) is not None and s.phase.value == "rolled_back" and s, 30,
+    st = wait_for(lambda: s if (s := store.get("tiny")) is not None and s.phase.value == "rolled_back" else None, 30,
                   lambda: f"the rollback (planner log:\n{planner['proc'].log()[-3000:]})")
     assert "logprobs differ" in st.reason
     assert store.weights("tiny") == [("r2", 0.0), ("r1", 100.0)]
@@ -203,8 +203,8 @@ def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any],
     agents_retire(reg, "r2")
     plan_tick(planner, 3)
     wait_for(lambda: store.weights("tiny") == [], 30, "the split cleared once the canary is retired")
-    st = store.get("tiny")
-    assert st is not None and st.phase.value == "rolled_back" and st.settled
+    final = store.get("tiny")
+    assert final is not None and final.phase.value == "rolled_back" and final.settled
     capsys.readouterr()
     assert main(["rollout", "status", "tiny"]) == 0
     assert "traffic: any ready revision (split cleared)" in capsys.readouterr().out

@@ -52,7 +52,7 @@ def begin(**kw: object) -> RolloutState:
 ])
 def test_choose_revision_rules(weights_: list[tuple[str, float]], ready: list[str], kw: dict[str, str],
                                kind: RevisionChoiceKind, rev: str | None) -> None:
-    c = choose_revision(weights_, ready, draw=0.5, **kw)  # type: ignore[arg-type]
+    c = choose_revision(weights_, ready, draw=0.5, **kw)
     assert (c.kind, c.revision) == (kind, rev)
 
 

@@ -37,7 +37,7 @@ L_EMB = rep(4, state=ReplicaState.LOADING, progress=0.9, phase=LoadPhase.EMBEDDI
         ([S0], [W5], [], {}, False, frozenset({S0.id, W5.id}), RouteOutcome.UNAVAILABLE, None),
     ],
 )
-def test_choose_replica(serving, warm, loading, inflight, warmup, exclude, outcome, slot) -> None:  # type: ignore[no-untyped-def]
+def test_choose_replica(serving, warm, loading, inflight, warmup, exclude, outcome, slot) -> None:
     d = choose_replica(serving, warm, loading, inflight, warm_threshold=0.7, warmup=warmup, exclude=exclude)
     assert d.outcome is outcome
     assert (d.replica.slot if d.replica else None) == slot

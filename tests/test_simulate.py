@@ -175,7 +175,8 @@ def test_fluid_engine_capacity_and_waits() -> None:
     # 10 replicas serve 160 req/s: the backlog grows 40 req/s, and the last arrivals wait ~ 600*40/160
     short = replay(work, Scripted([(0.0, 10)]), params)
     assert short.wait.max() == pytest.approx(600 * 40 / 160, rel=0.1)
-    share = float(short.weight[short.wait > 0.5].sum() / short.weight.sum())  # type: ignore[index]
+    assert short.weight is not None
+    share = float(short.weight[short.wait > 0.5].sum() / short.weight.sum())
     assert share > 0.95
 
 

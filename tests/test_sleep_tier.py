@@ -39,7 +39,8 @@ def test_a_model_is_reported_by_name_or_under_the_default_engine_and_unreported_
 
 
 def test_the_tier_is_absent_only_where_every_report_on_the_model_says_no() -> None:
-    no, yes, silent = {"chat": False}, {"*": True}, {}
+    no, yes = {"chat": False}, {"*": True}
+    silent: dict[str, bool] = {}
     assert tier_absent([no, no], "chat")
     assert not tier_absent([no, yes], "chat")  # one node where its engine can sleep keeps the tier
     assert not tier_absent([no, silent], "chat")  # a node that says nothing: never assumed absent

@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import torch
 
@@ -143,7 +143,7 @@ class Engine:
         return loader, (None if loader.loaded else loader.before_layer)
 
     # -- inference -----------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_tokens: int) -> Iterator[int]:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int) -> Generator[int, None, None]:
         """Greedy token ids, one at a time; during loading the prefill waits per layer.
 
         The prompt is validated now (ValueError); sleeping/not-loaded errors are raised on
@@ -154,7 +154,7 @@ class Engine:
             raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         return self._generate(ids, max_tokens)
 
-    def _generate(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+    def _generate(self, ids: list[int], max_tokens: int) -> Generator[int, None, None]:
         with self._gen_lock:
             loader, hook = self._ready_hook()
             yield from greedy(loader.model, ids, max_tokens, self.device, hook)  # type: ignore[arg-type]
