@@ -9,7 +9,7 @@ spent on other models). Off (0) by default.
 
 How much is needed within the horizon comes from the learned daily profile: the level of
 the last minute scaled by the profile's highest point in (now + lead, now + horizon]
-relative to now. No profile learned (less than its days of history): nothing is parked,
+relative to now (`Profile.ratio`: each read no lower than the profile can tell from zero). No profile learned (less than its days of history): nothing is parked,
 as the planner cannot say the need comes back.
 """
 
@@ -27,11 +27,10 @@ def need_within(profile: Profile | None, level: float, now: float, lead_s: float
     level now (None: no profile, or a horizon within the lead)."""
     if profile is None or horizon_s <= lead_s or not level >= 0:
         return None
-    here = float(profile.at(np.array([now]))[0])
-    if not here > 0:
+    if not float(profile.at(np.array([now]))[0]) > 0:
         return None
     ts = np.arange(now + lead_s, now + horizon_s + profile.bin_s, profile.bin_s)
-    return level * float(profile.at(ts).max()) / here
+    return level * float(profile.ratio(ts, np.full(ts.size, now)).max())  # (`Profile.ratio`: no near-zero divisor)
 
 
 def park_count(scale_down: int, loading: int, target: int, asleep: int, need_horizon: int) -> int:

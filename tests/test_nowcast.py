@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from forecasting.forecast.nowcast import Profile, _points, fit_profile
+from forecasting.park import need_within
 
 BUCKET = 10.0
 
@@ -53,3 +54,16 @@ def test_where_the_profile_saw_traffic_the_bend_is_its_plain_ratio() -> None:
     t_target = start + (origin[0] + 1 + 3.0) * BUCKET
     ratio = prof.at(np.array([t_target]))[0] / prof.at(np.array([t_level]))[0]
     assert point == pytest.approx(40.0 * ratio, rel=1e-12)
+
+
+def test_parking_reads_the_same_bounded_ratio() -> None:
+    """`forecasting.park.need_within` scales the level by the profile's highest point ahead over now: next to an
+    empty time of day, now's value is a near-zero too."""
+    values = [1.0] * 144
+    values[50] = 0.0
+    prof = _profile(values)
+    now = 50 * 600.0 + 300.0 + 1e-3  # a hair past the empty bin's centre: the profile reads ~2e-6 there
+    assert 0 < prof.at(np.array([now]))[0] < prof.floor
+    need = need_within(prof, 5.0, now, 20.0, 3600.0)
+    assert need == pytest.approx(5.0 * 1.0 / prof.floor)  # the peak ahead (1.0) over the floor, not over ~2e-6
+    assert need_within(_profile([0.0] + [1.0] * 143), 5.0, 300.0, 20.0, 3600.0) is None  # empty now: no claim

@@ -75,6 +75,12 @@ class Profile:
         scale = self.level * self.bin_s * self.days
         return ZERO_COUNT_UPPER / scale if scale > 0 else 0.0
 
+    def ratio(self, to: np.ndarray, since: np.ndarray) -> np.ndarray:
+        """The profile at `to` over the profile at `since` (epoch seconds), each read no lower than `floor`: how
+        the rate bends between them, never a division by a near-zero the profile cannot tell from zero."""
+        floor = max(self.floor, 1e-9)
+        return np.maximum(self.at(to), floor) / np.maximum(self.at(since), floor)
+
     def at(self, ts: np.ndarray) -> np.ndarray:
         """The profile at epoch seconds ``ts``, linearly interpolated between bin centres (circular)."""
         v = np.asarray(self.values, dtype=np.float64)
@@ -141,8 +147,7 @@ def _points(y: np.ndarray, origins: np.ndarray, h: int, start: float, bucket_s: 
     if profile is not None:
         t_level = start + (origins - (level_buckets - 1) / 2.0 + 0.5) * bucket_s
         t_target = start + (origins + 1 + h / 2.0) * bucket_s
-        floor = max(profile.floor, 1e-9)
-        level = level * np.maximum(profile.at(t_target), floor) / np.maximum(profile.at(t_level), floor)
+        level = level * profile.ratio(t_target, t_level)
     out["nowcast"] = level
     if season > 0 and origins.min() - season + 1 >= 0:
         back = origins - season + 1
