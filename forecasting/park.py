@@ -9,8 +9,9 @@ spent on other models). Off (0) by default.
 
 How much is needed within the horizon comes from the learned daily profile: the level of
 the last minute scaled by the profile's highest point in (now + lead, now + horizon]
-relative to now (`Profile.ratio`: each read no lower than the profile can tell from zero). No profile learned (less than its days of history): nothing is parked,
-as the planner cannot say the need comes back.
+relative to now (`Profile.ratio`: each read no lower than the profile can tell from zero).
+No profile learned (less than its days of history), or one that saw no traffic now: nothing
+is parked, as the planner cannot say the need comes back.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def need_within(profile: Profile | None, level: float, now: float, lead_s: float
     if not float(profile.at(np.array([now]))[0]) > 0:
         return None
     ts = np.arange(now + lead_s, now + horizon_s + profile.bin_s, profile.bin_s)
-    return level * float(profile.ratio(ts, np.full(ts.size, now)).max())  # (`Profile.ratio`: no near-zero divisor)
+    return level * float(profile.ratio(ts, np.full(ts.size, now)).max())
 
 
 def park_count(scale_down: int, loading: int, target: int, asleep: int, need_horizon: int) -> int:
