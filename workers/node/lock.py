@@ -5,7 +5,10 @@ the original still working. The lock (`keys.replica_lock`, SET NX with a TTL) is
 refreshed by a thread every third of its TTL while its owner works, so it lives exactly as
 long as a live owner does: after a SIGKILL it expires within `agent.lock_ttl_s` and the
 redelivered task takes the work over from the registry's state. Release and refresh
-compare the owner token, so an expired owner cannot delete its successor's lock.
+compare the owner token, so an expired owner cannot delete its successor's lock. A lock that
+expired while its live owner's refresh was late (a starved thread on a loaded node) and that
+nobody took meanwhile is taken back by the refresh, atomically: stepping aside for an owner
+that does not exist left the replica pending with no task working on it.
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from prewarm.core import keys
 log = logging.getLogger("prewarm.agent.lock")
 
 _REFRESH = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
+end
 return 0
-"""
+"""  # 1: refreshed; 2: it had expired and nobody held it: taken back; 0: another task owns it
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -79,10 +87,14 @@ class ReplicaLock:
         interval = self.ttl_ms / 3000.0
         while not self._stop.wait(interval):
             try:
-                if not self._refresh(keys=[self.key], args=[self.owner, self.ttl_ms]):
+                done = self._refresh(keys=[self.key], args=[self.owner, self.ttl_ms])
+                if not done:
                     log.warning("lost replica lock %s (another task owns it now)", self.key)
                     self.lost.set()
                     return
+                if done == 2:
+                    log.warning("replica lock %s had expired before its refresh (nobody took it): taken back",
+                                self.key)
             except redis.RedisError as exc:  # keep trying: the TTL leaves room for a blip
                 log.warning("could not refresh replica lock %s: %s", self.key, exc)
 
