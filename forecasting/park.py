@@ -31,7 +31,7 @@ def need_within(profile: Profile | None, level: float, now: float, lead_s: float
     if not float(profile.at(np.array([now]))[0]) > 0:
         return None
     ts = np.arange(now + lead_s, now + horizon_s + profile.bin_s, profile.bin_s)
-    return level * float(profile.ratio(ts, np.full(ts.size, now)).max())
+    return level * float(profile.ratio(ts, np.array([now])).max())
 
 
 def park_count(scale_down: int, loading: int, target: int, asleep: int, need_horizon: int) -> int:

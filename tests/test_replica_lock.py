@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import redis
 
 from prewarm.core import keys
+from tests.celery_helpers import wait_for
 from workers.node.lock import ReplicaLock
 
 RID = "tiny@r1/n1/0"
-
-
-def _wait(pred: Callable[[], object], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_lock_that_expired_while_nobody_took_it_is_taken_back_not_lost(redis_client: "redis.Redis[str]") -> None:
@@ -29,7 +20,7 @@ def test_a_lock_that_expired_while_nobody_took_it_is_taken_back_not_lost(redis_c
     assert lock.acquire(deadline=time.monotonic() + 1)
     with lock:
         redis_client.delete(keys.replica_lock(RID))  # as if the TTL had passed before the refresh ran
-        assert _wait(lambda: redis_client.get(keys.replica_lock(RID)) == "task-a")
+        wait_for(lambda: redis_client.get(keys.replica_lock(RID)) == "task-a", 5, "the lock taken back", poll=0.02)
         time.sleep(0.4)  # more than a TTL: it is refreshed again, and never reported lost
         assert not lock.lost.is_set() and redis_client.get(keys.replica_lock(RID)) == "task-a"
     assert redis_client.get(keys.replica_lock(RID)) is None  # released
@@ -40,5 +31,5 @@ def test_a_lock_another_task_took_is_lost_and_left_to_it(redis_client: "redis.Re
     assert lock.acquire(deadline=time.monotonic() + 1)
     with lock:
         redis_client.set(keys.replica_lock(RID), "task-b", px=5000)  # expired, and a redelivered task took it
-        assert _wait(lock.lost.is_set)
+        wait_for(lock.lost.is_set, 5, "the lock reported lost", poll=0.02)
     assert redis_client.get(keys.replica_lock(RID)) == "task-b"  # the release does not delete its successor's lock
