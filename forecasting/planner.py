@@ -25,6 +25,9 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    sqrt(a) of the forecast mean load in flight in predictive mode; in reactive mode of the peak in
    flight, which holds the fluctuation the staffing beta stands for, so only the margin beyond
    `queue_beta` is added), plus any batch job running within it, at least `min_serving`, never below
+   what the load so far in the bucket in progress needs while no replica is loading (`Observed.now_load`:
+   a rise is met at the next step, not one complete bucket later; while loads run, the backlog they will
+   serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
    a recommendation whose lead has not passed (`forecasting.holds`); in reactive mode never below what
    it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
    own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
@@ -84,7 +87,7 @@ class PlannerParams:
     budget_window_s: float = 3600.0  # the budget holds on average over this (0: at every step)
     bucket_s: float = 60.0  # coarse buckets: the seasonal profile's history
     fine_bucket_s: float = 10.0  # fine buckets: requests and peak in flight, what the nowcast reads
-    interval_s: float = 10.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
+    interval_s: float = 5.0  # cadence of `step` (the beat period of forecast_and_plan; the simulator's too)
     min_serving: int = 1
     queue_beta: float = 1.5  # square-root staffing: slots for a mean load a are a + beta x sqrt(a) (reactive_sized's)
     cold_start_budget: float = 0.001  # share of requests that may wait for capacity (>= 1: no calibration)
@@ -112,23 +115,11 @@ class PlannerParams:
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
-        """Build from the `planner` settings group."""
-        return cls(
-            headroom=s.headroom, lead_margin_s=s.lead_margin_s,
-            default_cold_start_s=s.default_cold_start_s, stabilization_s=s.stabilization_s,
-            scale_down_tolerance=float(s.scale_down_tolerance),
-            warm_pool_size=s.warm_pool_size, warm_pool_percent=s.warm_pool_percent, budget_share=s.budget_share,
-            bucket_s=float(s.bucket_s), fine_bucket_s=float(s.fine_bucket_s), interval_s=float(s.interval_s),
-            error_threshold=float(s.error_threshold), history_s=float(s.history_s), queue_beta=float(s.queue_beta),
-            batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs),
-            min_serving=int(s.min_serving), park_horizon_s=float(s.park_horizon_s), cold_start_budget=float(s.cold_start_budget),
-            margin_initial=float(s.margin_initial), budget_gain=float(s.budget_gain),
-            budget_calibration_s=float(s.budget_calibration_s), budget_horizon_s=float(s.budget_horizon_s),
-            margin_max=float(s.margin_max), season_s=float(s.season_s), profile_bin_s=float(s.profile_bin_s),
-            interruption_share=float(s.interruption_share), interruption_min_requests=float(s.interruption_min_requests),
-            interruption_hold_s=float(s.interruption_hold_s), margin_rule=s.margin_rule,
-            shortfall_horizon_s=float(s.shortfall_horizon_s),
-        )
+        """Build from the `planner` settings group: every field it has of the same name, as the field's type."""
+        cast: dict[str, Callable[[Any], Any]] = {"float": float, "int": int}
+        kw = {f.name: cast.get(str(f.type), lambda v: v)(getattr(s, f.name)) for f in fields(cls)
+              if f.name != "batch_jobs" and hasattr(s, f.name)}
+        return cls(**kw, batch_jobs=tuple(BatchJob.from_mapping(j) for j in s.batch_jobs))
 
     def __post_init__(self) -> None:
         if self.margin_rule not in RULES:
@@ -158,7 +149,8 @@ class ReplicaCounts:
 
 @dataclass(frozen=True, eq=False)
 class Observed:
-    """What the gateway counted per fine bucket, complete buckets only, oldest first."""
+    """What the gateway counted per fine bucket, complete buckets only, oldest first; and the load so far in the
+    bucket in progress (the gateway credits busy time at every flush: its busy time so far over its elapsed time)."""
 
     start: float  # epoch second of the first bucket
     bucket_s: float
@@ -166,6 +158,7 @@ class Observed:
     peak: np.ndarray  # peak requests in flight per bucket
     busy: np.ndarray  # request-seconds of the requests that ended in the bucket (mean in flight x bucket_s)
     waited: np.ndarray | None = None  # requests that waited for capacity (a load or a wake) per bucket; None: not counted
+    now_load: float | None = None  # mean requests in flight so far in the bucket in progress (None: none elapsed)
 
     @property
     def inflight(self) -> np.ndarray:
@@ -306,12 +299,16 @@ def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> 
 
 def observed_from_counts(start: float, bucket_s: float, requests: Sequence[float] | np.ndarray,
                          peak: Sequence[float] | np.ndarray, busy: Sequence[float] | np.ndarray,
-                         waited: Sequence[float] | np.ndarray | None = None) -> Observed:
+                         waited: Sequence[float] | np.ndarray | None = None,
+                         current: tuple[float, float, float] | None = None) -> Observed:
     """The planner's view of the gateway's fine counters (missing buckets are zero traffic; `waited`:
-    the requests that waited for capacity, which the cold-start budget calibrates on)."""
+    the requests that waited for capacity, which the cold-start budget calibrates on; `current`: the
+    bucket in progress, (its busy request-seconds so far, its seconds elapsed, its peak in flight so far):
+    the mean in flight so far, never above that peak (a planner's clock behind the gateway's would inflate it))."""
+    now_load = min(current[0] / current[1], current[2]) if current is not None and current[1] > 0 else None
     return Observed(float(start), float(bucket_s), np.asarray(requests, dtype=np.float64),
                     np.asarray(peak, dtype=np.float64), np.asarray(busy, dtype=np.float64),
-                    None if waited is None else np.asarray(waited, dtype=np.float64))
+                    None if waited is None else np.asarray(waited, dtype=np.float64), now_load)
 
 
 def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
@@ -506,7 +503,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     # a batch job adds its replicas to the load before it starts (the next bucket's forecast),
     # unless the forecast already covers it: a job the forecaster has learned is not provisioned twice
     base = _base_need(inp, fired, staffed) if batch_lead else 0
-    need_next = max(fc_next, base + batch_next)
+    now_need = replicas_needed(staffed(obs.now_load), slots, p.headroom) \
+        if obs.now_load is not None and not inp.replicas.loading else 0
+    need_next = max(fc_next, base + batch_next, now_need)  # never below what the load so far in this bucket needs
     need_lead = max(fc_lead, need_next, base + batch_lead)
     floor_next = max(need_next, p.min_serving)
     pool = budget.trim(floor_next, budget.pool_target(p.warm_pool_size, p.warm_pool_percent, need_next), floor_next,

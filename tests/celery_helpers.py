@@ -33,6 +33,21 @@ PREWARM = [sys.executable, "-m", "prewarm.cli"]
 T = TypeVar("T")
 
 
+def steady_counters(client: "redis.Redis[str]", model: str, *, ahead: int = 3) -> None:
+    """An hour of steady load as the gateway counts it, per 10 s bucket: 100 requests, 20 in flight on average
+    (busy 200 request-seconds), 24 at the peak; and `ahead` buckets after the one in progress, for a step that runs
+    after the next boundary. A step reads the bucket in progress at any second of it, so there (and ahead) the
+    peak is the mean: the load so far, never above its peak, reads the steady 20 whatever the second."""
+    fine = int(time.time() // 10) * 10
+    for i in range(-ahead, 361):
+        start = fine - 10 * i
+        client.set(keys.requests(model, 10, start), 100)
+        client.set(keys.inflight_peak(model, 10, start), 24 if i > 0 else 20)
+        client.set(keys.busy(model, 10, start), 200.0)
+    client.hset(keys.REQUESTS_FIRST, model, fine - 3600)
+    client.sadd(keys.REQUEST_MODELS, model)
+
+
 def wait_for(predicate: Callable[[], T | None], timeout: float, what: str | Callable[[], str], poll: float = 0.1) -> T:
     """Poll until `predicate()` is truthy and return it (never None, then); fail naming `what` after `timeout` seconds.
 

@@ -73,6 +73,29 @@ def test_measured_cold_start_sets_the_lead() -> None:
     assert d.lead_s == 60.0
 
 
+def test_a_rise_in_the_bucket_in_progress_is_met_at_this_step_not_one_bucket_later() -> None:
+    """The planner read complete buckets only, so a rise that began in a bucket waited for its end before a step
+    saw it; the load so far in the bucket in progress (the gateway's busy time, credited at every flush) now floors
+    the plan, sized as a mean load is."""
+    flat = inputs([40.0] * 400, ready=7)
+    d, _ = step(replace(flat, now=flat.now + 5.0), PlannerState())
+    assert d.need_next == 7 and kinds(d) == []
+    y = np.full(400, 40.0)
+    rising = observed_from_counts(T0, 10.0, y, y, y * 10.0, current=(5.0 * 120.0, 5.0, 130.0))  # 120 for 5 s
+    assert rising.now_load == 120.0 and rising.end == flat.observed.end
+    d, state = step(replace(flat, now=flat.now + 5.0, observed=rising), PlannerState())
+    need = replicas_needed(120.0 + 1.5 * math.sqrt(120.0), 8)
+    assert d.need_next == need and kinds(d) == [("scale_up", "serving", need - 7)]
+    # while they load, the backlog they will serve (in flight at the gateway, growing) is not sized again as load;
+    # the step's recommendation holds them for its lead
+    more = observed_from_counts(T0, 10.0, y, y, y * 10.0, current=(8.0 * 300.0, 8.0, 300.0))
+    d, _ = step(replace(flat, now=flat.now + 8.0, observed=more, replicas=ReplicaCounts(7, need - 7)), state)
+    assert d.need_next == 7 and d.target == need and kinds(d) == []
+    assert observed_from_counts(T0, 10.0, y, y, y * 10.0, current=(0.0, 0.0, 0.0)).now_load is None  # none elapsed
+    # the mean so far is never above the peak so far (the planner's clock behind the gateway's: too few seconds)
+    assert observed_from_counts(T0, 10.0, y, y, y * 10.0, current=(600.0, 2.0, 130.0)).now_load == 130.0
+
+
 def test_predicted_fall_is_released_at_once_below_a_stabilised_reactive_scaler() -> None:
     """The load halves and stays there: once the forecast over the lead is below what is left, the
     plan releases it — no 300 s window after the fact, as a stabilised HPA would keep."""
@@ -310,6 +333,11 @@ def test_params_from_settings() -> None:
     assert p.stabilization_s == 300.0 and p.budget_share == 0.12 and p.cold_start_budget == s.cold_start_budget
     assert p.interval_s == s.interval_s and p.fine_bucket_s == s.fine_bucket_s
     assert p.batch_jobs[0].replicas == 2
+    # every setting of the same name is carried, as the field's type (the settings' ints become the params' floats)
+    s = PlannerSettings(margin_max=33, interruption_hold_s=99, min_serving=0, fine_bucket_s=20, margin_rule="quantile")
+    p = PlannerParams.from_settings(s)
+    assert (p.margin_max, p.interruption_hold_s, p.min_serving, p.margin_rule) == (33.0, 99.0, 0, "quantile")
+    assert isinstance(p.fine_bucket_s, float) and p.fine_bucket_s == 20.0
 
 
 def _pool_trail(ready: int, inflight: float, params: PlannerParams, steps: int) -> list[int]:

@@ -10,6 +10,7 @@ import redis
 
 from prewarm.cli import main
 from prewarm.core import keys
+from tests.celery_helpers import steady_counters
 
 
 def test_plan_dry_run_prints_the_events_and_changes_nothing(redis_client: "redis.Redis[str]", redis_url: str,
@@ -18,14 +19,7 @@ def test_plan_dry_run_prints_the_events_and_changes_nothing(redis_client: "redis
     clean_env.setenv("PREWARM_REDIS_URL", redis_url)
     clean_env.setenv("PREWARM_PLANNER_MODELS", '["tiny@r1"]')
     clean_env.setenv("PREWARM_PLANNER_MARGIN_INITIAL", "1.5")  # the staffing beta this arithmetic was written for
-    fine = int(time.time() // 10) * 10
-    for i in range(-3, 361):  # an hour of 20 requests in flight, and a few buckets ahead for a slow clock
-        start = fine - 10 * i
-        redis_client.set(keys.requests("tiny", 10, start), 100)
-        redis_client.set(keys.inflight_peak("tiny", 10, start), 24)
-        redis_client.set(keys.busy("tiny", 10, start), 200.0)
-    redis_client.hset(keys.REQUESTS_FIRST, "tiny", fine - 3600)
-    redis_client.sadd(keys.REQUEST_MODELS, "tiny")
+    steady_counters(redis_client, "tiny")  # an hour of 20 requests in flight, and a few buckets ahead for a slow clock
     before = set(redis_client.keys("*"))
 
     assert main(["plan", "--dry-run", "--json"]) == 0

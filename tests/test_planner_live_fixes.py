@@ -189,13 +189,28 @@ def test_the_planner_reads_the_gateways_counters_at_any_counted_bucket_size(
     ctx = _cluster_ctx(clean_env, redis_url, Path("/nonexistent"), PREWARM_KUBERNETES_ENABLED="false",
                        PREWARM_PLANNER_FINE_BUCKET_S=str(fine), PREWARM_PLANNER_BUCKET_S=str(coarse))
     params = PlannerParams.from_settings(ctx.settings.planner)
-    (start, requests, peak, busy, _waited), profile = history(ctx, "m", PlannerState(), params, now=t0 + 600.0,
-                                                     cold_start_p95_s=None)
-    assert start == t0 and requests.size == 600 // fine
-    assert np.all(requests == fine) and np.all(busy == 0.5 * fine) and np.all(peak == 1.0)
+    observed, profile = history(ctx, "m", PlannerState(), params, now=t0 + 600.0, cold_start_p95_s=None)
+    assert observed.start == t0 and observed.requests.size == 600 // fine
+    assert np.all(observed.requests == fine) and np.all(observed.busy == 0.5 * fine) and np.all(observed.peak == 1.0)
+    assert observed.now_load is None  # a bucket just begun: nothing of it elapsed
     assert profile is not None
     _, bucket, rates = profile
     assert bucket == coarse and rates.size == 600 // coarse and np.allclose(rates, 1.0)
+    ctx.client.close()
+
+
+def test_the_planner_reads_the_load_so_far_in_the_bucket_in_progress(redis_url: str,
+                                                                     clean_env: pytest.MonkeyPatch) -> None:
+    """The planner read complete buckets only: a rise began up to a bucket before any step saw it. The gateway
+    credits busy time at every flush, so the bucket in progress says what is in flight now."""
+    t0 = 1_700_000_400.0
+    _count(redis_url, "m", t0, 600)
+    _count(redis_url, "m", t0 + 600.0, 4)  # ... and one request a second in the first 4 s of the next bucket
+    ctx = _cluster_ctx(clean_env, redis_url, Path("/nonexistent"), PREWARM_KUBERNETES_ENABLED="false")
+    params = PlannerParams.from_settings(ctx.settings.planner)
+    observed, _ = history(ctx, "m", PlannerState(), params, now=t0 + 605.0, cold_start_p95_s=None)
+    assert observed.end == t0 + 600.0  # the complete buckets end where the one in progress begins
+    assert observed.now_load == pytest.approx(4 * 0.5 / 5.0)  # 2 request-seconds over its 5 s so far
     ctx.client.close()
 
 

@@ -24,7 +24,7 @@ from prewarm.policy.rollout import share
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.registry.rollouts import RolloutStore
-from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, steady_counters, wait_for, worker_env
 from workers.app import make_app
 from workers.names import DISPATCH_EVENTS, FORECAST, PREWARM, RETIRE, node_queue
 
@@ -84,14 +84,7 @@ def demand(client: "redis.Redis[str]") -> int:
 
 def steady_load(client: "redis.Redis[str]") -> None:
     """An hour of steady load, 20 in flight on average: a target above the 4 stable replicas' slots."""
-    fine = int(time.time() // 10) * 10
-    for i in range(-30, 361):
-        start = fine - 10 * i
-        client.set(keys.requests("tiny", 10, start), 100)
-        client.set(keys.inflight_peak("tiny", 10, start), 24)
-        client.set(keys.busy("tiny", 10, start), 200.0)
-    client.hset(keys.REQUESTS_FIRST, "tiny", fine - 3600)
-    client.sadd(keys.REQUEST_MODELS, "tiny")
+    steady_counters(client, "tiny", ahead=30)
 
 
 def setup_stable(p: dict[str, Any]) -> None:

@@ -120,12 +120,14 @@ class _SpyPrewarm(Prewarm):
     """The shipped policy, recording what each step was shown."""
 
     seen: list[tuple[float, float, float]] = []  # (decision time, end of the fine buckets, end of the coarse ones)
+    now_loads: list[tuple[float, float | None]] = []  # (seconds of the bucket in progress, the load so far shown)
 
     def inputs(self, now: float, ready: int, loading: int) -> StepInputs:
         inp = super().inputs(now, ready, loading)
         hist = inp.profile_history
         coarse_end = hist[0] + hist[1] * hist[2].size if hist is not None else -1.0
         self.seen.append((inp.now, inp.observed.end, coarse_end))
+        self.now_loads.append((inp.now - inp.observed.end, inp.observed.now_load))
         return inp
 
 
@@ -136,14 +138,19 @@ def test_prewarm_never_sees_the_future() -> None:
     params = replace(P, seed=1)
     work = build_workload(trace, params)
     policy = _SpyPrewarm()
-    _SpyPrewarm.seen = []
+    _SpyPrewarm.seen, _SpyPrewarm.now_loads = [], []
     run = replay(work, policy, params)
     assert run.ttft.size == work.arrivals.size  # type: ignore[union-attr]
-    assert len(_SpyPrewarm.seen) == 360  # one step every interval_s (10 s), as the live beat
+    assert len(_SpyPrewarm.seen) == 720  # one step every interval_s (5 s), as the live beat
     for now, fine_end, coarse_end in _SpyPrewarm.seen:
         # every bucket shown ended at or before the decision time
         assert fine_end <= now + 1e-9 and coarse_end <= now + 1e-9, (now, fine_end, coarse_end)
     assert any(c != -1.0 for _, _, c in _SpyPrewarm.seen)  # the profile is learned from the coarse history
+    # halfway through a bucket the step sees the load so far in it (the replay's own, as a gateway's flushes credit
+    # it); at a bucket's end there is none yet
+    assert {round(e) for e, _ in _SpyPrewarm.now_loads} == {0, 5}
+    assert all((load is None) == (round(e) == 0) for e, load in _SpyPrewarm.now_loads)
+    assert max(load or 0.0 for _, load in _SpyPrewarm.now_loads) > 0.0
     env = PolicyEnv(work=work, params=params)
     view = env.past_counts(1234.5)
     assert view.size == 1234

@@ -24,7 +24,7 @@ from prewarm.core.domain import Replica, ReplicaState
 from prewarm.registry.embedded import EmbeddedRedis, free_port
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import RedisSettings, RegistrySettings, Settings
-from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, wait_for, worker_env
+from tests.celery_helpers import WorkerProcess, publish_node, queued_tasks, steady_counters, wait_for, worker_env
 from prewarm.core.domain import ScaleEvent, ScaleEventKind
 from workers.app import make_app
 from workers.names import DISPATCH_EVENTS, FORECAST, KEEP_WARM, PREWARM, REAP, RETIRE, node_queue
@@ -180,15 +180,7 @@ def test_scale_events_are_applied_once_when_due(planner: dict[str, Any], redis_s
 def test_forecast_and_plan_turns_gateway_counters_into_scale_events(planner: dict[str, Any]) -> None:
     """An hour of 10 req/s with 24 in flight at peak, nothing live: the plan scales tiny up now and says so."""
     client = planner["client"]
-    now = time.time()
-    fine = int(now // 10) * 10
-    for i in range(-3, 361):  # a few buckets ahead too: the task may run after the next boundary
-        start = fine - 10 * i
-        client.set(keys.requests("tiny", 10, start), 100)
-        client.set(keys.inflight_peak("tiny", 10, start), 24)
-        client.set(keys.busy("tiny", 10, start), 200.0)  # 20 requests in flight on average
-    client.hset(keys.REQUESTS_FIRST, "tiny", fine - 3600)
-    client.sadd(keys.REQUEST_MODELS, "tiny")
+    steady_counters(client, "tiny")
     planner["app"].send_task(FORECAST)
     wait_for(lambda: client.hget(keys.last_forecast("tiny"), "status") is not None, 60,
              lambda: f"a forecast for tiny (planner log:\n{planner['proc'].log()[-3000:]})")

@@ -276,8 +276,9 @@ class Prewarm(Policy):
 
     Every `interval_s` (the live beat period) it builds the step's inputs exactly as the
     live `forecast_and_plan` does (`forecasting.planner.observed_from_counts` over the
-    complete fine buckets before now: requests and peak requests in flight; the coarse
-    request rates for the seasonal profile when a refit is due), with the replica counts
+    complete fine buckets before now: requests and peak requests in flight; the busy time so
+    far in the bucket in progress; the coarse request rates for the seasonal profile when a
+    refit is due), with the replica counts
     the replay has now, and keeps what the decision says: the serving target plus the warm
     pool. No other floor: no simulated HPA, no peak hold. `record=True` keeps every
     decision (the equivalence test compares them with the live path's).
@@ -307,6 +308,7 @@ class Prewarm(Policy):
         nf = w.counts.size // fb
         self.fine_req = w.counts[: nf * fb].reshape(nf, fb).sum(axis=1)
         self.fine_peak = peak[: nf * fb].reshape(nf, fb).max(axis=1)
+        self.peak_s = peak  # per second: the peak so far of the bucket in progress
         # busy seconds per fine bucket: estimated from the arrivals until the replay has observed the bucket
         busy = w.busy if w.busy is not None else w.counts * w.mean_service_s
         self.fine_busy = busy[: nf * fb].reshape(nf, fb).sum(axis=1).astype(np.float64)
@@ -360,8 +362,12 @@ class Prewarm(Policy):
         lead = lead_of(p, self.cold_p95)
         nb = min(int(now // fb), self.fine_req.size)
         lo = max(0, nb - int(math.ceil(recent_span_s(self.state, p, lead) / fb)))
+        # the bucket in progress: the busy time the replay has credited to it so far, as the gateway's flushes have
+        current = None
+        if self._replayed_bucket == nb < self.fine_busy.size:
+            current = (float(self.fine_busy[nb]), now - nb * fb, float(self.peak_s[int(nb * fb): int(now)].max()))
         observed = observed_from_counts(self.epoch + lo * fb, fb, self.fine_req[lo:nb], self.fine_peak[lo:nb],
-                                        self.fine_busy[lo:nb], self.fine_waited[lo:nb])
+                                        self.fine_busy[lo:nb], self.fine_waited[lo:nb], current)
         history = None
         if refit_due(self.state, self.epoch + now, p):
             nc = min(int(now // cb), self.coarse_rate.size)

@@ -20,7 +20,7 @@ class PlannerSettings(_Group):
     model_config = SettingsConfigDict(env_prefix="PREWARM_PLANNER_", extra="forbid")
     group: ClassVar[str] = "planner"
 
-    interval_s: float = Field(10.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
+    interval_s: float = Field(5.0, gt=0)  # beat period of forecast_and_plan (the simulator's planner cadence too)
     bucket_s: int = Field(60, gt=0)  # coarse buckets (a multiple of 10 or 60 s): the seasonal profile's history
     fine_bucket_s: int = Field(10, gt=0)  # fine buckets (a multiple of the 10 s counters): what the nowcast reads
     headroom: float = Field(0.0, ge=0)  # on top of the forecast the calibrated margin sizes

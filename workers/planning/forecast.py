@@ -3,8 +3,8 @@
 Once per `planner.interval_s` (beat, planner queue), for every planned model, four steps,
 one function each:
 1. `history`: the gateway's fine counters of the model (requests, peak in flight, busy
-   seconds per `planner.fine_bucket_s` bucket; complete buckets only) over the span the
-   planner reads, and, when the seasonal profile is due for a refit, the coarse request
+   seconds per `planner.fine_bucket_s` bucket; complete buckets, and the busy time so far of
+   the bucket in progress) over the span the planner reads, and, when the seasonal profile is due for a refit, the coarse request
    rate over `planner.history_s` (`forecasting.data.history`);
 2. `inputs`: the pure planner's `StepInputs`, built with the same function the simulator
    uses (`forecasting.planner.observed_from_counts`), with the registry's replica counts
@@ -34,6 +34,7 @@ from forecasting.data.traces import HistoryError
 from forecasting.planner import (
     MODES,
     Decision,
+    Observed,
     PlannerParams,
     PlannerState,
     ReplicaCounts,
@@ -103,18 +104,21 @@ def save_planner_state(ctx: WorkerContext, model: str, state: PlannerState) -> N
 
 
 def history(ctx: WorkerContext, model: str, state: PlannerState, params: PlannerParams, *, now: float,
-            cold_start_p95_s: float | None) -> tuple[tuple[float, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-                                                     tuple[float, float, np.ndarray] | None]:
-    """1. The fine counters the step reads, and the coarse rate when the profile is due for a refit."""
+            cold_start_p95_s: float | None) -> tuple[Observed, tuple[float, float, np.ndarray] | None]:
+    """1. The fine counters the step reads (complete buckets, and the busy time so far of the bucket in progress:
+    the gateway credits it at every flush, so the load now shows within a second), and the coarse rate when the
+    profile is due for a refit."""
     fb = int(params.fine_bucket_s)
-    end = math.floor(now / fb) * fb  # the bucket in progress is left out
+    end = math.floor(now / fb) * fb  # the start of the bucket in progress
     span = recent_span_s(state, params, lead_of(params, cold_start_p95_s))
     first = ctx.client.hget(keys.REQUESTS_FIRST, model)  # before it the gateway counted nothing
     start = end - math.ceil(span / fb) * fb
     if first is not None:
         start = max(start, math.floor(float(first) / fb) * fb)
-    fine = load_fine_counters(ctx.client, model, start=start, end=end, bucket_s=fb) if start < end else \
-        (float(end), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
+    first_start, *series = load_fine_counters(ctx.client, model, start=min(start, end), end=end + fb, bucket_s=fb)
+    requests, peak, busy, waited = (x[:-1] for x in series)  # the last bucket is the one in progress
+    current = (float(series[2][-1]), now - end, float(series[1][-1]))
+    observed = observed_from_counts(first_start, fb, requests, peak, busy, waited, current)
     coarse = None
     if refit_due(state, now, params):
         cb = int(params.bucket_s)
@@ -130,7 +134,7 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
                 coarse = (float(y.index[0]) if len(y) else float(cstart), float(cb), y.to_numpy(dtype=np.float64))
             except HistoryError as exc:
                 log.info("no coarse history for %s yet: %s", model, exc)
-    return fine, coarse
+    return observed, coarse
 
 
 def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: PlannerParams, *,
@@ -139,7 +143,7 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     p95 = ctx.registry.load_time_p95(spec.name, spec.revision)  # the lead of this revision, on its slowest class
     if p95 is None:  # a revision not measured yet: its model's other revisions (their weights are alike), else the default
         p95 = ctx.registry.load_time_p95(spec.name)
-    (start, requests, peak, busy, waited), coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
+    observed, coarse = history(ctx, spec.name, state, params, now=now, cold_start_p95_s=p95)
     reps = ctx.registry.replicas_of(spec.name)
     counts = live_counts(r for r in reps if r.revision == spec.revision and r.state in LIVE_STATES)
     # in a cluster the scheduler places pods; else the nodes agents publish (none: the executor places)
@@ -151,8 +155,7 @@ def inputs(ctx: WorkerContext, spec: ModelSpec, state: PlannerState, params: Pla
     ready_on = {r.node for r in reps if r.revision == spec.revision and r.state is ReplicaState.READY}
     sleeps = cluster or not tier_absent(sleep_reports(ctx, sorted(ready_on)).values(), spec.name)
     # a cluster's pods are one Deployment: the warm pool is among them, not told apart (`ReplicaCounts.pooled`)
-    return StepInputs(spec, now, observed_from_counts(start, params.fine_bucket_s, requests, peak, busy, waited),
-                      ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
+    return StepInputs(spec, now, observed, ReplicaCounts(**counts, pooled=cluster), params, p95, coarse, nodes,
                       max(wakes.values()) if wakes else None, sleeps)
 
 
