@@ -40,6 +40,7 @@ from prewarm.registry.targets import ReplicaTarget, read_target
 from workers.context import WorkerContext
 from workers.node.lock import ReplicaLock
 from workers.node.memory import ASLEEP
+from workers.planning.round_lock import ttl_s
 
 log = logging.getLogger("prewarm.external.tiers")
 
@@ -47,7 +48,7 @@ log = logging.getLogger("prewarm.external.tiers")
 def awake_target(ctx: WorkerContext, model: str, revision: str | None) -> ReplicaTarget:
     """The planner's fresh target for the pods of `revision` (its own record: its share while a rollout runs),
     else for the model; the reader's error when neither is fresh."""
-    max_age_s = 3 * ctx.settings.planner.interval_s
+    max_age_s = ttl_s(ctx.settings.planner.interval_s)  # older than the round's lock: no planner has planned since
     if revision is not None:
         try:
             return read_target(ctx.client, model, now=ctx.clock(), max_age_s=max_age_s, revision=revision)

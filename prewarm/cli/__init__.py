@@ -96,7 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9090, help="gRPC port of the external scaler")
     p.add_argument("--metrics-port", type=int, help="serve /metrics (the target gauge) on this port (default: none)")
     p.add_argument("--max-age", type=float, dest="max_age_s",
-                   help="refuse targets older than this many seconds (default: 3 x planner.interval_s)")
+                   help="refuse targets older than this many seconds (default: the planning round's lock, "
+                        "3 x planner.interval_s and at least 30 s: no planner has planned since)")
     p.set_defaults(handler=_cmd_keda_scaler)
 
     p = sub.add_parser("serve-model", help="run the model host: OpenAI-compatible completions, load/sleep/wake control")
@@ -345,7 +346,9 @@ def _cmd_keda_scaler(args: argparse.Namespace, settings: Settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    max_age = args.max_age_s if args.max_age_s is not None else 3 * settings.planner.interval_s
+    from workers.planning.round_lock import ttl_s
+
+    max_age = args.max_age_s if args.max_age_s is not None else ttl_s(settings.planner.interval_s)
     return run(sync_client(settings.redis), host=args.host, port=args.port, max_age_s=max_age,
                metrics_port=args.metrics_port, stop=stop, cfg=settings.keda,
                ready=lambda port: print(f"prewarm keda-scaler: listening on {args.host}:{port}", flush=True))
