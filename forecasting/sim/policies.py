@@ -365,7 +365,8 @@ class Prewarm(Policy):
         # the bucket in progress: the busy time the replay has credited to it so far, as the gateway's flushes have
         current = None
         if self._replayed_bucket == nb < self.fine_busy.size:
-            current = (float(self.fine_busy[nb]), now - nb * fb, float(self.peak_s[int(nb * fb): int(now)].max()))
+            first = int(nb * fb)  # the peak so far: the seconds begun since the bucket began (one at least)
+            current = (float(self.fine_busy[nb]), now - nb * fb, float(self.peak_s[first: max(first + 1, int(now))].max()))
         observed = observed_from_counts(self.epoch + lo * fb, fb, self.fine_req[lo:nb], self.fine_peak[lo:nb],
                                         self.fine_busy[lo:nb], self.fine_waited[lo:nb], current)
         history = None

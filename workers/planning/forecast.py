@@ -4,8 +4,9 @@ Once per `planner.interval_s` (beat, planner queue), for every planned model, fo
 one function each:
 1. `history`: the gateway's fine counters of the model (requests, peak in flight, busy
    seconds per `planner.fine_bucket_s` bucket; complete buckets, and the busy time so far of
-   the bucket in progress) over the span the planner reads, and, when the seasonal profile is due for a refit, the coarse request
-   rate over `planner.history_s` (`forecasting.data.history`);
+   the bucket in progress) over the span the planner reads, and, when the seasonal profile
+   is due for a refit, the coarse request rate over `planner.history_s`
+   (`forecasting.data.history`);
 2. `inputs`: the pure planner's `StepInputs`, built with the same function the simulator
    uses (`forecasting.planner.observed_from_counts`), with the registry's replica counts
    (a warm replica still loading counts as warm), the nodes agents publish (none published:
