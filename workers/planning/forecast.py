@@ -116,10 +116,11 @@ def history(ctx: WorkerContext, model: str, state: PlannerState, params: Planner
     start = end - math.ceil(span / fb) * fb
     if first is not None:
         start = max(start, math.floor(float(first) / fb) * fb)
-    first_start, *series = load_fine_counters(ctx.client, model, start=min(start, end), end=end + fb, bucket_s=fb)
-    requests, peak, busy, waited = (x[:-1] for x in series)  # the last bucket is the one in progress
-    current = (float(series[2][-1]), now - end, float(series[1][-1]))
-    observed = observed_from_counts(first_start, fb, requests, peak, busy, waited, current)
+    # the last bucket of each series is the one in progress: its busy time and peak so far
+    first_start, requests, peak, busy, waited = load_fine_counters(ctx.client, model, start=min(start, end),
+                                                                   end=end + fb, bucket_s=fb)
+    observed = observed_from_counts(first_start, fb, requests[:-1], peak[:-1], busy[:-1], waited[:-1],
+                                    (float(busy[-1]), now - end, float(peak[-1])))
     coarse = None
     if refit_due(state, now, params):
         cb = int(params.bucket_s)
