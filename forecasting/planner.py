@@ -17,8 +17,9 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
 2. `forecast_peak` (`forecasting.nowcast`; the season and profile resolution are settings,
    nothing is keyed to a clock): the planning quantile of the peak in-flight
    demand over the next lead, and the quality of the forecaster's recent forecasts;
-3. `_mode`: the forecast-quality gate. While the forecaster's recent relative error is
-   above `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
+3. `_mode`: the forecast-quality gate. While the forecaster's recent typical relative error
+   (its errors beyond the planning quantile left out: `forecast_peak`) is above
+   `error_threshold` (or unknown), scale-downs fall back to reactive behaviour:
    nothing observed within the last `stabilization_s` may be released. Scale-ups stay
    predictive either way;
 4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: a + margin x
@@ -98,7 +99,7 @@ class PlannerParams:
     margin_max: float = 40.0  # the calibrated margin stays within [0, margin_max] (its integrator does not wind up)
     margin_rule: str = "integrator"  # how the margin meets the budget: "integrator" or "quantile" (docs/operating.md)
     shortfall_horizon_s: float = 7 * 86400.0  # the quantile rule remembers the margins buckets needed this long
-    error_threshold: float = 0.1  # relative MAE of the median above which scale-downs turn reactive
+    error_threshold: float = 0.1  # typical relative error of the median above which scale-downs turn reactive
     score_window_s: float = 3600.0  # the recent forecasts scored (and calibrating the quantiles)
     level_s: float = 60.0  # the nowcast's level: the mean of the last minute
     season_s: float = 86400.0  # the period the traffic's shape repeats over (declared; a day unless told)

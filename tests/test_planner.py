@@ -181,6 +181,17 @@ def test_a_recommendation_holds_until_its_lead_has_passed_in_either_mode() -> No
         assert d.target == plain.target
 
 
+def test_one_backlog_in_an_hour_of_good_forecasts_does_not_close_the_quality_gate() -> None:
+    """The gate judges the forecaster by its typical error: a few origins of large misses (a backlog that built
+    up behind a step no forecast showed, counted in flight by the gateway, drained within a minute) are the
+    cold-start budget's to pay for. Counted in a mean they put the planner in reactive mode (m-large's 2 days:
+    up to 20 minutes after each large step, 0.112 here); a forecaster that misses often still closes it (above)."""
+    y = np.random.default_rng(0).poisson(170.0, 400).astype(np.float64)
+    y[340:345] = [1100.0, 900.0, 700.0, 450.0, 250.0]
+    d, _ = step(inputs(y, ready=30), PlannerState())
+    assert d.mode == PREDICTIVE and d.forecast.error is not None and d.forecast.error <= BASE.error_threshold
+
+
 def test_a_reactive_fall_within_the_tolerance_is_not_made() -> None:
     """As the HPA's 10% tolerance: in reactive mode a fall of at most `scale_down_tolerance` of the live
     replicas keeps them (a target wavering by one around a dozen replicas started one every few steps)."""

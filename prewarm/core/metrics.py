@@ -171,7 +171,8 @@ class Metrics:
         )
         self.forecast_error = Gauge(
             "prewarm_forecast_error_ratio",
-            "Relative MAE of the median forecast at the lead over the scored window (the planner's quality gate)",
+            "Typical relative error of the median forecast at the lead over the scored window, its errors beyond the "
+            "planning quantile left out (the planner's quality gate)",
             ["model"],
             registry=registry,
         )

@@ -29,7 +29,7 @@ class PlannerSettings(_Group):
     stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
     scale_down_tolerance: float = Field(0.1, ge=0, lt=1)  # the reactive fallback keeps a fall of at most this share
     queue_beta: float = Field(1.5, ge=0)  # square-root staffing margin: slots for a mean load a are a + beta sqrt(a)
-    error_threshold: float = Field(0.1, gt=0)  # recent relative MAE above which scale-downs turn reactive
+    error_threshold: float = Field(0.1, gt=0)  # recent typical relative error above which scale-downs turn reactive
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need
     warm_pool_percent: float = Field(0.0, ge=0, le=100)  # 0: the calibrated margin is the spare capacity
     budget_share: float = Field(0.12, ge=0, le=1)
