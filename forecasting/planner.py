@@ -39,8 +39,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    left unspent (the budget holds on average over `budget_window_s`, the state carries the
    account), so a step may pre-warm a rise the forecaster learned to expect; in reactive
    mode the budget holds at every step;
-   An interruption (`forecasting.interruption`: requests far below what the profile expects at an
-   hour it has always seen busy) keeps the live replicas for at most `interruption_hold_s`;
+   An interruption (`forecasting.interruption`: requests far below the profile's expectation at a busy
+   hour, or the model's own recent level) keeps the live replicas for at most `interruption_hold_s`;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -292,9 +292,10 @@ def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
 
 
 def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> float:
-    """How much fine history a step reads: the scored window (plus a day while no profile is learned,
-    for the seasonal-naive candidate)."""
-    base = max(params.score_window_s, params.budget_calibration_s) + lead_s + params.level_s + 2 * params.fine_bucket_s
+    """How much fine history a step reads: the scored window or the interruption's recent level and window
+    (plus a day while no profile is learned, for the seasonal-naive candidate)."""
+    base = max(params.score_window_s, params.budget_calibration_s, params.interruption_hold_s + params.stabilization_s) \
+        + lead_s + params.level_s + 2 * params.fine_bucket_s
     return base + (params.season_s if state.profile is None else 0.0)
 
 

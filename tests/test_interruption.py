@@ -1,4 +1,5 @@
-"""A fall the learned season contradicts is held, not released (forecasting/interruption.py)."""
+"""A fall the learned season or the model's own recent level contradicts is held, not released
+(forecasting/interruption.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,21 @@ def test_silence_at_a_busy_hour_is_an_interruption_and_at_a_quiet_one_is_not() -
     assert not interrupted(FLAT_DAY, np.concatenate([_busy(29), [50.0]]), noon - 300, 10.0, 300.0, P)  # half: a dip
     # at night 300 s expect 3 requests: too few to tell silence from chance
     assert not interrupted(FLAT_DAY, np.zeros(30), night - 300, 10.0, 300.0, P)
-    # no profile (under two seasons of history), or one without its rate: nothing held
+    # no profile (under two seasons of history), or one without its rate, and nothing before: nothing held
     assert not interrupted(None, np.zeros(30), noon - 300, 10.0, 300.0, P)
     assert not interrupted(Profile(3600.0, FLAT_DAY.values, 3.0), np.zeros(30), noon - 300, 10.0, 300.0, P)
+
+
+def test_silence_after_a_busy_hour_is_an_interruption_without_a_profile() -> None:
+    """Bursty traffic has no season: its own recent level is what the silence contradicts."""
+    night = 2 * 3600.0
+    busy_then_silent = np.concatenate([_busy(360), np.zeros(30)])  # an hour at 10 req/s, then 5 min of nothing
+    assert interrupted(None, busy_then_silent, night - 3900, 10.0, 300.0, P)
+    assert interrupted(FLAT_DAY, busy_then_silent, night - 3900, 10.0, 300.0, P)  # a quiet hour of the season too
+    assert not interrupted(None, np.concatenate([_busy(360), _busy(30, 1.0)]), night - 3900, 10.0, 300.0, P)  # a fall
+    # a short burst in a quiet hour: its mean over the hour expects 4 requests in 5 minutes, too few to tell
+    burst = np.concatenate([np.zeros(359), [50.0], np.zeros(30)])
+    assert not interrupted(None, burst, night - 3900, 10.0, 300.0, P)
 
 
 def test_a_quiet_model_is_judged_over_more_buckets() -> None:
@@ -70,9 +83,25 @@ def test_the_planner_keeps_its_replicas_through_an_interruption_and_then_lets_th
     busy_then_silent = np.concatenate([_busy(420), np.zeros(60)])  # 70 min busy, then 10 min of nothing
     target, state, _ = _step(busy_then_silent, noon, state, live=6)
     assert target == 6 and state.quiet_since == noon  # held: the profile expects 10 req/s at noon
-    # the same silence without the profile is followed down
-    down, _, _ = _step(busy_then_silent, noon, PlannerState(margin=0.0), live=6)
+    # the same silence after a quiet hour (a burst of 10 s in it, and no profile) is followed down
+    burst_then_silent = np.concatenate([np.zeros(389), [50.0], np.zeros(90)])
+    down, _, _ = _step(burst_then_silent, noon, PlannerState(margin=0.0), live=6)
     assert down < 6
     # past the hold the fall is believed
     later, state2, _ = _step(busy_then_silent, noon + P.interruption_hold_s + 10, state, live=6)
     assert later < 6 and state2.quiet_since == noon
+
+
+def test_bursty_traffic_is_held_through_a_short_silence_and_let_go_after_the_hold() -> None:
+    """No profile: a model that ran at 10 req/s for an hour and went silent keeps its replicas (it comes
+    back at the rate it left), at most `interruption_hold_s` from the fall; then the fall is believed."""
+    night = 2 * 3600.0
+    busy_then_silent = np.concatenate([_busy(400), np.zeros(30)])
+    target, state, _ = _step(busy_then_silent, night, PlannerState(margin=0.0), live=6)
+    assert target == 6 and state.quiet_since == night
+    half_hour = np.concatenate([_busy(400), np.zeros(210)])
+    held, state, _ = _step(half_hour, night + 1800, state, live=6)
+    assert held == 6 and state.quiet_since == night
+    hour = np.concatenate([_busy(400), np.zeros(390)])
+    later, _, _ = _step(hour, night + P.interruption_hold_s + 10, state, live=6)
+    assert later < 6
