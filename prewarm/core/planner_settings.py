@@ -46,7 +46,7 @@ class PlannerSettings(_Group):
     shortfall_horizon_s: float = Field(7 * 86400.0, gt=0)  # the quantile rule remembers needed margins this long
     season_s: float = Field(86400.0, gt=0)  # the period the traffic repeats over: declared (a day unless told)
     profile_bin_s: float = Field(1800.0, gt=0)  # resolution of the learned seasonal shape; at most season_s
-    # --- a fall the profile contradicts is held (forecasting/interruption.py; reasons in docs/operating.md) ---
+    # --- a fall the profile or the recent level contradicts is held (forecasting/interruption.py; docs/operating.md) ---
     interruption_share: float = Field(0.1, ge=0, lt=1)  # below this share of the expected requests (0: never held)
     interruption_min_requests: float = Field(20.0, gt=0)  # judged over recent buckets expecting at least this many
     interruption_hold_s: float = Field(3600.0, ge=0)  # held at most this long from the start of the fall
