@@ -15,7 +15,8 @@ its own recent level: a drop to nothing from the rate it ran at over the last `i
 is as unlike chance as one at a busy hour of the season (73% of the planner's waits on chunk-73 came
 in the half hour after a return). So the expectation is the larger of the two: the profile's, and
 the mean rate of the `interruption_hold_s` before the judged buckets (its silent buckets included,
-so a short burst in a quiet hour expects little and is let go).
+so a short burst in a quiet hour expects little and is let go). A fall that a declared batch job
+explains (one of the model's ran within that span) is judged against the profile alone.
 
 So when the requests the gateway counted over the recent fine buckets are below
 `interruption_share` of that expectation (for the profile: its shape times the rate it was learned at)
@@ -65,16 +66,17 @@ def recent_level(requests: np.ndarray, end: int, bucket_s: float, span_s: float)
 
 
 def interrupted(profile: Profile | None, requests: np.ndarray, start: float, bucket_s: float, window_max_s: float,
-                p: InterruptionParams) -> bool:
+                p: InterruptionParams, recent: bool = True) -> bool:
     """Whether the last buckets of `requests` (per bucket from epoch `start`) fall short as an interruption does:
     below `interruption_share` of the larger of the profile's expectation and the recent level's (`recent_level`
-    over the `interruption_hold_s` before them), over the shortest recent run of buckets expecting at least
-    `interruption_min_requests` (within `window_max_s`)."""
+    over the `interruption_hold_s` before them; `recent` False: the profile's alone, as when a declared batch job
+    ran within that span and its end explains the fall), over the shortest recent run of buckets expecting at
+    least `interruption_min_requests` (within `window_max_s`)."""
     if not 0 < p.interruption_share < 1 or requests.size == 0:
         return False
     k_max = min(requests.size, max(1, int(window_max_s // bucket_s)))
     first = requests.size - k_max
-    level = recent_level(requests, first, bucket_s, p.interruption_hold_s)
+    level = recent_level(requests, first, bucket_s, p.interruption_hold_s) if recent else 0.0
     exp = expected_requests(profile, start + first * bucket_s, bucket_s, k_max)
     exp = np.full(k_max, level) if exp is None else np.maximum(exp, level)
     expected = np.cumsum(exp[::-1])  # over the last 1, 2, ... buckets

@@ -516,8 +516,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin), holds.held(state.lead_holds, inp.now))
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
-    if batch_lead:
-        why += f" (batch jobs {batch_lead})"
+    why += f" (batch jobs {batch_lead})" if batch_lead else ""
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
     budget_target, pool, notes = budget.trim(target, pool, floor_next, p.budget_share, allowed if mode == PREDICTIVE else None)
     dropped: list[DroppedEvent] = []
@@ -527,7 +526,8 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                          replicas=max(1, target - budget_target), reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
-    quiet = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p)
+    ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - p.interruption_hold_s, inp.now)[0] > 0
+    quiet = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran)
     quiet_since, held = interruption.hold(state.quiet_since, inp.now, quiet, p.interruption_hold_s)
     state = replace(state, quiet_since=quiet_since)
     if held and target < inp.replicas.live:

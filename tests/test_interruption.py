@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from forecasting.batch import BatchJob
 from forecasting.forecast.nowcast import Profile, fit_profile
 from forecasting.interruption import hold, interrupted
 from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
@@ -70,9 +71,10 @@ def test_fit_profile_keeps_the_rate_it_was_learned_at() -> None:
     assert PlannerState.from_json(PlannerState(profile=prof, quiet_since=5.0).to_json()).profile == prof
 
 
-def _step(requests: np.ndarray, now: float, state: PlannerState, live: int) -> tuple[int, PlannerState, str]:
+def _step(requests: np.ndarray, now: float, state: PlannerState, live: int,
+          params: PlannerParams = P) -> tuple[int, PlannerState, str]:
     obs = observed_from_counts(now - requests.size * 10.0, 10.0, requests, requests / 10.0, requests / 10.0 * 0.5)
-    inp = StepInputs(ModelSpec("m", "r1", slots=4), now, obs, ReplicaCounts(ready=live), P)
+    inp = StepInputs(ModelSpec("m", "r1", slots=4), now, obs, ReplicaCounts(ready=live), params)
     decision, state = step(inp, state)
     return decision.target, state, " ".join(e.reason for e in decision.events)
 
@@ -105,3 +107,16 @@ def test_bursty_traffic_is_held_through_a_short_silence_and_let_go_after_the_hol
     hour = np.concatenate([_busy(400), np.zeros(390)])
     later, _, _ = _step(hour, night + P.interruption_hold_s + 10, state, live=6)
     assert later < 6
+
+
+def test_the_end_of_a_declared_batch_job_is_followed_not_held() -> None:
+    """A model whose only traffic is a declared nightly job (01:00 for 30 minutes): its end is no interruption,
+    though its fall contradicts the recent level; the same fall without the job declared is held."""
+    job = BatchJob(cron="0 1 * * *", model="m", replicas=4, duration_s=1800.0)
+    now = 3600.0 + 2100.0  # 01:35, five minutes after the run
+    requests = np.concatenate([np.zeros(360), _busy(180), np.zeros(30)])
+    with_job = PlannerParams(batch_jobs=(job,))
+    down, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6, params=with_job)
+    assert down < 6 and state.quiet_since is None
+    held, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6)
+    assert held == 6 and state.quiet_since == now
