@@ -5,8 +5,10 @@ Each replica runs in its own `prewarm serve-model` child process on port
 for it (a lease file touched on every heartbeat) for `agent.orphan_grace_s`. The child initialises torch and CUDA itself, so the agent (a
 Celery worker) never touches the accelerator and a crash of the agent does not take the
 GPU context with it. A pid file per slot (under `agent.state_dir`) records what runs
-where: an agent that starts after a crash adopts the runtimes whose replica is still live
-in the registry and stops the others, so no orphan keeps GPU memory. Runtimes are started
+where, written before the spawn (without a pid: `recorded_pid` finds the runtime by its port)
+and again after it, so an agent killed at any point leaves a record: an agent that starts after
+a crash adopts the runtimes whose replica is still live in the registry and stops the others,
+so no orphan keeps GPU memory. Runtimes are started
 in their own session and write to a log file, so they survive the agent's death cleanly.
 """
 
@@ -120,6 +122,22 @@ def _runtime_pids_on(port: int) -> list[int]:
                 and _is_our_runtime(int(entry.name), port):
             found.append(int(entry.name))
     return found
+
+
+def recorded_pid(record: dict[str, object]) -> int | None:
+    """The runtime a pid file names: its pid, or for a record written before the spawn (no pid: its agent died
+    before it learned the pid), the guard found on the record's port (the leader of its own session, the
+    runtime below it); None: nothing runs for it."""
+    pid, port = record.get("pid"), int(str(record["port"]))
+    if pid is not None:
+        return int(str(pid))
+    for found in _runtime_pids_on(port):
+        try:
+            if os.getsid(found) == found:
+                return found
+        except OSError:
+            continue
+    return None
 
 
 def _healthz(endpoint: str, timeout: float = 1.0, path: str = "/healthz") -> bool:
@@ -246,6 +264,8 @@ class RuntimeSupervisor:
         guard = [sys.executable, "-m", "workers.node.guard", "--lease", str(lease),
                  "--grace-s", repr(self.settings.agent.orphan_grace_s), "--"]
         server = engines.server_spec(self.settings, replica, model_dir, port)
+        engine = server.engine if server is not None else engines.BUILTIN
+        self._write_record(replica, port, None, model_dir, now, engine)  # before the spawn: a kill after it leaves one
         cmd = guard + (server.argv if server is not None else [
             sys.executable, "-m", "prewarm.cli", "serve-model",
             "--model-dir", model_dir,
@@ -260,24 +280,29 @@ class RuntimeSupervisor:
             logfh.write(f"\n--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {replica.id}\n".encode())
             logfh.flush()
             started_at_byte = logfh.tell()
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **server.env} if server is not None else None,
-            )
+            try:
+                proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=logfh, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, **server.env} if server is not None else None,
+                )
+            except BaseException:
+                self._pidfile(replica.slot).unlink(missing_ok=True)
+                raise
         hosted = HostedRuntime(replica=replica, port=port, pid=proc.pid, model_dir=model_dir, started_at=now,
-                               endpoint=endpoint, proc=proc, engine=server.engine if server else engines.BUILTIN,
+                               endpoint=endpoint, proc=proc, engine=engine,
                                log=(str(self.logfile(replica.slot)), started_at_byte))
-        self._write_pidfile(hosted)
+        self._write_record(replica, port, proc.pid, model_dir, now, engine)
         log.info("started runtime for %s: pid %d on port %d", replica.id, proc.pid, port)
         return hosted
 
-    def _write_pidfile(self, hosted: HostedRuntime) -> None:
-        data = {"replica_id": hosted.replica.id, "replica": hosted.replica.to_fields(), "pid": hosted.pid,
-                "port": hosted.port, "model_dir": hosted.model_dir, "started_at": hosted.started_at,
-                "engine": hosted.engine}
-        tmp = self._pidfile(hosted.slot).with_suffix(".tmp")
+    def _write_record(self, replica: Replica, port: int, pid: int | None, model_dir: str, started_at: float,
+                      engine: str) -> None:
+        """The slot's pid file (`pid` None: written before the spawn), replaced atomically."""
+        data = {"replica_id": replica.id, "replica": replica.to_fields(), "pid": pid, "port": port,
+                "model_dir": model_dir, "started_at": started_at, "engine": engine}
+        tmp = self._pidfile(replica.slot).with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
-        tmp.replace(self._pidfile(hosted.slot))
+        tmp.replace(self._pidfile(replica.slot))
 
     def wait_healthy(self, hosted: HostedRuntime, *, deadline: float, check: Callable[[], None] | None = None) -> None:
         """Wait until the runtime answers /healthz; RuntimeExited if it dies first; `check()` may abort."""
@@ -328,9 +353,12 @@ class RuntimeSupervisor:
             try:
                 data = json.loads(path.read_text())
                 replica = Replica.from_fields(data["replica"])
-                pid, port = int(data["pid"]), int(data["port"])
+                pid, port = recorded_pid(data), int(data["port"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable pid file %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            if pid is None:  # recorded before a spawn that never ran, or whose runtime has ended
                 path.unlink(missing_ok=True)
                 continue
             alive = _pid_alive(pid) and _is_our_runtime(pid, port)

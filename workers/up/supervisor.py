@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from workers.node.supervision import recorded_pid
+
 
 @dataclass
 class Child:
@@ -82,9 +84,11 @@ class Supervisor:
         for d in self.pid_dirs:
             for f in d.rglob("slot-*.json"):
                 try:
-                    pid = int(json.loads(f.read_text())["pid"])
+                    pid = recorded_pid(json.loads(f.read_text()))
+                    if pid is None:
+                        continue
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except (OSError, ValueError, KeyError):
+                except (OSError, ValueError, KeyError, TypeError):
                     continue
                 if b"serve-model" in cmdline:
                     pids.append(pid)
