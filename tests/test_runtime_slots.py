@@ -59,6 +59,7 @@ def test_a_runtime_recorded_before_its_pid_is_adopted_by_the_next_agent(tmp_path
         record.write_text(json.dumps(data | {"pid": None}))  # as the agent left it had it died before the pid
         adopted = successor.adopt_orphans(lambda r: r)
         assert [(h.replica.id, h.pid) for h in adopted] == [(replica.id, hosted.pid)]
+        assert json.loads(record.read_text())["pid"] == hosted.pid  # recorded with its pid again
         assert recorded_pid(data | {"pid": None}) == hosted.pid
     finally:
         successor.stop_all(grace_s=5.0)

@@ -370,6 +370,8 @@ class RuntimeSupervisor:
                                        endpoint=self.endpoint_of(replica.slot), adopted=True, engine=engine)
                 with self._lock:
                     self._slots[replica.slot] = hosted
+                if data.get("pid") is None:  # found by its port: recorded with its pid from now on
+                    self._write_record(current, port, pid, hosted.model_dir, hosted.started_at, engine)
                 self.lease(replica.slot).touch()
                 adopted.append(hosted)
                 log.info("adopted runtime of %s (pid %d) left by a previous agent", replica.id, pid)
