@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from prewarm.adapters.vllm import is_vllm_command
 from prewarm.core import http
@@ -124,13 +124,13 @@ def _runtime_pids_on(port: int) -> list[int]:
     return found
 
 
-def recorded_pid(record: dict[str, object]) -> int | None:
+def recorded_pid(record: dict[str, Any]) -> int | None:
     """The runtime a pid file names: its pid, or for a record written before the spawn (no pid: its agent died
     before it learned the pid), the guard found on the record's port (the leader of its own session, the
     runtime below it); None: nothing runs for it."""
-    pid, port = record.get("pid"), int(str(record["port"]))
+    pid, port = record.get("pid"), int(record["port"])
     if pid is not None:
-        return int(str(pid))
+        return int(pid)
     for found in _runtime_pids_on(port):
         try:
             if os.getsid(found) == found:
