@@ -24,7 +24,7 @@ from prewarm.registry.rollouts import RolloutStore
 from tests.celery_helpers import publish_node, queued_tasks, wait_for
 from tests.httpservers import AppThread, Upstream
 from tests.test_gateway import Harness
-from tests.test_rollout_planner import plan_tick, planner, prewarms, steady_load  # noqa: F401 - the fixture
+from tests.test_rollout_planner import canary_prewarms, plan_tick, planner, steady_load  # noqa: F401 - the fixture
 from workers.names import RETIRE, node_queue
 
 pytestmark = pytest.mark.slow
@@ -58,11 +58,12 @@ def test_live_canary_errors_through_the_gateway_roll_back(planner: dict[str, Any
         # a long pause: the live comparison runs within it, not after it
         assert main(["rollout", "start", "tiny", "--revision", "r2", "--steps", "50,100", "--pause", "10m"]) == 0
         plan_tick(planner, 1)
-        canary = wait_for(lambda: prewarms(client, "r2"), 30, "canary prewarms")
+        canary = canary_prewarms(client, 50)
         for rid in canary:  # validated (what the canary proof checks is tested elsewhere): ready, answering 500
             _ready(reg, rid, servers[1].url)
         plan_tick(planner, 2)
-        wait_for(lambda: store.weights("tiny") == [("r2", 50.0), ("r1", 50.0)], 30, "the shift to 50%")
+        wait_for(lambda: store.weights("tiny") == [("r2", 50.0), ("r1", 50.0)], 30,
+                 lambda: f"the shift to 50% (planner log:\n{planner['proc'].log()[-3000:]})")
 
         statuses = [gw.complete("tiny")[0] for _ in range(80)]  # users' requests, split by the weights
         assert statuses.count(500) >= 20 and statuses.count(200) >= 20, statuses

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pytest
 import redis
@@ -112,6 +112,16 @@ def prewarms(client: "redis.Redis[str]", rev: str) -> list[str]:
                    if m["task"] == PREWARM and m["args"][0].startswith(f"tiny@{rev}/")})
 
 
+def canary_prewarms(client: "redis.Redis[str]", weight: int, before: Sequence[str] = ()) -> list[str]:
+    """The canary's prewarms (less those in `before`) once every one a step to `weight`% asks for is queued: the
+    executor sends them one by one, and a read between two sends sees only some."""
+    def full() -> list[str] | None:
+        got = prewarms(client, "r2")
+        return [r for r in got if r not in before] if got and len(got) >= share(demand(client), weight) else None
+    return wait_for(full, 30, lambda: f"the canary's prewarms for {weight}% (queued: {prewarms(client, 'r2')}, "
+                                      f"target {demand(client)})")
+
+
 def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(planner: dict[str, Any]) -> None:
     client, reg = planner["client"], planner["registry"]
     setup_stable(planner)
@@ -121,8 +131,7 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
     tick = 0
     tick += 1
     plan_tick(planner, tick)
-    canary = wait_for(lambda: prewarms(client, "r2"), 30,
-                      lambda: f"canary prewarms (planner log:\n{planner['proc'].log()[-3000:]})")
+    canary = canary_prewarms(client, 50)
     assert len(canary) == share(demand(client), 50)  # the canary's half of the planner's target
     st = store.get("tiny")
     assert st is not None and st.weight == 0  # no weight before the canary is ready, whatever the clock says
@@ -142,7 +151,7 @@ def test_the_shift_waits_for_validated_canary_capacity_then_the_stable_shrinks(p
     time.sleep(1.0)  # the step's pause
     tick += 1
     plan_tick(planner, tick)
-    more = wait_for(lambda: [r for r in prewarms(client, "r2") if r not in canary], 30, "canary capacity for 100%")
+    more = canary_prewarms(client, 100, canary)
     for rid in more:
         agent_brings_up(reg, rid)
     for _ in range(3):  # shift to 100%, then the pause runs, then complete
@@ -179,7 +188,7 @@ def test_a_canary_that_fails_validation_rolls_back(planner: dict[str, Any],
     store = RolloutStore(client)
     assert main(["rollout", "start", "tiny", "--revision", "r2", "--steps", "50,100", "--pause", "1s"]) == 0
     plan_tick(planner, 1)
-    canary = wait_for(lambda: prewarms(client, "r2"), 30, "canary prewarms")
+    canary = canary_prewarms(client, 50)
     agent_brings_up(reg, canary[0], fail="validation: top logprobs differ from r1 by 4.2 > 0.05")
     agent_brings_up(reg, canary[1])  # ready, but must never get weight now
     plan_tick(planner, 2)
