@@ -22,17 +22,26 @@ So when the requests the gateway counted over the recent fine buckets are below
 `interruption_share` of that expectation (for the profile: its shape times the rate it was learned at)
 and the expectation is large enough for the shortfall not to be noise (at least
 `interruption_min_requests`: a Poisson count expecting 20 is under 2 with probability 4e-8), the planner
-keeps the replicas it has for at most `interruption_hold_s` from the start of the fall; after that
-the fall is believed. The window is the shortest run of recent buckets that expects that many
-requests (a busy model decides within one bucket, a quiet one over more), at most `window_max_s`.
-Without a profile (under two seasons of history) only the recent level is read.
+holds replicas for at most `interruption_hold_s` from the start of the fall; after that the fall is
+believed. The window is the shortest run of recent buckets that expects that many requests (a busy
+model decides within one bucket, a quiet one over more), at most `window_max_s`. Without a profile
+(under two seasons of history) only the recent level is read.
+
+What is held is what the expectation that leads asks for (`kept`). Where the season leads (the profile
+expects at least the recent level: the hour is as busy as the traffic was), every live replica. Where
+the recent level leads, the replicas its expected requests need at the peak in flight a request
+brought over the level's span, sized as the planner sizes a peak (the margin the cold-start budget
+calibrated included), at most the live ones: a tenant that sent for twenty minutes of the hour expects
+a third of its rate, and is held at what a third needs. A bursty tenant's profile, smeared over the
+hours it sends at random, lies far below its bursts, so its pauses are led by the level. The level's
+span slides into the silence step by step, so what a long pause holds shrinks as it lasts.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -65,27 +74,56 @@ def recent_level(requests: np.ndarray, end: int, bucket_s: float, span_s: float)
     return float(before.mean()) if before.size else 0.0
 
 
-def interrupted(profile: Profile | None, requests: np.ndarray, start: float, bucket_s: float, window_max_s: float,
-                p: InterruptionParams, recent: bool = True) -> bool:
-    """Whether the last buckets of `requests` (per bucket from epoch `start`) fall short as an interruption does:
-    below `interruption_share` of the larger of the profile's expectation and the recent level's (`recent_level`
-    over the `interruption_hold_s` before them; `recent` False: the profile's alone, as when a declared batch job
-    ran within that span and its end explains the fall), over the shortest recent run of buckets expecting at
-    least `interruption_min_requests` (within `window_max_s`)."""
-    if not 0 < p.interruption_share < 1 or requests.size == 0:
-        return False
-    k_max = min(requests.size, max(1, int(window_max_s // bucket_s)))
-    first = requests.size - k_max
-    level = recent_level(requests, first, bucket_s, p.interruption_hold_s) if recent else 0.0
-    exp = expected_requests(profile, start + first * bucket_s, bucket_s, k_max)
-    exp = np.full(k_max, level) if exp is None else np.maximum(exp, level)
+class Fall(NamedTuple):
+    """An interruption: the expectation the fall is judged against, and which one leads it."""
+
+    expected: float  # requests per bucket the judged buckets were expected to bring (the larger of the two)
+    by_season: bool  # the profile's expectation is at least the recent level's: the hour is as busy as the traffic was
+
+
+def _window(n: int, bucket_s: float, window_max_s: float) -> int:
+    """The index of the first bucket an interruption is judged on (the level is read before it)."""
+    return n - min(n, max(1, int(window_max_s // bucket_s)))
+
+
+def _short(requests: np.ndarray, exp: np.ndarray, p: InterruptionParams) -> bool:
+    """Whether the last buckets fall below `interruption_share` of `exp` (the expectation of the last len(exp)),
+    over the shortest recent run expecting at least `interruption_min_requests` (False: none expects enough)."""
     expected = np.cumsum(exp[::-1])  # over the last 1, 2, ... buckets
     enough = np.flatnonzero(expected >= p.interruption_min_requests)
     if enough.size == 0:
         return False  # too quiet an hour to tell a fall from chance
     k = int(enough[0]) + 1
-    seen = float(np.sum(requests[-k:]))
-    return seen < p.interruption_share * float(expected[k - 1])
+    return float(np.sum(requests[-k:])) < p.interruption_share * float(expected[k - 1])
+
+
+def interrupted(profile: Profile | None, requests: np.ndarray, start: float, bucket_s: float, window_max_s: float,
+                p: InterruptionParams, recent: bool = True) -> Fall | None:
+    """Whether the last buckets of `requests` (per bucket from epoch `start`) fall short as an interruption does
+    (None: not): below `interruption_share` of the larger of the profile's expectation and the recent level's
+    (`recent_level` over the `interruption_hold_s` before them; `recent` False: the profile's alone, as when a
+    declared batch job ran within that span and its end explains the fall), over the shortest recent run of
+    buckets expecting at least `interruption_min_requests` (within `window_max_s`)."""
+    if not 0 < p.interruption_share < 1 or requests.size == 0:
+        return None
+    first = _window(requests.size, bucket_s, window_max_s)
+    level = recent_level(requests, first, bucket_s, p.interruption_hold_s) if recent else 0.0
+    exp = expected_requests(profile, start + first * bucket_s, bucket_s, requests.size - first)
+    by_season = exp is not None and float(exp.mean()) >= level
+    exp = np.full(requests.size - first, level) if exp is None else np.maximum(exp, level)
+    return Fall(float(exp.mean()), by_season) if _short(requests, exp, p) else None
+
+
+def kept(fall: Fall | None, live: int, requests: np.ndarray, peak: np.ndarray, bucket_s: float, window_max_s: float,
+         p: InterruptionParams, size: Callable[[float], int]) -> int:
+    """The live replicas a fall holds: every one where the season leads it (or none could be read); where the
+    recent level leads, what its expected requests need at the peak in flight a request brought over the level's
+    span (`size`: the planner's replicas for a peak in flight), at most the live ones."""
+    first = _window(requests.size, bucket_s, window_max_s)
+    n = recent_level(requests, first, bucket_s, p.interruption_hold_s)
+    if fall is None or fall.by_season or n <= 0:
+        return live
+    return min(live, size(fall.expected * recent_level(peak, first, bucket_s, p.interruption_hold_s) / n))
 
 
 def hold(quiet_since: float | None, now: float, is_interrupted: bool, hold_s: float) -> tuple[float | None, bool]:

@@ -40,7 +40,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    account), so a step may pre-warm a rise the forecaster learned to expect; in reactive
    mode the budget holds at every step;
    An interruption (`forecasting.interruption`: requests far below the profile's expectation at a busy
-   hour, or the model's own recent level) keeps the live replicas for at most `interruption_hold_s`;
+   hour, or the model's own recent level) keeps the live replicas (where the level leads, what its
+   expected requests need) for at most `interruption_hold_s`;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -201,7 +202,7 @@ class PlannerState:
     counted_end: float | None = None  # the end of the last fine bucket the calibration has counted
     counted_rate: float | None = None  # requests/s over `budget_horizon_s` (the calibration's normaliser) and
     counted_weight_s: float | None = None  # the decayed seconds of counting it rests on
-    quiet_since: float | None = None  # the start of a fall the profile contradicts (`forecasting.interruption`)
+    quiet_since: float | None = None  # the start of an interruption (`forecasting.interruption`)
     lead_holds: holds.Holds = ()  # recommendations whose lead has not run out (`forecasting.holds`)
     shortfalls: tuple[float, ...] = ()  # requests per bin of the margin their bucket needed (both rules)
     alpha: float | None = None  # the quantile rule: the share of them its margin may leave short (None: the budget)
@@ -527,13 +528,15 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
     ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - p.interruption_hold_s, inp.now)[0] > 0
-    quiet = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran)
-    quiet_since, held = interruption.hold(state.quiet_since, inp.now, quiet, p.interruption_hold_s)
+    fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran)
+    quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, p.interruption_hold_s)
     state = replace(state, quiet_since=quiet_since)
-    if held and target < inp.replicas.live:
-        target = inp.replicas.live
-        why = (f"interruption: requests far below the profile's expectation since {quiet_since:.0f}: "
-               f"{target} held (at most {p.interruption_hold_s:.0f} s)")
+    keep = interruption.kept(fall, inp.replicas.live, obs.requests, obs.peak, obs.bucket_s, p.stabilization_s, p,
+                             lambda peak: replicas_needed(margin(peak), slots, p.headroom))
+    if fall is not None and held and target < keep:
+        target = keep
+        why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
+               f"expectation since {quiet_since:.0f}: {target} held (at most {p.interruption_hold_s:.0f} s)")
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
     if p.park_horizon_s > 0:
         events = _parked(inp, events, state, target, lead, staffed)

@@ -7,7 +7,7 @@ import numpy as np
 
 from forecasting.batch import BatchJob
 from forecasting.forecast.nowcast import Profile, fit_profile
-from forecasting.interruption import hold, interrupted
+from forecasting.interruption import Fall, hold, interrupted
 from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from prewarm.core.domain import ModelSpec
 
@@ -47,6 +47,18 @@ def test_silence_after_a_busy_hour_is_an_interruption_without_a_profile() -> Non
     assert not interrupted(None, burst, night - 3900, 10.0, 300.0, P)
 
 
+def test_the_fall_names_the_expectation_that_leads_it() -> None:
+    """The season where the profile expects at least the recent level (the hour is as busy as the traffic was),
+    the recent level where it expects more than the profile does (a bursty tenant's pause at a quiet hour)."""
+    noon, night = 12 * 3600.0, 2 * 3600.0
+    busy_then_silent = np.concatenate([_busy(360), np.zeros(30)])
+    assert interrupted(FLAT_DAY, busy_then_silent, noon - 3900, 10.0, 300.0, P) == Fall(100.0, True)
+    at_night = interrupted(FLAT_DAY, busy_then_silent, night - 3900, 10.0, 300.0, P)
+    assert at_night is not None and not at_night.by_season and at_night.expected == 100.0
+    assert interrupted(None, busy_then_silent, night - 3900, 10.0, 300.0, P) == Fall(100.0, False)
+    assert interrupted(None, busy_then_silent, night - 3900, 10.0, 300.0, P, recent=False) is None  # a batch job's end
+
+
 def test_a_quiet_model_is_judged_over_more_buckets() -> None:
     quiet = Profile(FLAT_DAY.bin_s, FLAT_DAY.values, 3.0, level=0.5)  # 5 requests per bucket by day
     noon = 12 * 3600.0
@@ -72,8 +84,10 @@ def test_fit_profile_keeps_the_rate_it_was_learned_at() -> None:
 
 
 def _step(requests: np.ndarray, now: float, state: PlannerState, live: int,
-          params: PlannerParams = P) -> tuple[int, PlannerState, str]:
-    obs = observed_from_counts(now - requests.size * 10.0, 10.0, requests, requests / 10.0, requests / 10.0 * 0.5)
+          params: PlannerParams = P, service_s: float = 0.05) -> tuple[int, PlannerState, str]:
+    """One step over 10 s buckets of `requests`, each request in flight for `service_s`."""
+    busy = requests * service_s
+    obs = observed_from_counts(now - requests.size * 10.0, 10.0, requests, np.ceil(busy / 10.0), busy)
     inp = StepInputs(ModelSpec("m", "r1", slots=4), now, obs, ReplicaCounts(ready=live), params)
     decision, state = step(inp, state)
     return decision.target, state, " ".join(e.reason for e in decision.events)
@@ -94,19 +108,24 @@ def test_the_planner_keeps_its_replicas_through_an_interruption_and_then_lets_th
     assert later < 6 and state2.quiet_since == noon
 
 
-def test_bursty_traffic_is_held_through_a_short_silence_and_let_go_after_the_hold() -> None:
-    """No profile: a model that ran at 10 req/s for an hour and went silent keeps its replicas (it comes
-    back at the rate it left), at most `interruption_hold_s` from the fall; then the fall is believed."""
+def test_bursty_traffic_is_held_through_a_short_silence_at_what_its_level_needs_then_let_go() -> None:
+    """No profile: a model that ran at 10 req/s for an hour and went silent keeps the replicas its recent level
+    needs (it comes back at the rate it left), not more than it has, at most `interruption_hold_s` from the fall;
+    then the fall is believed. A fall the season contradicts keeps every live replica (the test above)."""
     night = 2 * 3600.0
-    busy_then_silent = np.concatenate([_busy(400), np.zeros(30)])
-    target, state, _ = _step(busy_then_silent, night, PlannerState(margin=0.0), live=6)
-    assert target == 6 and state.quiet_since == night
+    busy_then_silent = np.concatenate([_busy(400), np.zeros(30)])  # 20 in flight (2 s each), then nothing
+    need, _, _ = _step(_busy(430), night, PlannerState(margin=0.0), live=6, service_s=2.0)  # what the load needs
+    assert 5 <= need < 12
+    target, state, why = _step(busy_then_silent, night, PlannerState(margin=0.0), live=12, service_s=2.0)
+    assert target == need and state.quiet_since == night and "recent level" in why  # not the 12 live: the level's need
+    few, _, _ = _step(busy_then_silent, night, PlannerState(margin=0.0), live=need - 2, service_s=2.0)
+    assert few == need - 2  # held, never grown by a silence
     half_hour = np.concatenate([_busy(400), np.zeros(210)])
-    held, state, _ = _step(half_hour, night + 1800, state, live=6)
-    assert held == 6 and state.quiet_since == night
+    held, state, _ = _step(half_hour, night + 1800, state, live=need, service_s=2.0)
+    assert 0 < held <= need and state.quiet_since == night
     hour = np.concatenate([_busy(400), np.zeros(390)])
-    later, _, _ = _step(hour, night + P.interruption_hold_s + 10, state, live=6)
-    assert later < 6
+    later, _, _ = _step(hour, night + P.interruption_hold_s + 10, state, live=need, service_s=2.0)
+    assert later < held
 
 
 def test_the_end_of_a_declared_batch_job_is_followed_not_held() -> None:
@@ -116,7 +135,7 @@ def test_the_end_of_a_declared_batch_job_is_followed_not_held() -> None:
     now = 3600.0 + 2100.0  # 01:35, five minutes after the run
     requests = np.concatenate([np.zeros(360), _busy(180), np.zeros(30)])
     with_job = PlannerParams(batch_jobs=(job,))
-    down, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6, params=with_job)
+    down, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6, params=with_job, service_s=2.0)
     assert down < 6 and state.quiet_since is None
-    held, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6)
-    assert held == 6 and state.quiet_since == now
+    held, state, _ = _step(requests, now, PlannerState(margin=0.0), live=6, service_s=2.0)
+    assert held > down and state.quiet_since == now  # what the hour's mean of 10 in flight needs
