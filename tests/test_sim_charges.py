@@ -14,7 +14,7 @@ from forecasting.data.traces import RateTrace, RequestTrace
 from forecasting.planner import PlannerParams, replicas_needed
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
-from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized
+from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized, make_policy
 from forecasting.sim.scoring import at_equal_share, run_backtest, run_sweep, sweep_summary
 from forecasting.sim.simulate import SimParams, Workload, build_workload, replay
 from prewarm.cli import main
@@ -335,3 +335,16 @@ def test_the_feedback_ablation_keeps_its_margin_where_prewarm_moves_it() -> None
     assert (row["knob"], row["value"]) == ("margin", start)
     with pytest.raises(ValueError, match="prewarm_fixed_margin"):
         run_backtest(_small_rate_trace(), SimParams(), ("no_such_policy",))
+
+
+def test_the_ablation_runs_with_the_planner_settings_prewarm_runs_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's planner settings (here from the environment) reach `prewarm backtest`'s prewarm and its
+    feedback-off ablation alike: the ablation differs from prewarm in its feedback only."""
+    from prewarm.cli.backtest import _planner_kwargs
+    from prewarm.core.settings import Settings
+
+    monkeypatch.setenv("PREWARM_PLANNER_STABILIZATION_S", "120")
+    kw = _planner_kwargs(Settings.load())
+    for name in ("prewarm", "prewarm_fixed_margin"):
+        policy = make_policy(name, **kw[name])
+        assert isinstance(policy, Prewarm) and policy.params.stabilization_s == 120.0, name

@@ -208,8 +208,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _planner_kwargs(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The planner settings both planner-based policies run with (prewarm and its ablation)."""
-    return {"prewarm": {"planner_settings": settings.planner}, "reactive_sized": {"planner_settings": settings.planner}}
+    """The planner settings the planner-based policies run with (prewarm, its feedback-off ablation, reactive_sized)."""
+    return {name: {"planner_settings": settings.planner} for name in ("prewarm", "prewarm_fixed_margin", "reactive_sized")}
 
 
 def _head(trace: object, seconds: float) -> object:
