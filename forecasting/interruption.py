@@ -27,7 +27,7 @@ believed. The window is the shortest run of recent buckets that expects that man
 model decides within one bucket, a quiet one over more), at most `window_max_s`. Without a profile
 (under two seasons of history) only the recent level is read.
 
-What is held is what the expectation that leads asks for (`kept`). Where the season leads (the profile
+What is held is what the expectation that leads asks for (`Fall.peak`). Where the season leads (the profile
 expects at least the recent level: the hour is as busy as the traffic was), every live replica. Where
 the recent level leads, the replicas its expected requests need at the peak in flight a request
 brought over the level's span, sized as the planner sizes a peak (the margin the cold-start budget
@@ -41,7 +41,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -79,6 +79,9 @@ class Fall(NamedTuple):
 
     expected: float  # requests per bucket the judged buckets were expected to bring (the larger of the two)
     by_season: bool  # the profile's expectation is at least the recent level's: the hour is as busy as the traffic was
+    # where the level leads: the peak in flight the expected requests bring, at the peak per request of the level's
+    # span (None: the season leads, or no peaks were given)
+    peak: float | None = None
 
 
 def _window(n: int, bucket_s: float, window_max_s: float) -> int:
@@ -98,12 +101,13 @@ def _short(requests: np.ndarray, exp: np.ndarray, p: InterruptionParams) -> bool
 
 
 def interrupted(profile: Profile | None, requests: np.ndarray, start: float, bucket_s: float, window_max_s: float,
-                p: InterruptionParams, recent: bool = True) -> Fall | None:
+                p: InterruptionParams, recent: bool = True, peak: np.ndarray | None = None) -> Fall | None:
     """Whether the last buckets of `requests` (per bucket from epoch `start`) fall short as an interruption does
     (None: not): below `interruption_share` of the larger of the profile's expectation and the recent level's
     (`recent_level` over the `interruption_hold_s` before them; `recent` False: the profile's alone, as when a
     declared batch job ran within that span and its end explains the fall), over the shortest recent run of
-    buckets expecting at least `interruption_min_requests` (within `window_max_s`)."""
+    buckets expecting at least `interruption_min_requests` (within `window_max_s`). With `peak` (the peak in
+    flight per bucket), a fall the level leads carries the peak its expected requests bring (`Fall.peak`)."""
     if not 0 < p.interruption_share < 1 or requests.size == 0:
         return None
     first = _window(requests.size, bucket_s, window_max_s)
@@ -111,19 +115,12 @@ def interrupted(profile: Profile | None, requests: np.ndarray, start: float, buc
     exp = expected_requests(profile, start + first * bucket_s, bucket_s, requests.size - first)
     by_season = exp is not None and float(exp.mean()) >= level
     exp = np.full(requests.size - first, level) if exp is None else np.maximum(exp, level)
-    return Fall(float(exp.mean()), by_season) if _short(requests, exp, p) else None
-
-
-def kept(fall: Fall | None, live: int, requests: np.ndarray, peak: np.ndarray, bucket_s: float, window_max_s: float,
-         p: InterruptionParams, size: Callable[[float], int]) -> int:
-    """The live replicas a fall holds: every one where the season leads it (or none could be read); where the
-    recent level leads, what its expected requests need at the peak in flight a request brought over the level's
-    span (`size`: the planner's replicas for a peak in flight), at most the live ones."""
-    first = _window(requests.size, bucket_s, window_max_s)
-    n = recent_level(requests, first, bucket_s, p.interruption_hold_s)
-    if fall is None or fall.by_season or n <= 0:
-        return live
-    return min(live, size(fall.expected * recent_level(peak, first, bucket_s, p.interruption_hold_s) / n))
+    if not _short(requests, exp, p):
+        return None
+    expected = float(exp.mean())
+    back = None if by_season or peak is None or level <= 0 else \
+        expected * recent_level(peak, first, bucket_s, p.interruption_hold_s) / level
+    return Fall(expected, by_season, back)
 
 
 def hold(quiet_since: float | None, now: float, is_interrupted: bool, hold_s: float) -> tuple[float | None, bool]:

@@ -1,11 +1,10 @@
 """The one planner: state and observations in, a decision and the next state out.
 
-`step(inputs, state) -> (decision, state)` is pure (no clock, no I/O, `now` inside the
-inputs), and it is the only planner: the live `forecast_and_plan` task and the
-simulator's `prewarm` policy both call it, every `interval_s`, with inputs built by the
-same function (`observed_from_counts`) from the same per-bucket counters the gateway
-records (requests and peak requests in flight per fine bucket; request rate per coarse
-bucket for the seasonal profile). A backtest therefore scores what ships.
+`step(inputs, state) -> (decision, state)` is pure (no clock, no I/O, `now` inside the inputs), and it
+is the only planner: the live `forecast_and_plan` task and the simulator's `prewarm` policy both call
+it, every `interval_s`, with inputs built by the same function (`observed_from_counts`) from the same
+per-bucket counters the gateway records (requests and peak requests in flight per fine bucket; request
+rate per coarse bucket for the seasonal profile). A backtest therefore scores what ships.
 
 One decision per helper, in order (as Ray Serve's autoscaling policy reads):
 0. `calibrate` (`forecasting.calibration`): the staffing margin moves with the requests that
@@ -32,16 +31,14 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    a recommendation whose lead has not passed (`forecasting.holds`); in reactive mode never below what
    it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
    own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
-5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays
-   within `budget_share` of the planned capacity; what it cuts is reported. The warm pool is
-   a standing cost, sized against the plain budget (a stable size, no flapping); early
-   scale-ups and holds before a predicted rise may, in predictive mode, spend what calm steps
-   left unspent (the budget holds on average over `budget_window_s`, the state carries the
-   account), so a step may pre-warm a rise the forecaster learned to expect; in reactive
-   mode the budget holds at every step;
-   An interruption (`forecasting.interruption`: requests far below the profile's expectation at a busy
-   hour, or the model's own recent level) keeps the live replicas (where the level leads, what its
-   expected requests need) for at most `interruption_hold_s`;
+5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
+   `budget_share` of the planned capacity; what it cuts is reported. The warm pool is a standing cost,
+   sized against the plain budget (a stable size, no flapping); early scale-ups and holds before a
+   predicted rise may, in predictive mode, spend what calm steps left unspent (the budget holds on
+   average over `budget_window_s`, the state carries the account), so a step may pre-warm a rise the
+   forecaster learned to expect; in reactive mode the budget holds at every step;
+   an interruption (`forecasting.interruption`) keeps the live replicas (where only the recent level
+   contradicts the fall, what its expected requests need) for at most `interruption_hold_s`;
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -528,11 +525,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
     ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - p.interruption_hold_s, inp.now)[0] > 0
-    fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran)
+    fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran,
+                                    obs.peak)
     quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, p.interruption_hold_s)
-    state = replace(state, quiet_since=quiet_since)
-    keep = interruption.kept(fall, inp.replicas.live, obs.requests, obs.peak, obs.bucket_s, p.stabilization_s, p,
-                             lambda peak: replicas_needed(margin(peak), slots, p.headroom))
+    keep = inp.replicas.live if fall is None or fall.peak is None else \
+        min(inp.replicas.live, replicas_needed(margin(fall.peak), slots, p.headroom))
     if fall is not None and held and target < keep:
         target = keep
         why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
@@ -550,4 +547,4 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)
     warm_avg, warm_at = budget.account(state.warm_avg, state.warm_at, inp.now, share, p.budget_window_s)
-    return decision, replace(state, warm_avg=warm_avg, warm_at=warm_at)
+    return decision, replace(state, warm_avg=warm_avg, warm_at=warm_at, quiet_since=quiet_since)
