@@ -173,3 +173,44 @@ def test_a_dense_models_inputs_count_its_queue_in_flight_as_the_gateway_does() -
     assert inputs.replicas.ready + inputs.replicas.warm == 3 and inputs.cold_start_p95_s == pytest.approx(
         env.catalog.cards[0].time_to_ready(Tier.CACHED))
     assert state.margin is None  # a model never planned yet starts from a fresh state
+
+
+class _Sized(fleet_policies.FleetPolicy):
+    """Wants the model on GPU with `k` replicas from step `at` (a test policy)."""
+
+    name = "sized"
+
+    def __init__(self, at: int, k: int) -> None:
+        self.at, self.k = at, k
+
+    def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.full(1, t >= self.at), self._none()
+
+    def replicas(self, t: int) -> dict[int, int]:
+        return {0: self.k} if t >= self.at else {}
+
+
+def test_a_burst_of_replicas_from_disk_copies_from_the_snapshot_once_the_first_has_filled_it() -> None:
+    """A model brought from disk with four replicas: the three beyond the first copy from the node's snapshot after
+    the first's transfer has filled it, not at once from a page cache that does not hold the weights yet; a step
+    later a replica added to the filled node copies at once."""
+    rates = np.zeros(8)
+    rates[3:] = 35.0
+    trace, env = _one_busy_model(rates)
+    card = env.catalog.cards[0]
+    disk, cached = card.time_to_ready(Tier.DISK), card.time_to_ready(Tier.CACHED)
+    score = simulate(trace, _Sized(at=3, k=4), env)
+    late = env.actuation_s + disk
+    extra = env.actuation_s + env.load_share * disk + cached  # the fill, then the copy
+    assert cached < extra < late < STEP
+    serving = 1.0 - late / STEP + 3 * (1.0 - extra / STEP)
+    c = 35.0 * STEP
+    over, _, backlog = capacity_waits(np.zeros(1), np.array([35.0]), np.array([10.0 * serving]), STEP,
+                                      env.wait_threshold_s)
+    cold_first = max(1.0, c * late / STEP)  # the requests before the first replica is ready wait for its load
+    later = 0.0
+    for _ in range(4):  # four full replicas from then on (40 req/s for 35): the backlog drains
+        w, _, backlog = capacity_waits(backlog, np.array([35.0]), np.array([40.0]), STEP, env.wait_threshold_s)
+        later += float(w[0])
+    assert score.cold_requests == pytest.approx(max(cold_first, float(over[0])) + later, rel=1e-9)
+    assert score.loads == 4

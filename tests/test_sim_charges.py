@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S, copies_ready_s
 from forecasting.data.traces import RateTrace, RequestTrace
+from forecasting.fleet.catalog import Catalog, ModelCard
+from forecasting.fleet.policies import FleetEnv
 from forecasting.planner import PlannerParams, replicas_needed
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
@@ -107,6 +110,32 @@ def test_a_credited_snapshot_lets_the_fill_s_waiters_and_later_loads_copy_from_i
     for rid in range(3):
         uncredited.begin(rid, 0.0)
     assert _drain(uncredited) == pytest.approx({0: 10.0, 1: 20.0, 2: 30.0})  # the published rows' charge
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_both_replays_charge_one_snapshot_rule(share: float) -> None:
+    """The single-model replay's credited node (`LoadBank`) and the pool replay's copies (`copies_ready_s`, which
+    `forecasting.fleet.simulate` charges a model's replicas beyond its first with) give the same ready times: the
+    first fills the node's snapshot, the others copy once it is filled, a filled node's copy starts at once."""
+    cold, ratio = 10.0, 0.3
+    credited = replace(IDEAL, cold_start_s=cold, gpus_per_node=4, load_share=share, snapshot_ratio=ratio)
+    bank = LoadBank(credited, np.random.default_rng(0))
+    for rid in range(3):
+        bank.begin(rid, 1.0)
+    copy_s = ratio * share * cold + (1.0 - share) * cold  # a load from the snapshot: its copy and its own rest
+    burst = copies_ready_s(1.0, cold, copy_s, False, share)
+    assert _drain(bank) == pytest.approx({0: 1.0 + cold, 1: float(burst), 2: float(burst)})
+    bank.begin(3, 20.0)
+    assert _drain(bank) == pytest.approx({3: float(copies_ready_s(20.0, cold, copy_s, True, share))})
+
+
+def test_both_replays_take_their_charges_from_one_place() -> None:
+    env = FleetEnv(catalog=Catalog((ModelCard("m", 8.0),)), step_s=60.0, n_nodes=1, node_gpu_gb=80.0,
+                   node_host_gb=100.0)
+    params = SimParams()
+    assert (env.actuation_s, env.wait_threshold_s, env.load_share) == (
+        params.actuation_delay_s, params.wait_threshold_s, params.load_share) == (
+        ACTUATION_S, WAIT_THRESHOLD_S, LOAD_SHARE)
 
 
 def test_a_cancelled_fill_leaves_no_snapshot_and_the_next_in_line_reads_the_original() -> None:

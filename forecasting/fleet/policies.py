@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S
 from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
@@ -55,12 +56,14 @@ class FleetEnv:
     # 17.9 s for 30 GB measured on an H200, docs/fleet.md); GPU and host memory are both held meanwhile
     sleep_gbps: float = 1.75
     # from the decision (or the first request of a cold model) to its load starting: the dispatch, the queue and
-    # the agent's task start. 0 in the fleet backtests (every policy alike); `prewarm up --models` replays its
-    # run with the delay it measured (`workers.up.fidelity.demand_delays`)
-    actuation_s: float = 0.0
+    # the agent's task start, as the single-model replay charges it (`forecasting.charges`); `prewarm up --models`
+    # replays its run with the delay it measured (`workers.up.fidelity.demand_delays`)
+    actuation_s: float = ACTUATION_S
     # a request that waited longer for a replica's slot is a cold-start hit (the gateway's and the single-model
-    # replay's threshold, `SimParams.wait_threshold_s`)
-    wait_threshold_s: float = 0.5
+    # replay's threshold)
+    wait_threshold_s: float = WAIT_THRESHOLD_S
+    # the share of a load that fills the node's snapshot (`forecasting.charges.copies_ready_s`)
+    load_share: float = LOAD_SHARE
     # the HPA that sizes every warm model a policy does not size itself (`forecasting.fleet.capacity.HpaCounts`):
     # the utilisation it targets and its default scale-down window
     hpa_target: float = 0.7

@@ -24,7 +24,8 @@ One step at a time (the trace's step, e.g. a minute), for all models at once:
    (the policy's own count for the models it sizes, `FleetPolicy.replicas`: the fleet planner's
    dense models; else an HPA on the rate it saw, `forecasting.fleet.capacity.HpaCounts`), each
    charged its memory; a replica beyond the first loads from the page cache (the node-local
-   snapshot), and every replica serves `ModelCard.capacity_rps`. Requests that wait longer than
+   snapshot), after the first has filled it where the first loads from disk (the rule the
+   single-model replay charges too, `forecasting.charges`), and every replica serves `ModelCard.capacity_rps`. Requests that wait longer than
    `FleetEnv.wait_threshold_s` for a ready replica's slot (a per-step fluid queue,
    `capacity_waits`) are cold too: a request waits for a load whether its model had no replica
    or too few.
@@ -37,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from forecasting.charges import copies_ready_s
 from forecasting.curves import weighted_quantile
 from forecasting.fleet.capacity import HpaCounts, capacity_waits
 from forecasting.fleet.catalog import Tier
@@ -95,8 +97,6 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     cap_rps = env.catalog.capacity_array
     hpa_target = policy.hpa_target if policy.hpa_target is not None else env.hpa_target
     hpa = HpaCounts(cap_rps, dt, target=hpa_target, scale_down_s=env.hpa_scale_down_s)
-    # a replica beyond a model's first loads from the node's snapshot (page cache): its share of the step ready
-    extra_ready = 1.0 - np.clip(env.actuation_s + ready[:, 1], 0.0, dt) / dt
     n_prev = np.zeros(m, dtype=np.int64)  # replicas on GPU during the last step
     backlog = np.zeros(m)  # requests still waiting for a slot at the end of the last step
     host_total = env.n_nodes * env.node_host_gb
@@ -149,6 +149,12 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         first = dt / (c + 1.0)
         ready_at[demand] = start + first[demand] + env.actuation_s + ready[demand, off_tier[demand]]
         from_tier = np.where(newly | demand, off_tier, -1)
+        # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
+        # filled it where it loads from disk now (`forecasting.charges`): its share of the step ready
+        load_s = ready[np.arange(m), np.maximum(from_tier, 0)]
+        fill_from = np.where(newly | demand, ready_at - load_s, start + env.actuation_s)
+        extra_at = copies_ready_s(fill_from, ready[:, 2], ready[:, 1], from_tier != 2, env.load_share)
+        extra_ready = 1.0 - np.clip(extra_at - start, 0.0, dt) / dt
         gpu = want | busy
         n = np.where(gpu, hpa.desired(), 0)
         for i, k in policy.replicas(t).items():

@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S
+
 
 #: Azure LLM code trace means (2023-11-16): used when a trace carries no token counts.
 AZURE_CODE_MEAN_CONTEXT = 2048.0
@@ -46,7 +48,7 @@ class SimParams:
     # seconds from a policy's decision until the replicas act on it: the live path's event dispatch beat
     # (workers.schedule.EVENT_DISPATCH_S = 2 s), the Celery queue and the agent's task start. Default: the beat
     # period plus 0.5 s; a `prewarm up` run measures it (see docs/simulator.md)
-    actuation_delay_s: float = 2.5
+    actuation_delay_s: float = ACTUATION_S
     # churn: replicas sit on nodes of this many GPUs (packed, lowest node first), and the `load_share` of a cold
     # start that is weight transfer uses the node's load bandwidth (the rest, process start, warmup and
     # validation, is the replica's own). `node_loads` says how a node's concurrent transfers share it:
@@ -64,13 +66,13 @@ class SimParams:
     # the pool's capacity in replicas (nodes x replica slots): a policy's wish beyond it is not placed, as the
     # live placement drops a scale-up no node has a slot for. None: unbounded
     max_replicas: int | None = None
-    load_share: float = 0.5
+    load_share: float = LOAD_SHARE
     # whether a scale-down cancels replicas still loading (first) or, as the live executor does (it retires ready
     # replicas only), lets them finish their load, to be retired by a later decision once ready
     cancel_loads: bool = True
     mean_context_tokens: float = AZURE_CODE_MEAN_CONTEXT
     mean_generated_tokens: float = AZURE_CODE_MEAN_GENERATED
-    wait_threshold_s: float = 0.5  # a request that waited longer for capacity is a cold-start hit
+    wait_threshold_s: float = WAIT_THRESHOLD_S  # a request that waited longer for capacity is a cold-start hit
     time_scale: float = 1.0  # > 1 compresses the trace in time (rates x time_scale)
     rate_scale: float = 1.0  # multiplies the request rate
     seed: int = 0
