@@ -16,6 +16,9 @@ Pure (no I/O).
 
 from __future__ import annotations
 
+import math
+from typing import Iterable
+
 import numpy as np
 
 #: seconds from a decision (or a cold model's first request) to its load starting: the live event dispatch beat
@@ -40,3 +43,12 @@ def copies_ready_s(fill_starts_s: np.ndarray | float, fill_load_s: np.ndarray | 
     starts = np.asarray(fill_starts_s, dtype=np.float64)
     fill = np.where(filled, 0.0, load_share * np.asarray(fill_load_s, dtype=np.float64))
     return starts + fill + np.asarray(copy_s, dtype=np.float64)
+
+
+def load_time_p95(seconds: Iterable[float]) -> float | None:
+    """The p95 of a model's recorded load times (nearest rank), as the live registry's `load_time_p95` reads its
+    last `LOADTIMES_KEEP`: what a replay's planner knows of cold starts. None: nothing recorded yet."""
+    values = sorted(seconds)
+    if not values:
+        return None
+    return float(values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))])

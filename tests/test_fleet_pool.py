@@ -170,9 +170,35 @@ def test_a_dense_models_inputs_count_its_queue_in_flight_as_the_gateway_does() -
     assert inputs.observed.peak[-1] == pytest.approx(20.0 * service_s + 12.0)  # served plus queued
     assert inputs.observed.peak[-2] == pytest.approx(20.0 * service_s)
     assert inputs.observed.waited is not None and inputs.observed.waited[-1] == 45.0
-    assert inputs.replicas.ready + inputs.replicas.warm == 3 and inputs.cold_start_p95_s == pytest.approx(
-        env.catalog.cards[0].time_to_ready(Tier.CACHED))
+    assert inputs.replicas.ready + inputs.replicas.warm == 3
+    assert inputs.cold_start_p95_s is None  # no load seen yet: the planner's default, as live before the first
     assert state.margin is None  # a model never planned yet starts from a fresh state
+    dense.loaded({0: [float(s) for s in range(1, 21)]})  # the loads the replay charged, as the registry records them
+    assert dense.inputs(0, 10 * STEP)[0].cold_start_p95_s == 19.0
+
+
+def test_the_pool_replays_planner_learns_its_cold_start_from_the_loads_it_was_charged(monkeypatch) -> None:
+    """The count planner of a dense model is told the p95 of the loads the replay charged it (a first load from
+    disk, the copies that waited for its fill), not the catalog's time from the page cache."""
+    from forecasting.fleet.dense import DenseInputs
+
+    seen: list[float | None] = []
+    inputs = DenseInputs.inputs
+
+    def spy(self: DenseInputs, i: int, now: float):  # type: ignore[no-untyped-def]
+        got = inputs(self, i, now)
+        seen.append(got[0].cold_start_p95_s)
+        return got
+
+    monkeypatch.setattr(DenseInputs, "inputs", spy)
+    rates = np.full(240, 40.0)
+    trace, env = _one_busy_model(rates)
+    simulate(trace, FleetPlanner(), env)
+    card = env.catalog.cards[0]
+    # its first round follows its on-demand load from disk; copies onto the filled node follow, and the p95 of the
+    # last loads comes down to theirs as they outnumber it
+    assert seen[0] == pytest.approx(card.time_to_ready(Tier.DISK))
+    assert seen[-1] == pytest.approx(card.time_to_ready(Tier.CACHED))
 
 
 class _Sized(fleet_policies.FleetPolicy):

@@ -8,18 +8,22 @@ a wake or a slot and those still queued at the step's end; `DenseInputs` keeps t
 builds the same `StepInputs` from them, one fine bucket per replay step (a step's peak in
 flight is its rate times a request's service time, `ModelSpec.slots / capacity_rps`, plus
 its queue, as the gateway counts queued requests in flight; the replay has no finer
-counters), with the
-page cache's time to ready as the cold start (a replica beyond a model's first loads from
-the node's snapshot). Each model's `PlannerState` and warm pool are carried between rounds,
+counters), with the p95 of the loads the replay charged the model as its cold start (the
+registry's `load_time_p95` of the loads it recorded; the planner's default before the
+first), not the catalog's exact time. Each model's `PlannerState` and warm pool are carried between rounds,
 as the live loop keeps them per model.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from typing import Mapping, Sequence
+
 import numpy as np
 
-from forecasting.fleet.catalog import Catalog, Tier
+from forecasting.charges import load_time_p95
+from forecasting.fleet.catalog import Catalog
 from forecasting.fleet.round import RoundParams, RoundResult
 from forecasting.planner import (
     PlannerParams,
@@ -32,6 +36,7 @@ from forecasting.planner import (
     refit_due,
 )
 from prewarm.core.domain import ModelSpec
+from prewarm.core.keys import LOADTIMES_KEEP
 
 
 
@@ -54,6 +59,13 @@ class DenseInputs:
         self.states: dict[str, PlannerState] = {}
         self.pools: dict[str, int] = {}
         self.specs: dict[str, ModelSpec] = {}
+        self.load_s: dict[str, deque[float]] = {}  # per model: its last loads' times, as the registry keeps them
+
+    def loaded(self, loads: Mapping[int, Sequence[float]]) -> None:
+        """Loads a replayed step started: per model (by index), each replica's seconds to ready."""
+        for i, times in loads.items():
+            self.load_s.setdefault(self.cards[i].name, deque(maxlen=LOADTIMES_KEEP)).extend(times)
+
 
     def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None,
                 queued: np.ndarray | None = None) -> None:
@@ -81,7 +93,7 @@ class DenseInputs:
         if spec is None:
             spec = self.specs[card.name] = ModelSpec(card.name, "replay", capacity_rps=card.capacity_rps)
         state = self.states.get(card.name, PlannerState())
-        cold = card.time_to_ready(Tier.CACHED)
+        cold = load_time_p95(self.load_s.get(card.name, ()))  # None before its first load: the planner's default
         lo = max(0, self.n - int(math.ceil(recent_span_s(state, p, lead_of(p, cold)) / dt)))
         req = self.requests[lo:self.n, i]
         service_s = spec.slots / spec.capacity_rps

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -115,6 +115,10 @@ class FleetPolicy(ABC):
         self.gap_s = np.where(active, first - self.last_arrival, np.nan)
         self.last_arrival = np.where(active, t * dt + dt * counts / (counts + 1.0), self.last_arrival)
         self.idle = np.where(active, 0, np.where(self.idle >= 0, self.idle + 1, -1))
+
+    def loaded(self, t: int, loads: Mapping[int, Sequence[float]]) -> None:
+        """Step ``t`` started these loads: per model (by index), each replica's seconds from its load's start to
+        ready (a copy's wait for the node's fill included), as the live registry records a load's time."""
 
     def _none(self) -> np.ndarray:
         return np.zeros(len(self.env.catalog), dtype=bool)
@@ -308,6 +312,9 @@ class FleetPlanner(FleetPolicy):
 
     def replicas(self, t: int) -> dict[int, int]:
         return self.sized
+
+    def loaded(self, t: int, loads: Mapping[int, Sequence[float]]) -> None:
+        self.dense.loaded(loads)
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
                 waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:

@@ -190,7 +190,12 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         backlog = np.where(gpu, backlog, 0.0)
         cold_all = np.where(busy, np.minimum(c, np.maximum(cold_req, over)), 0.0)
         slot_only = cold_all - cold_req  # waited for a slot, not (only) for this step's load or wake
+        load_times = {int(i): [float(ready[i, from_tier[i]])] * int(from_tier[i] >= 1 and gpu[i])
+                 + [float(extra_at[i] - fill_from[i])] * int(started[i])
+                 for i in np.flatnonzero(((from_tier >= 1) & gpu) | (started > 0))}
         hpa.observe(c)
+        if load_times:
+            policy.loaded(t, load_times)
         policy.observe(t, c, gpu, replicas=n, waited=cold_all, queued=backlog)
         n_prev = n
         if t < first_scored:

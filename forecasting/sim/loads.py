@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from forecasting.charges import load_time_p95
 from forecasting.sim.workload import SimParams
 from prewarm.core.keys import LOADTIMES_KEEP
 
@@ -54,8 +55,9 @@ def cold_sampler(params: SimParams, rng: np.random.Generator) -> Callable[[], fl
 def cold_start_p95(params: SimParams) -> float:
     """The cold-start p95 of the replica model itself (what `planner_cold_start="exact"` hands the planner)."""
     if params.cold_starts_s:
-        values = sorted(params.cold_starts_s)
-        return float(values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))])
+        measured = load_time_p95(params.cold_starts_s)
+        assert measured is not None
+        return measured
     if params.cold_start_cv <= 0:
         return params.cold_start_s
     sigma = math.sqrt(math.log(1 + params.cold_start_cv**2))
@@ -212,8 +214,7 @@ class LoadBank:
             self._seen.append(now - started)
             done.append((rid, now))
         if done:
-            values = sorted(self._seen)
-            self._p95 = values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
+            self._p95 = load_time_p95(self._seen)
         return done
 
     def observed_p95(self) -> float | None:
