@@ -27,9 +27,20 @@ ACTUATION_S = 2.5
 #: a request that waited longer than this for capacity (a load, a wake or a slot) is a cold-start hit, as the
 #: gateway's `waited` counter counts it (`prewarm.core.settings: wait_threshold_s`)
 WAIT_THRESHOLD_S = 0.5
+#: loads spread: each one's time is its expected time times a lognormal draw of mean 1 and this coefficient of
+#: variation (image cache, disk, node load); a constant flatters a planner told its p95
+COLD_START_CV = 0.3
 #: the share of a load that is its weight transfer (what fills a node's snapshot); the rest, process start,
 #: warmup and validation, is each replica's own
 LOAD_SHARE = 0.5
+
+
+def spread(rng: np.random.Generator, cv: float, size: int) -> np.ndarray:
+    """`size` lognormal factors of mean 1 and coefficient of variation `cv` (ones where `cv` is 0, no draw)."""
+    if cv <= 0:
+        return np.ones(size)
+    sigma = math.sqrt(math.log(1 + cv**2))
+    return rng.lognormal(-sigma**2 / 2, sigma, size)
 
 
 def copies_ready_s(fill_starts_s: np.ndarray | float, fill_load_s: np.ndarray | float, copy_s: np.ndarray | float,

@@ -155,3 +155,26 @@ def test_fleet_cli_rows_carry_starts_and_the_charges_flags(capsys: pytest.Captur
         assert all("starts" in r and "sleeps" in r for r in result["rows"])
     with pytest.raises(ValueError, match="sleep_share"):
         FleetSetup(sleep_share=1.5)
+
+
+def test_the_pool_replay_takes_the_single_model_replays_charge_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--actuation-delay`, `--cold-start-cv` and `--load-share` change the pool replay's charges as they change the
+    single model's; by default both charge `forecasting.charges`'s values, and the JSON says which were in force."""
+    import json
+    from pathlib import Path
+
+    from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE
+    from prewarm.cli import main
+
+    fix = Path(__file__).parent / "fixtures" / "fleet" / "client_rates.csv"
+    out = {}
+    for flags in ((), ("--actuation-delay", "0", "--cold-start-cv", "0", "--load-share", "0.25")):
+        assert main(["backtest", str(fix), "--no-curve", "--json", "--policies", "keepalive", *flags]) == 0
+        out[bool(flags)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out[False]["charges"] == {"actuation_s": ACTUATION_S, "cold_start_cv": COLD_START_CV,
+                                     "load_share": LOAD_SHARE}
+    assert out[True]["charges"] == {"actuation_s": 0.0, "cold_start_cv": 0.0, "load_share": 0.25}
+    # every load of the keep-alive's on-demand loads starts 2.5 s later by default: more of its requests wait
+    assert out[True]["rows"][0]["cold_share"] < out[False]["rows"][0]["cold_share"]
+    with pytest.raises(ValueError, match="load_share"):
+        FleetSetup(load_share=1.5)

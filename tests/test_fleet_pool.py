@@ -9,6 +9,7 @@ threshold for a ready replica's slot are cold, as a request that waits for a loa
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -193,7 +194,7 @@ def test_the_pool_replays_planner_learns_its_cold_start_from_the_loads_it_was_ch
     monkeypatch.setattr(DenseInputs, "inputs", spy)
     rates = np.full(240, 40.0)
     trace, env = _one_busy_model(rates)
-    simulate(trace, FleetPlanner(), env)
+    simulate(trace, FleetPlanner(), replace(env, cold_start_cv=0.0))
     card = env.catalog.cards[0]
     # its first round follows its on-demand load from disk; copies onto the filled node follow, and the p95 of the
     # last loads comes down to theirs as they outnumber it
@@ -223,6 +224,7 @@ def test_a_burst_of_replicas_from_disk_copies_from_the_snapshot_once_the_first_h
     rates = np.zeros(8)
     rates[3:] = 35.0
     trace, env = _one_busy_model(rates)
+    env = replace(env, cold_start_cv=0.0)  # the catalog's times exactly
     card = env.catalog.cards[0]
     disk, cached = card.time_to_ready(Tier.DISK), card.time_to_ready(Tier.CACHED)
     score = simulate(trace, _Sized(at=3, k=4), env)
@@ -240,3 +242,32 @@ def test_a_burst_of_replicas_from_disk_copies_from_the_snapshot_once_the_first_h
         later += float(w[0])
     assert score.cold_requests == pytest.approx(max(cold_first, float(over[0])) + later, rel=1e-9)
     assert score.loads == 4
+
+
+class _Recording(fleet_policies.KeepAlive):
+    """Keep-alive of one step (every busy step after an idle one loads again), recording the loads' times."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_s=60.0)
+        self.times: list[float] = []
+
+    def loaded(self, t: int, loads) -> None:  # type: ignore[no-untyped-def]
+        self.times.extend(s for v in loads.values() for s in v)
+
+
+def test_the_pool_replay_spreads_its_loads_as_the_single_model_replay_does() -> None:
+    """Each load's time is the catalog's times a seeded lognormal draw of mean 1 and CV 0.3
+    (`forecasting.charges.COLD_START_CV`, the single-model replay's), not the catalog's time exactly."""
+    rates = np.zeros(4000)
+    rates[::3] = 0.02  # a request every third minute: the model is loaded from the page cache each time
+    trace, env = _one_busy_model(rates)
+    policy = _Recording()
+    simulate(trace, policy, env)
+    times = np.asarray(policy.times[1:])  # the first came from disk
+    card = env.catalog.cards[0]
+    cached = card.time_to_ready(Tier.CACHED)
+    assert times.size > 1000 and times.mean() == pytest.approx(cached, rel=0.05)
+    assert times.std() / times.mean() == pytest.approx(env.cold_start_cv, rel=0.1)
+    exact = _Recording()
+    simulate(trace, exact, replace(env, cold_start_cv=0.0))
+    assert exact.times[0] == card.time_to_ready(Tier.DISK) and set(exact.times[1:]) == {cached}

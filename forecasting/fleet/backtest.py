@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE
 from forecasting.curves import at_equal_share
 from forecasting.fleet.capacity import throughput_gb
 from forecasting.fleet.catalog import Catalog, default_catalog
@@ -78,6 +79,10 @@ class FleetSetup:
     sleep_share: float = 0.75  # host memory share for sleeping models (planner and sleep baselines alike)
     sleep_gbps: float = 1.75  # the copy to host memory when a model is put to sleep (docs/fleet.md)
     planner: Mapping[str, Any] = field(default_factory=dict)  # the fleet policy's round settings (the live planner's)
+    # what the replay charges as the single-model replay does (`forecasting.charges`; the same flags)
+    actuation_s: float = ACTUATION_S
+    cold_start_cv: float = COLD_START_CV
+    load_share: float = LOAD_SHARE
 
     def __post_init__(self) -> None:
         if not 0 <= self.sleep_share <= 1:
@@ -86,6 +91,9 @@ class FleetSetup:
             raise ValueError(f"throughput_quantile must be within (0, 1], got {self.throughput_quantile}")
         if not self.sleep_gbps > 0:
             raise ValueError(f"sleep_gbps must be > 0, got {self.sleep_gbps}")
+        if self.actuation_s < 0 or self.cold_start_cv < 0 or not 0 <= self.load_share <= 1:
+            raise ValueError(f"actuation_s and cold_start_cv must be >= 0 and load_share within [0, 1], got "
+                             f"{self.actuation_s}, {self.cold_start_cv}, {self.load_share}")
 
     def env(self, catalog: Catalog, counts: np.ndarray | None) -> FleetEnv:
         gb = self.capacity_share * catalog.total_gb()
@@ -95,7 +103,8 @@ class FleetSetup:
         n = self.n_nodes or max(1, int(math.ceil(gb / self.node_gpu_gb)))
         return FleetEnv(catalog=catalog, step_s=self.step_s, n_nodes=n, node_gpu_gb=self.node_gpu_gb,
                         node_host_gb=self.node_host_gb, counts=counts, sleep_share=self.sleep_share,
-                        sleep_gbps=self.sleep_gbps)
+                        sleep_gbps=self.sleep_gbps, actuation_s=self.actuation_s, cold_start_cv=self.cold_start_cv,
+                        load_share=self.load_share, seed=self.seed)
 
 
 def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
@@ -185,6 +194,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
                   "all_models_gb": catalog.total_gb(), "node_host_gb": env.node_host_gb},
         "score_after_s": min(setup.score_after_s, trace.duration_s / 2),
         "poisson_counts": bool(setup.poisson and trace.kind == "client_rates"),
+        "charges": {"actuation_s": env.actuation_s, "cold_start_cv": env.cold_start_cv, "load_share": env.load_share},
         "rows": [r.row() for r in rows.values()], "target": target, "curves": curves,
         "at_equal": equal_points(rows, curves),
     }

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S
+from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE, WAIT_THRESHOLD_S
 from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
@@ -64,6 +64,10 @@ class FleetEnv:
     wait_threshold_s: float = WAIT_THRESHOLD_S
     # the share of a load that fills the node's snapshot (`forecasting.charges.copies_ready_s`)
     load_share: float = LOAD_SHARE
+    # each load's or wake's time is the catalog's times a seeded lognormal draw of mean 1 and this CV, as the
+    # single-model replay spreads its cold starts (0: the catalog's times exactly)
+    cold_start_cv: float = COLD_START_CV
+    seed: int = 0
     # the HPA that sizes every warm model a policy does not size itself (`forecasting.fleet.capacity.HpaCounts`):
     # the utilisation it targets and its default scale-down window
     hpa_target: float = 0.7

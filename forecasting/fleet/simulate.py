@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from forecasting.charges import copies_ready_s
+from forecasting.charges import copies_ready_s, spread
 from forecasting.curves import weighted_quantile
 from forecasting.fleet.capacity import HpaCounts, capacity_waits
 from forecasting.fleet.catalog import Tier
@@ -109,6 +109,7 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
     off_tier = np.full(m, 2, dtype=np.int64)  # index into _TIERS for models off GPU
     was_tier = np.full(m, 2, dtype=np.int64)  # ... as it was during the last step
     first_scored = int(np.ceil(score_after_s / dt - 1e-9))
+    rng = np.random.default_rng(env.seed + 1)
     req = cold = full = gb_s = waste_s = cap_waited = 0.0
     peak = 0.0
     loads = wakes = sleeps = 0
@@ -143,18 +144,14 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         # a model the policy brings back comes from where its weights were during the last step (asleep:
         # a wake; page cache; disk), not from where a model it released now would go
         off_tier[newly] = was_tier[newly]
-        ready_at[newly] = start + env.actuation_s + ready[newly, off_tier[newly]]
         # on-demand loads: the first request of the step starts them
         demand = busy & ~want
         first = dt / (c + 1.0)
-        ready_at[demand] = start + first[demand] + env.actuation_s + ready[demand, off_tier[demand]]
         from_tier = np.where(newly | demand, off_tier, -1)
-        # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
-        # filled it where it loads from disk now (`forecasting.charges`): its share of the step ready
-        load_s = ready[np.arange(m), np.maximum(from_tier, 0)]
-        fill_from = np.where(newly | demand, ready_at - load_s, start + env.actuation_s)
-        extra_at = copies_ready_s(fill_from, ready[:, 2], ready[:, 1], from_tier != 2, env.load_share)
-        extra_ready = 1.0 - np.clip(extra_at - start, 0.0, dt) / dt
+        f = spread(rng, env.cold_start_cv, m)  # this step's draw of each model's first load (or wake)
+        load_s = ready[np.arange(m), np.maximum(from_tier, 0)] * f
+        fill_from = start + env.actuation_s + np.where(demand, first, 0.0)  # when a load decided now starts
+        ready_at[newly | demand] = (fill_from + load_s)[newly | demand]
         gpu = want | busy
         n = np.where(gpu, hpa.desired(), 0)
         for i, k in policy.replicas(t).items():
@@ -185,14 +182,20 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         # replicas beyond the first: kept from the last step (ready) and started now (from the page cache)
         kept = np.maximum(0, np.minimum(n, n_prev) - 1)
         started = np.where(gpu, np.maximum(0, n - np.maximum(n_prev, 1)), 0)
-        serving = np.where(gpu, 1.0 - late / dt + kept + started * extra_ready, 0.0)
+        # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
+        # filled it where it loads from disk now (`forecasting.charges`); each copy its own draw
+        load_times = {int(i): [float(load_s[i])] for i in np.flatnonzero((from_tier >= 1) & gpu)}
+        extra = np.zeros(m)  # the replicas started now: the share of the step they serve, summed
+        for j in np.flatnonzero(started):
+            copy_s = ready[j, 1] * spread(rng, env.cold_start_cv, int(started[j]))
+            at = copies_ready_s(fill_from[j], ready[j, 2] * f[j], copy_s, from_tier[j] != 2, env.load_share)
+            extra[j] = float((1.0 - np.clip(at - start, 0.0, dt) / dt).sum())
+            load_times.setdefault(int(j), []).extend((at - fill_from[j]).tolist())
+        serving = np.where(gpu, 1.0 - late / dt + kept + extra, 0.0)
         over, over_wait, backlog = capacity_waits(backlog, c / dt, cap_rps * serving, dt, env.wait_threshold_s)
         backlog = np.where(gpu, backlog, 0.0)
         cold_all = np.where(busy, np.minimum(c, np.maximum(cold_req, over)), 0.0)
         slot_only = cold_all - cold_req  # waited for a slot, not (only) for this step's load or wake
-        load_times = {int(i): [float(ready[i, from_tier[i]])] * int(from_tier[i] >= 1 and gpu[i])
-                 + [float(extra_at[i] - fill_from[i])] * int(started[i])
-                 for i in np.flatnonzero(((from_tier >= 1) & gpu) | (started > 0))}
         hpa.observe(c)
         if load_times:
             policy.loaded(t, load_times)

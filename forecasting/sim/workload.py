@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S
+from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE, WAIT_THRESHOLD_S
 
 
 #: Azure LLM code trace means (2023-11-16): used when a trace carries no token counts.
@@ -37,7 +37,7 @@ class SimParams:
     # cold starts are lognormal with this coefficient of variation (0: every start takes cold_start_s).
     # 0.3 by default: measured pod starts spread (image cache, disk, node load); a constant flatters a planner
     # that is handed its exact p95
-    cold_start_cv: float = 0.3
+    cold_start_cv: float = COLD_START_CV
     # measured cold starts (s), e.g. a `prewarm up` run's: when given, each start draws one of them (seeded, with
     # replacement) instead of the lognormal
     cold_starts_s: tuple[float, ...] = ()

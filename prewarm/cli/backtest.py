@@ -84,6 +84,12 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of seconds: {text!r}") from None
 
 
+def fleet_charges(args: argparse.Namespace) -> dict[str, Any]:
+    """The charge flags both replays take (`--actuation-delay`, `--cold-start-cv`, `--load-share`), for the pool's."""
+    given = {"actuation_s": args.actuation_delay, "cold_start_cv": args.cold_start_cv, "load_share": args.load_share}
+    return {k: float(v) for k, v in given.items() if v is not None}
+
+
 def sim_params(args: argparse.Namespace, settings: Settings) -> Any:
     """The replay's `SimParams` from the flags: every charge a default unless a flag (or --ideal) changes it."""
     from forecasting.sim.workload import SimParams
@@ -144,7 +150,7 @@ def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
                            capacity_share=args.capacity_share, step_s=args.step,
                            score_after_s=args.score_after or 86_400.0, poisson=not args.even_counts,
                            seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps,
-                           planner=fleet_policy_settings(settings.planner))
+                           planner=fleet_policy_settings(settings.planner), **fleet_charges(args))
         policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
         out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
                                  progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
