@@ -174,8 +174,10 @@ def test_a_dense_models_inputs_count_its_queue_in_flight_as_the_gateway_does() -
     assert inputs.replicas.ready + inputs.replicas.warm == 3
     assert inputs.cold_start_p95_s is None  # no load seen yet: the planner's default, as live before the first
     assert state.margin is None  # a model never planned yet starts from a fresh state
-    dense.loaded({0: [float(s) for s in range(1, 21)]})  # the loads the replay charged, as the registry records them
+    # the loads the replay charged, as the registry records them; a wake is not a load
+    dense.loaded([(0, Tier.CACHED, float(s)) for s in range(1, 21)] + [(0, Tier.ASLEEP, 99.0)])
     assert dense.inputs(0, 10 * STEP)[0].cold_start_p95_s == 19.0
+    assert dense.tier_p95("busy") == {Tier.CACHED: 19.0, Tier.ASLEEP: 99.0}
 
 
 def test_the_pool_replays_planner_learns_its_cold_start_from_the_loads_it_was_charged(monkeypatch) -> None:
@@ -251,8 +253,8 @@ class _Recording(fleet_policies.KeepAlive):
         super().__init__(keep_s=60.0)
         self.times: list[float] = []
 
-    def loaded(self, t: int, loads) -> None:  # type: ignore[no-untyped-def]
-        self.times.extend(s for v in loads.values() for s in v)
+    def loaded(self, t: int, records) -> None:  # type: ignore[no-untyped-def]
+        self.times.extend(s for _, _, s in records)
 
 
 def test_the_pool_replay_spreads_its_loads_as_the_single_model_replay_does() -> None:
@@ -271,3 +273,21 @@ def test_the_pool_replay_spreads_its_loads_as_the_single_model_replay_does() -> 
     exact = _Recording()
     simulate(trace, exact, replace(env, cold_start_cv=0.0))
     assert exact.times[0] == card.time_to_ready(Tier.DISK) and set(exact.times[1:]) == {cached}
+
+
+def test_the_pool_replays_planner_plans_with_the_times_its_loads_and_wakes_measured() -> None:
+    """The fleet round in the replay plans with the catalog the live round builds (`measured_ready_s`): a load's
+    p95 as the time from the cache, each tier's measured p95 over the replayed catalog's times."""
+    from forecasting.fleet.catalog import measured_ready_s
+
+    trace, env = _one_busy_model(np.full(10, 1.0))
+    policy = FleetPlanner()
+    policy.reset(env)
+    card = env.catalog.cards[0]
+    assert policy.catalog is env.catalog  # nothing measured yet
+    policy.loaded(0, [(0, Tier.DISK, 30.0), (0, Tier.CACHED, 12.0), (0, Tier.CACHED, 12.0), (0, Tier.ASLEEP, 0.9)])
+    got = policy.catalog.cards[0]
+    assert got.time_to_ready(Tier.ASLEEP) == 0.9 and got.time_to_ready(Tier.DISK) == 30.0
+    assert got.time_to_ready(Tier.CACHED) == 12.0  # the tier's own p95 over the p95 of all its loads (30 s)
+    base = {tier: card.time_to_ready(tier) for tier in Tier}
+    assert measured_ready_s(base, 30.0, {}) == base | {Tier.CACHED: 30.0, Tier.DISK: max(base[Tier.DISK], 30.0)}

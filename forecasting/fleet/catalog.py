@@ -46,6 +46,21 @@ def default_ready_s(mem_gb: float) -> dict[Tier, float]:
     return {t: DEFAULT_STARTUP_S[t] + mem_gb / DEFAULT_GBPS[t] for t in Tier}
 
 
+def measured_ready_s(base: Mapping[Tier, float], load_p95_s: float | None,
+                     tier_p95_s: Mapping[Tier, float]) -> dict[Tier, float]:
+    """The times to ready a round plans a model with, from what was measured: `base` (the footprint's defaults
+    live; the replayed catalog's times in a backtest); a load's p95 (the registry's `load_time_p95`) as the time
+    from the page cache and at least from disk; each tier's measured p95 (the agents' per-tier records, the
+    slowest class) over those. The live round's catalog (`workers.planning.fleet.fleet_catalog`) and the pool
+    replay's planner (`forecasting.fleet.policies.FleetPlanner`) both build it here."""
+    ready = dict(base)
+    if load_p95_s is not None:
+        ready[Tier.CACHED] = load_p95_s
+        ready[Tier.DISK] = max(ready[Tier.DISK], load_p95_s)
+    ready.update(tier_p95_s)
+    return ready
+
+
 @dataclass(frozen=True)
 class ModelCard:
     """One model of the fleet. ``ready_s[node_class][tier]``: measured seconds to ready."""

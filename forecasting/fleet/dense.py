@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from forecasting.charges import load_time_p95
-from forecasting.fleet.catalog import Catalog
+from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.round import RoundParams, RoundResult
 from forecasting.planner import (
     PlannerParams,
@@ -59,12 +59,26 @@ class DenseInputs:
         self.states: dict[str, PlannerState] = {}
         self.pools: dict[str, int] = {}
         self.specs: dict[str, ModelSpec] = {}
-        self.load_s: dict[str, deque[float]] = {}  # per model: its last loads' times, as the registry keeps them
+        # per model: its last loads' times (`Registry.load_time_p95`), and per tier its last wakes' and loads'
+        # (`Registry.ready_time_p95`), as the registry keeps them
+        self.load_s: dict[str, deque[float]] = {}
+        self.tier_s: dict[tuple[str, Tier], deque[float]] = {}
 
-    def loaded(self, loads: Mapping[int, Sequence[float]]) -> None:
-        """Loads a replayed step started: per model (by index), each replica's seconds to ready."""
-        for i, times in loads.items():
-            self.load_s.setdefault(self.cards[i].name, deque(maxlen=LOADTIMES_KEEP)).extend(times)
+    def loaded(self, records: Sequence[tuple[int, Tier, float]]) -> None:
+        """Wakes and loads a replayed step started: (model index, the tier it came from, seconds to ready)."""
+        for i, tier, seconds in records:
+            name = self.cards[i].name
+            self.tier_s.setdefault((name, tier), deque(maxlen=LOADTIMES_KEEP)).append(seconds)
+            if tier is not Tier.ASLEEP:  # a wake is not a load
+                self.load_s.setdefault(name, deque(maxlen=LOADTIMES_KEEP)).append(seconds)
+
+    def load_time_p95(self, name: str) -> float | None:
+        return load_time_p95(self.load_s.get(name, ()))
+
+    def tier_p95(self, name: str) -> dict[Tier, float]:
+        """The p95 time to ready from each tier `name` was measured from."""
+        out = {tier: load_time_p95(self.tier_s.get((name, tier), ())) for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK)}
+        return {tier: v for tier, v in out.items() if v is not None}
 
 
     def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None,
@@ -93,7 +107,7 @@ class DenseInputs:
         if spec is None:
             spec = self.specs[card.name] = ModelSpec(card.name, "replay", capacity_rps=card.capacity_rps)
         state = self.states.get(card.name, PlannerState())
-        cold = load_time_p95(self.load_s.get(card.name, ()))  # None before its first load: the planner's default
+        cold = self.load_time_p95(card.name)  # None before its first load: the planner's default
         lo = max(0, self.n - int(math.ceil(recent_span_s(state, p, lead_of(p, cold)) / dt)))
         req = self.requests[lo:self.n, i]
         service_s = spec.slots / spec.capacity_rps

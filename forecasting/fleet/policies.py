@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Sequence
 
 import numpy as np
 
 from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE, WAIT_THRESHOLD_S
-from forecasting.fleet.catalog import Catalog, Tier
+from forecasting.fleet.catalog import Catalog, Tier, measured_ready_s
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
 from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, round_settings
@@ -120,9 +120,10 @@ class FleetPolicy(ABC):
         self.last_arrival = np.where(active, t * dt + dt * counts / (counts + 1.0), self.last_arrival)
         self.idle = np.where(active, 0, np.where(self.idle >= 0, self.idle + 1, -1))
 
-    def loaded(self, t: int, loads: Mapping[int, Sequence[float]]) -> None:
-        """Step ``t`` started these loads: per model (by index), each replica's seconds from its load's start to
-        ready (a copy's wait for the node's fill included), as the live registry records a load's time."""
+    def loaded(self, t: int, records: Sequence[tuple[int, Tier, float]]) -> None:
+        """Step ``t`` started these wakes and loads: (model index, the tier it came from, seconds from its start to
+        ready), a copy's wait for the node's fill included, as the agents record them (`Tier.CACHED`: a replica
+        beyond the first, copied from the node's snapshot)."""
 
     def _none(self) -> np.ndarray:
         return np.zeros(len(self.env.catalog), dtype=bool)
@@ -283,6 +284,9 @@ class FleetPlanner(FleetPolicy):
         self.names = env.catalog.names
         self.index = {name: i for i, name in enumerate(self.names)}
         self.mem = {c.name: c.mem_gb for c in env.catalog.cards}
+        # the catalog the round plans with: the replayed catalog's times until loads and wakes are measured
+        self.cards = list(env.catalog.cards)
+        self.catalog = env.catalog
 
     def _nodes(self) -> tuple[FleetNode, ...]:
         resident: dict[str, dict[str, Tier]] = {n: {} for n in self.node_names}
@@ -301,9 +305,9 @@ class FleetPlanner(FleetPolicy):
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         now = t * self.env.step_s
         counts = self.dense.window()
-        dense = {name: self.dense.inputs(self.index[name], now) for name in dense_models(counts, self.env.catalog,
+        dense = {name: self.dense.inputs(self.index[name], now) for name in dense_models(counts, self.catalog,
                                                                                        self.round)}
-        result, self.state = fleet_round(counts, self.env.catalog, self._nodes(), now=now, params=self.round,
+        result, self.state = fleet_round(counts, self.catalog, self._nodes(), now=now, params=self.round,
                                          state=self.state, dense=dense)
         self.dense.carry(result)
         plan = result.plan
@@ -317,8 +321,15 @@ class FleetPlanner(FleetPolicy):
     def replicas(self, t: int) -> dict[int, int]:
         return self.sized
 
-    def loaded(self, t: int, loads: Mapping[int, Sequence[float]]) -> None:
-        self.dense.loaded(loads)
+    def loaded(self, t: int, records: Sequence[tuple[int, Tier, float]]) -> None:
+        """Recorded as the registry records them; the round plans with the times they measure, as live."""
+        self.dense.loaded(records)
+        for i in {i for i, _, _ in records}:
+            card = self.env.catalog.cards[i]
+            base = {tier: card.time_to_ready(tier) for tier in Tier}
+            ready = measured_ready_s(base, self.dense.load_time_p95(card.name), self.dense.tier_p95(card.name))
+            self.cards[i] = replace(card, ready_s={"default": ready})
+        self.catalog = Catalog(tuple(self.cards))
 
     def observe(self, t: int, counts: np.ndarray, gpu: np.ndarray, replicas: np.ndarray | None = None,
                 waited: np.ndarray | None = None, queued: np.ndarray | None = None) -> None:

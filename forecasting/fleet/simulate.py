@@ -184,21 +184,22 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         started = np.where(gpu, np.maximum(0, n - np.maximum(n_prev, 1)), 0)
         # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
         # filled it where it loads from disk now (`forecasting.charges`); each copy its own draw
-        load_times = {int(i): [float(load_s[i])] for i in np.flatnonzero((from_tier >= 1) & gpu)}
+        # what the agents record: each wake and load (the first replica's from its tier, the copies from the cache)
+        records = [(int(i), _TIERS[from_tier[i]], float(load_s[i])) for i in np.flatnonzero((from_tier >= 0) & gpu)]
         extra = np.zeros(m)  # the replicas started now: the share of the step they serve, summed
         for j in np.flatnonzero(started):
             copy_s = ready[j, 1] * spread(rng, env.cold_start_cv, int(started[j]))
             at = copies_ready_s(fill_from[j], ready[j, 2] * f[j], copy_s, from_tier[j] != 2, env.load_share)
             extra[j] = float((1.0 - np.clip(at - start, 0.0, dt) / dt).sum())
-            load_times.setdefault(int(j), []).extend((at - fill_from[j]).tolist())
+            records.extend((int(j), Tier.CACHED, float(x)) for x in at - fill_from[j])
         serving = np.where(gpu, 1.0 - late / dt + kept + extra, 0.0)
         over, over_wait, backlog = capacity_waits(backlog, c / dt, cap_rps * serving, dt, env.wait_threshold_s)
         backlog = np.where(gpu, backlog, 0.0)
         cold_all = np.where(busy, np.minimum(c, np.maximum(cold_req, over)), 0.0)
         slot_only = cold_all - cold_req  # waited for a slot, not (only) for this step's load or wake
         hpa.observe(c)
-        if load_times:
-            policy.loaded(t, load_times)
+        if records:
+            policy.loaded(t, records)
         policy.observe(t, c, gpu, replicas=n, waited=cold_all, queued=backlog)
         n_prev = n
         if t < first_scored:

@@ -42,7 +42,7 @@ from celery import Celery
 
 from forecasting.data.history import counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
-from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s
+from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s, measured_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
 from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, round_settings
 from forecasting.planner import PlannerParams
@@ -76,18 +76,15 @@ def fleet_catalog(ctx: WorkerContext, models: list[str]) -> Catalog:
     cards = []
     for name in models:
         mem = float(p.model_memory_gb.get(name, defaults[name].mem_gb))
-        ready = {t: float(v) for t, v in default_ready_s(mem).items()}
-        measured = ctx.registry.load_time_p95(name)
-        if measured is not None:
-            ready[Tier.CACHED] = measured
-            ready[Tier.DISK] = max(ready[Tier.DISK], measured)
         per_class: dict[str, dict[Tier, float]] = {}
+        slowest: dict[Tier, float] = {}
         for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK):  # what agents measured per tier (wakes, loads)
             got = measured_ready_p95(ctx, name, tier.value)
             for cls, v in got.items():
                 per_class.setdefault(cls, {})[tier] = v
             if got:
-                ready[tier] = max(got.values())
+                slowest[tier] = max(got.values())
+        ready = measured_ready_s(default_ready_s(mem), ctx.registry.load_time_p95(name), slowest)
         cards.append(ModelCard(name=name, mem_gb=mem, capacity_rps=p.capacity_rps,
                                priority=float(p.model_priority.get(name, 1.0)),
                                ready_s={**per_class, "default": ready}, sleeps=not tier_absent(reports, name)))
