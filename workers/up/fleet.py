@@ -300,8 +300,9 @@ def simulate_same_arrivals(run: FleetUpRun, arrivals: list[np.ndarray], *,
             ready = {Tier.ASLEEP: 0.2 * cold, Tier.CACHED: cold, Tier.DISK: cold, Tier.GPU: 0.0}
         cards.append(ModelCard(name=name, mem_gb=gb, ready_s={"default": ready}))
     catalog = Catalog(tuple(cards))
+    # the catalog's times are the run's measured p95s: charged as they are, not spread again
     env = FleetEnv(catalog=catalog, step_s=BUCKET_S, n_nodes=1, node_gpu_gb=run.budget_gb, node_host_gb=0.0,
-                   counts=counts, actuation_s=actuation_s)
+                   counts=counts, actuation_s=actuation_s, cold_start_cv=0.0)
     trace = FleetTrace(names, counts, BUCKET_S, "prewarm up --models", "demo")
     knobs: dict[str, float | None] = {"keepalive": 600.0, "hybrid_histogram": None, "fleet": run.budget_gb,
                                       "oracle": None}
