@@ -10,8 +10,8 @@ flight is its rate times a request's service time, `ModelSpec.slots / capacity_r
 its queue, as the gateway counts queued requests in flight; the replay has no finer
 counters), with the p95 of the loads the replay charged the model as its cold start (the
 registry's `load_time_p95` of the loads it recorded; the planner's default before the
-first), not the catalog's exact time. Each model's `PlannerState` and warm pool are carried between rounds,
-as the live loop keeps them per model.
+first), not the catalog's exact time. Each model's `PlannerState` and warm pool are
+carried between rounds, as the live loop keeps them per model.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ class DenseInputs:
         """The p95 time to ready from each tier `name` was measured from."""
         out = {tier: load_time_p95(self.tier_s.get((name, tier), ())) for tier in (Tier.ASLEEP, Tier.CACHED, Tier.DISK)}
         return {tier: v for tier, v in out.items() if v is not None}
-
 
     def observe(self, counts: np.ndarray, replicas: np.ndarray | None, waited: np.ndarray | None,
                 queued: np.ndarray | None = None) -> None:

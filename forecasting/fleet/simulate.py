@@ -25,10 +25,13 @@ One step at a time (the trace's step, e.g. a minute), for all models at once:
    dense models; else an HPA on the rate it saw, `forecasting.fleet.capacity.HpaCounts`), each
    charged its memory; a replica beyond the first loads from the page cache (the node-local
    snapshot), after the first has filled it where the first loads from disk (the rule the
-   single-model replay charges too, `forecasting.charges`), and every replica serves `ModelCard.capacity_rps`. Requests that wait longer than
-   `FleetEnv.wait_threshold_s` for a ready replica's slot (a per-step fluid queue,
-   `capacity_waits`) are cold too: a request waits for a load whether its model had no replica
-   or too few.
+   single-model replay charges too, `forecasting.charges`), and every replica serves
+   `ModelCard.capacity_rps`. Requests that wait longer than `FleetEnv.wait_threshold_s` for a
+   ready replica's slot (a per-step fluid queue, `capacity_waits`) are cold too: a request waits
+   for a load whether its model had no replica or too few.
+7. what it charges that the live path pays (actuation delay, the loads' spread, the snapshot
+   rule, the wait threshold) is `forecasting.charges`'s, as the single-model replay's; policies
+   are told each load and wake as the agents record them (`FleetPolicy.loaded`).
 """
 
 from __future__ import annotations
@@ -182,10 +185,10 @@ def simulate(trace: FleetTrace, policy: FleetPolicy, env: FleetEnv, *, score_aft
         # replicas beyond the first: kept from the last step (ready) and started now (from the page cache)
         kept = np.maximum(0, np.minimum(n, n_prev) - 1)
         started = np.where(gpu, np.maximum(0, n - np.maximum(n_prev, 1)), 0)
-        # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
-        # filled it where it loads from disk now (`forecasting.charges`); each copy its own draw
         # what the agents record: each wake and load (the first replica's from its tier, the copies from the cache)
         records = [(int(i), _TIERS[from_tier[i]], float(load_s[i])) for i in np.flatnonzero((from_tier >= 0) & gpu)]
+        # a replica beyond the first copies from the node's snapshot (a load from the page cache), once the first has
+        # filled it where it loads from disk now (`forecasting.charges`); each copy its own draw
         extra = np.zeros(m)  # the replicas started now: the share of the step they serve, summed
         for j in np.flatnonzero(started):
             copy_s = ready[j, 1] * spread(rng, env.cold_start_cv, int(started[j]))
