@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_ready_s
 from forecasting.fleet.policies import FleetEnv, FleetPlanner, make_fleet_policy
 from forecasting.fleet.simulate import simulate
 from forecasting.fleet.traces import FleetTrace
+from forecasting.planner import PlannerState, StepInputs
 
 STEP = 60.0
 
@@ -188,7 +190,7 @@ def test_the_pool_replays_planner_learns_its_cold_start_from_the_loads_it_was_ch
     seen: list[float | None] = []
     inputs = DenseInputs.inputs
 
-    def spy(self: DenseInputs, i: int, now: float):  # type: ignore[no-untyped-def]
+    def spy(self: DenseInputs, i: int, now: float) -> tuple[StepInputs, PlannerState]:
         got = inputs(self, i, now)
         seen.append(got[0].cold_start_p95_s)
         return got
@@ -253,7 +255,7 @@ class _Recording(fleet_policies.KeepAlive):
         super().__init__(keep_s=60.0)
         self.times: list[float] = []
 
-    def loaded(self, t: int, records) -> None:  # type: ignore[no-untyped-def]
+    def loaded(self, t: int, records: Sequence[tuple[int, Tier, float]]) -> None:
         self.times.extend(s for _, _, s in records)
 
 

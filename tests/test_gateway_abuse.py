@@ -320,6 +320,9 @@ def test_one_client_never_holds_every_turn(redis_url: str) -> None:
         for t in greedy:
             t.start()
         wait_for(lambda: h.gateway.turns.waiting("m") == 2, 10, "greedy at its limit of 2 turns, 2 waiting")
+        # its two turns' requests reach the upstream after the gateway grants them: count them in first, or the
+        # newcomer's place in the upstream's log is read before a greedy request lands there (a race under load)
+        wait_for(lambda: len(slow.received) == 3, 10, "greedy's two requests at the upstream")
         before = len(slow.received)
         polite = h.complete(headers=_bearer("polite"), extra={"max_tokens": 4})
         assert polite[0] == 200
