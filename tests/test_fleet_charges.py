@@ -168,13 +168,13 @@ def test_the_pool_replay_takes_the_single_model_replays_charge_flags(capsys: pyt
 
     fix = Path(__file__).parent / "fixtures" / "fleet" / "client_rates.csv"
     out = {}
-    for flags in ((), ("--actuation-delay", "0", "--cold-start-cv", "0", "--load-share", "0.25")):
+    for flags in ((), ("--actuation-delay", "0", "--cold-start-cv", "0", "--load-share", "0.25"), ("--ideal",)):
         assert main(["backtest", str(fix), "--no-curve", "--json", "--policies", "keepalive", *flags]) == 0
-        out[bool(flags)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out[False]["charges"] == {"actuation_s": ACTUATION_S, "cold_start_cv": COLD_START_CV,
-                                     "load_share": LOAD_SHARE}
-    assert out[True]["charges"] == {"actuation_s": 0.0, "cold_start_cv": 0.0, "load_share": 0.25}
+        out[flags[:1]] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out[()]["charges"] == {"actuation_s": ACTUATION_S, "cold_start_cv": COLD_START_CV, "load_share": LOAD_SHARE}
+    assert out[("--actuation-delay",)]["charges"] == {"actuation_s": 0.0, "cold_start_cv": 0.0, "load_share": 0.25}
+    assert out[("--ideal",)]["charges"] == {"actuation_s": 0.0, "cold_start_cv": 0.0, "load_share": 0.0}
     # every load of the keep-alive's on-demand loads starts 2.5 s later by default: more of its requests wait
-    assert out[True]["rows"][0]["cold_share"] < out[False]["rows"][0]["cold_share"]
+    assert out[("--actuation-delay",)]["rows"][0]["cold_share"] < out[()]["rows"][0]["cold_share"]
     with pytest.raises(ValueError, match="load_share"):
         FleetSetup(load_share=1.5)

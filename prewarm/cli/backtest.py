@@ -85,9 +85,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def fleet_charges(args: argparse.Namespace) -> dict[str, Any]:
-    """The charge flags both replays take (`--actuation-delay`, `--cold-start-cv`, `--load-share`), for the pool's."""
+    """The charge flags both replays take (`--actuation-delay`, `--cold-start-cv`, `--load-share`, `--ideal`), for
+    the pool's."""
+    kw: dict[str, Any] = {"actuation_s": 0.0, "cold_start_cv": 0.0, "load_share": 0.0} if args.ideal else {}
     given = {"actuation_s": args.actuation_delay, "cold_start_cv": args.cold_start_cv, "load_share": args.load_share}
-    return {k: float(v) for k, v in given.items() if v is not None}
+    return kw | {k: float(v) for k, v in given.items() if v is not None}
 
 
 def sim_params(args: argparse.Namespace, settings: Settings) -> Any:
