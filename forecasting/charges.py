@@ -3,7 +3,8 @@
 `forecasting.sim` replays one model's replicas (request by request, or a per-second fluid
 queue) and `forecasting.fleet.simulate` a pool of models step by step; both take these
 defaults and the snapshot rule from here, so that a charge cannot differ between them by
-accident. Why each value: docs/simulator.md.
+accident, and read the loads they charged as the registry reads its own
+(`prewarm.policy.load_times`). Why each value: docs/simulator.md.
 
 The snapshot rule (prewarm's runtime, `SnapshotStore.fill`): replicas of one model started
 on a node do not each read the weights from the origin. The first fills the node's
@@ -17,7 +18,6 @@ Pure (no I/O).
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import numpy as np
 
@@ -55,11 +55,3 @@ def copies_ready_s(fill_starts_s: np.ndarray | float, fill_load_s: np.ndarray | 
     fill = np.where(filled, 0.0, load_share * np.asarray(fill_load_s, dtype=np.float64))
     return starts + fill + np.asarray(copy_s, dtype=np.float64)
 
-
-def load_time_p95(seconds: Iterable[float]) -> float | None:
-    """The p95 of a model's recorded load times (nearest rank), as the live registry's `load_time_p95` reads its
-    last `LOADTIMES_KEEP`: what a replay's planner knows of cold starts. None: nothing recorded yet."""
-    values = sorted(seconds)
-    if not values:
-        return None
-    return float(values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))])

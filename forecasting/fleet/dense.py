@@ -22,7 +22,6 @@ from typing import Sequence
 
 import numpy as np
 
-from forecasting.charges import load_time_p95
 from forecasting.fleet.catalog import Catalog, Tier
 from forecasting.fleet.round import RoundParams, RoundResult
 from forecasting.planner import (
@@ -37,6 +36,7 @@ from forecasting.planner import (
 )
 from prewarm.core.domain import ModelSpec
 from prewarm.core.keys import LOADTIMES_KEEP
+from prewarm.policy.load_times import load_time_p95
 
 
 

@@ -33,9 +33,9 @@ from typing import Callable
 
 import numpy as np
 
-from forecasting.charges import load_time_p95
 from forecasting.sim.workload import SimParams
 from prewarm.core.keys import LOADTIMES_KEEP
+from prewarm.policy.load_times import load_time_p95
 
 _EPS = 1e-9
 

@@ -33,6 +33,7 @@ from prewarm.core.errors import IllegalTransition, InvalidPayload, RegistryUnava
 from prewarm.registry.replication import ReplicatedWrites
 from prewarm.registry.lua import BASELINE_SAMPLE, COUNTS, HEARTBEAT, PROGRESS, REAP, REGISTER, TRANSITION, view_script
 from prewarm.core.settings import RegistrySettings
+from prewarm.policy.load_times import load_time_p95
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,7 @@ def _view_rows(raw: list[list[str]], loads: Mapping[str, str] | None = None) -> 
 
 
 def _p95(raw: list[str]) -> float | None:
-    values = sorted(float(v) for v in raw)
-    if not values:
-        return None
-    return values[min(len(values) - 1, max(0, math.ceil(0.95 * len(values)) - 1))]
+    return load_time_p95(float(v) for v in raw)
 
 
 def _split_template(template: Callable[[str], str]) -> tuple[str, str]:
