@@ -168,6 +168,16 @@ def _overspend_windows(miss: float, req: float, norm_rate: float, budget: float,
     return (miss - budget * req) / (budget * per_window)
 
 
+def budget_overspend(requests: float, waited: float, span_s: float, rate: float | None, weight_s: float | None, *,
+                     budget: float, calibration_s: float, horizon_s: float) -> tuple[float | None, float, float]:
+    """The budget overspent by `waited` of `requests` counted over `span_s` seconds, in calibration windows'
+    budgets (None: no requests to measure it against), and the carried request rate over `horizon_s` with its
+    weight in seconds: the one measure every integrator of the cold-start budget moves by (the count planner's
+    margin here, the fleet planner's memory price in `forecasting.fleet.planner`)."""
+    norm, rate, weight_s = _carry_rate(requests, span_s, rate, weight_s, horizon_s)
+    return _overspend_windows(waited, requests, norm, budget, calibration_s), rate, weight_s
+
+
 def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: float, bucket_s: float,
                      margin: float | None, counted_end: float | None, rate: float | None, weight_s: float | None,
                      p: BudgetParams) -> tuple[float, float | None, float | None, float | None]:
@@ -182,8 +192,9 @@ def calibrate_margin(requests: np.ndarray, waited: np.ndarray | None, start: flo
     if first is None or waited is None:
         return beta, end, rate, weight_s
     req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
-    norm, rate, weight_s = _carry_rate(req, (requests.size - first) * bucket_s, rate, weight_s, p.budget_horizon_s)
-    over = _overspend_windows(miss, req, norm, p.cold_start_budget, p.budget_calibration_s)
+    over, rate, weight_s = budget_overspend(req, miss, (requests.size - first) * bucket_s, rate, weight_s,
+                                            budget=p.cold_start_budget, calibration_s=p.budget_calibration_s,
+                                            horizon_s=p.budget_horizon_s)
     if over is None:
         return beta, end, rate, weight_s
     beta += p.budget_gain * over
@@ -258,9 +269,9 @@ def _calibrate_quantile(requests: np.ndarray, waited: np.ndarray | None, peak: n
     hist, held = _needed_hist(requests, peak, start, bucket_s, first, c, p)
     if first is not None and waited is not None:
         req, miss = float(np.sum(requests[first:])), float(np.sum(waited[first:]))
-        span = (requests.size - first) * bucket_s
-        norm, rate, weight_s = _carry_rate(req, span, rate, weight_s, p.budget_horizon_s)
-        over = _overspend_windows(miss, req, norm, p.cold_start_budget, p.budget_calibration_s)
+        over, rate, weight_s = budget_overspend(req, miss, (requests.size - first) * bucket_s, rate, weight_s,
+                                                budget=p.cold_start_budget, calibration_s=p.budget_calibration_s,
+                                                horizon_s=p.budget_horizon_s)
         if over is not None:  # the integrator's move, in units of the level: gain x budget per calm window
             alpha = min(1.0, max(0.0, alpha - p.budget_gain * p.cold_start_budget * over))
     # read once it holds one budget's worth of requests (one of them may wait)

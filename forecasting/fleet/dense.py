@@ -95,9 +95,11 @@ class DenseInputs:
             self.live = np.asarray(replicas, dtype=np.int64).copy()
         self.n += 1
 
-    def window(self) -> np.ndarray:
-        """The steps the dense models are chosen over (`dense_models`), oldest first."""
-        return self.requests[max(0, self.n - self.window_steps):self.n]
+    def window(self) -> tuple[np.ndarray, np.ndarray]:
+        """The steps the dense models are chosen over (`dense_models`), oldest first: requests and requests that
+        waited, per model."""
+        rows = slice(max(0, self.n - self.window_steps), self.n)
+        return self.requests[rows], self.waited[rows]
 
     def inputs(self, i: int, now: float) -> tuple[StepInputs, PlannerState]:
         """Model ``i``'s step inputs at ``now`` (the replay's seconds) from the steps before it, and its state."""

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from forecasting.calibration import budget_overspend
 from forecasting.fleet.catalog import Catalog, Tier
 
 
@@ -82,6 +83,12 @@ class FleetParams:
     sleep_share: float = 0.75
     lam_min: float = 1e-9
     lam_max: float = 1e9
+    # without a memory budget the price is steered by the cold-start budget (None: held at ``lam0``): the share
+    # of the outlook-planned models' requests that may wait for a load or a wake (`steer`)
+    cold_start_budget: float | None = None
+    price_gain: float = 1.0  # e-folds the price moves per calibration window's budget overspent (or calm window)
+    calibration_s: float = 3_600.0  # the window whose requests an overspend is measured against (the count planner's)
+    horizon_s: float = 86_400.0  # the span the budget's share is meant over: the normaliser's average
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,9 @@ class FleetContext:
     params: FleetParams
     replicas: Mapping[str, int] = field(default_factory=dict)  # dense models: replicas their forecast needs
     serving: Mapping[str, int] = field(default_factory=dict)  # ... of them, those the load now needs (no margin)
+    # what the gateway counted since the last round for the models the outlook plans (not the dense ones):
+    # (requests, requests that waited for a load, a wake or a slot, seconds counted); None: nothing new
+    observed: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -105,6 +115,8 @@ class FleetState:
     lam: float = 1e-3
     spent_gb_s: float = 0.0
     elapsed_s: float = 0.0
+    counted_rate: float | None = None  # the outlook-planned models' requests/s over `horizon_s` (`steer`'s normaliser)
+    counted_weight_s: float | None = None  # ... and the seconds of counting it rests on
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,7 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     cat = ctx.catalog
     cards, index, mem = cat.cards, cat.index, cat.mem_array
     dens, host_dens = densities(ctx)
+    state = steer(state, params, ctx.observed, dens)
     free = {n.name: n.gpu_gb for n in ctx.nodes}
     total_gb = sum(free.values())
     host_free = {n.name: n.host_gb * params.sleep_share for n in ctx.nodes}
@@ -221,14 +234,15 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
 
     # 2. the replicas the load now needs (no margin): requests arriving now wait for certain without them
     fill(ctx.serving)
-    # 3. models worth their memory at the price ``lam``, best density first, where they are if possible
+    # 3. dense models: the replicas their forecast needs, while memory lasts (sized on the cold-start budget for
+    #    the many requests they serve: before the warmth of a model a request may or may not come to)
+    fill(ctx.replicas)
+    # 4. models worth their memory at the price ``lam``, best density first, where they are if possible
     order = np.argsort(-dens, kind="stable")
     keep = order[dens[order] >= state.lam]
     for i in keep:
         if cards[i].name not in gpu:
             place(i)
-    # 4. dense models: the replicas their forecast needs beyond the first, while memory lasts
-    fill(ctx.replicas)
     # 5. below GPU: what leaves it sleeps while host memory lasts (where it is), the best value of a wake over a
     #    load first, then the best GPU density. Host memory is a capacity, not a price: the budget is GPU memory,
     #    and a sleeping model costs the GPU only its copy out. Only a model on GPU or already asleep can sleep
@@ -267,9 +281,35 @@ def plan_fleet(ctx: FleetContext, state: FleetState) -> tuple[FleetPlan, FleetSt
     return plan, new_state
 
 
+def steer(state: FleetState, params: FleetParams, observed: tuple[float, float, float] | None,
+          dens: np.ndarray) -> FleetState:
+    """The memory price steered by the cold-start budget (without a memory budget): an integrator of the
+    overspend, as the count planner's margin (`forecasting.calibration.budget_overspend`, the same measure), on
+    the log of the price. Requests of the outlook-planned models that waited lower it by ``price_gain`` e-folds per
+    calibration window's budget they spent (more models stay warm); calm windows raise it as much (fewer do). So
+    over the budget's horizon the share of their requests that waited is the budget, whatever the step or the
+    traffic, as long as the price is within the densities' range: it is kept there (from the lowest positive
+    density, every model warm, to just above the highest, none kept for its outlook), so it does not wind up
+    beyond what changes a decision."""
+    if params.budget_gb is not None or params.cold_start_budget is None or observed is None:
+        return state
+    requests, waited, span_s = observed
+    if not span_s > 0:
+        return state
+    over, rate, weight_s = budget_overspend(requests, waited, span_s, state.counted_rate, state.counted_weight_s,
+                                            budget=params.cold_start_budget, calibration_s=params.calibration_s,
+                                            horizon_s=params.horizon_s)
+    lam = state.lam * math.exp(-params.price_gain * float(np.clip(over, -50.0, 50.0))) if over is not None else state.lam
+    positive = dens[dens > 0]
+    if positive.size:
+        lam = float(np.clip(lam, positive.min(), np.nextafter(positive.max(), np.inf)))
+    lam = float(min(params.lam_max, max(params.lam_min, lam)))
+    return replace(state, lam=lam, counted_rate=rate, counted_weight_s=weight_s)
+
+
 def _price(state: FleetState, params: FleetParams, used_gb: float) -> FleetState:
     """Integral control of the memory price toward the fleet budget (average warm GB)."""
-    spent = state.spent_gb_s + used_gb * params.step_s
+    spent = state.spent_gb_s + float(used_gb) * params.step_s
     elapsed = state.elapsed_s + params.step_s
     lam = state.lam
     if params.budget_gb is not None and params.budget_gb > 0:
@@ -277,4 +317,4 @@ def _price(state: FleetState, params: FleetParams, used_gb: float) -> FleetState
         now_over = (used_gb - params.budget_gb) / params.budget_gb
         lam = lam * math.exp(params.gain * float(np.clip(over + now_over, -3.0, 3.0)))
         lam = float(min(params.lam_max, max(params.lam_min, lam)))
-    return FleetState(lam=lam, spent_gb_s=spent, elapsed_s=elapsed)
+    return replace(state, lam=lam, spent_gb_s=spent, elapsed_s=elapsed)

@@ -272,7 +272,8 @@ class FleetPlanner(FleetPolicy):
     def reset(self, env: FleetEnv) -> None:
         super().reset(env)
         kw = {"sleep_share": env.sleep_share} | self.params_kw  # the same host share the sleep baselines get
-        fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0, **kw)
+        fleet = FleetParams(step_s=env.step_s, budget_gb=self.budget_gb, lam0=self.lam0,
+                            cold_start_budget=self.cold_start_budget, **kw)
         self.round = RoundParams(bucket_s=env.step_s, fleet=fleet, **self.round_kw)
         self.state = RoundState(planner=FleetState(lam=self.lam0))
         self.dense = DenseInputs(env.catalog, env.step_s, self.round, cold_start_budget=self.dense_budget)
@@ -304,11 +305,11 @@ class FleetPlanner(FleetPolicy):
 
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         now = t * self.env.step_s
-        counts = self.dense.window()
+        counts, waited = self.dense.window()
         dense = {name: self.dense.inputs(self.index[name], now) for name in dense_models(counts, self.catalog,
                                                                                        self.round)}
         result, self.state = fleet_round(counts, self.catalog, self._nodes(), now=now, params=self.round,
-                                         state=self.state, dense=dense)
+                                         state=self.state, dense=dense, waited=waited)
         self.dense.carry(result)
         plan = result.plan
         self.placed = dict(plan.gpu)

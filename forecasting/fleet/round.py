@@ -140,35 +140,57 @@ def estimator_from_history(counts: np.ndarray, params: RoundParams) -> ArrivalEs
     return est
 
 
-def _estimator(counts: np.ndarray, end: float, params: RoundParams, models: tuple[str, ...],
-               state: RoundState) -> ArrivalEstimator:
-    """The state's estimator fed the buckets of ``counts`` (ending at ``end``) it has not seen, or one rebuilt
-    from ``counts`` where it cannot be carried on (none yet, other models, or a gap in what it saw)."""
+def _new_rows(n: int, end: float, params: RoundParams, models: tuple[str, ...], state: RoundState) -> int | None:
+    """How many of the last of ``n`` buckets (ending at ``end``) the last round did not see (None: it saw other
+    models, none, or does not reach back to them)."""
     seen = state.seen_to
-    if state.estimator is not None and seen is not None and state.models == models:
-        new = int(round((end - seen) / params.bucket_s))
-        if 0 <= new <= counts.shape[0]:
-            est = copy.deepcopy(state.estimator)  # the state passed in is left as it was (pure)
-            for row in counts[counts.shape[0] - new:]:
-                est.observe(row)
-            return est
+    if seen is None or state.models != models:
+        return None
+    new = int(round((end - seen) / params.bucket_s))
+    return new if 0 <= new <= n else None
+
+
+def _estimator(counts: np.ndarray, new: int | None, params: RoundParams, state: RoundState) -> ArrivalEstimator:
+    """The state's estimator fed the ``new`` last buckets of ``counts`` it has not seen, or one rebuilt from
+    ``counts`` where it cannot be carried on (none yet, other models, or a gap in what it saw)."""
+    if state.estimator is not None and new is not None:
+        est = copy.deepcopy(state.estimator)  # the state passed in is left as it was (pure)
+        for row in counts[counts.shape[0] - new:]:
+            est.observe(row)
+        return est
     return estimator_from_history(counts, params)
+
+
+def _observed(counts: np.ndarray, waited: np.ndarray | None, new: int | None, planned: np.ndarray,
+              bucket_s: float) -> tuple[float, float, float] | None:
+    """(requests, requests that waited, seconds) of the ``planned`` models over the ``new`` last buckets: what
+    the fleet planner's price is steered by (None: no counter, or nothing new since the last round)."""
+    if waited is None or not new:
+        return None
+    rows = slice(counts.shape[0] - new, None)
+    return float(counts[rows][:, planned].sum()), float(waited[rows][:, planned].sum()), new * bucket_s
 
 
 def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ...], *, now: float,
                 params: RoundParams, state: RoundState,
-                dense: Mapping[str, tuple[StepInputs, PlannerState]] | None = None) -> tuple[RoundResult, RoundState]:
+                dense: Mapping[str, tuple[StepInputs, PlannerState]] | None = None,
+                waited: np.ndarray | None = None) -> tuple[RoundResult, RoundState]:
     """Plan every model of ``catalog`` from ``counts`` (complete buckets up to ``now``), in one pass; the models
-    of ``dense`` (`dense_models`, with the count planner's inputs and state each) sized by `step`."""
+    of ``dense`` (`dense_models`, with the count planner's inputs and state each) sized by `step`. ``waited``
+    (the same shape: requests that waited for capacity, the gateway's counter) steers the memory price by the
+    cold-start budget; only its buckets the last round did not see are read."""
     if counts.ndim != 2 or counts.shape[1] != len(catalog):
         raise ValueError(f"counts must be [buckets, {len(catalog)} models], got {counts.shape}")
+    if waited is not None and waited.shape != counts.shape:
+        raise ValueError(f"waited must be shaped as counts {counts.shape}, got {waited.shape}")
     unknown = sorted(set(dense or {}) - set(catalog.names))
     if unknown:
         raise ValueError(f"dense models not in the catalog: {', '.join(unknown)}")
     bucket = params.bucket_s
     end = math.floor(now / bucket) * bucket
     models = tuple(catalog.names)
-    est = _estimator(counts, end, params, models, state)
+    new = _new_rows(counts.shape[0], end, params, models, state)
+    est = _estimator(counts, new, params, state)
     out = est.outlook()
     decisions: dict[str, Decision] = {}
     states: dict[str, PlannerState] = {}
@@ -182,7 +204,8 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
         replicas[name] = max(1, decisions[name].cluster_target)
     ctx = FleetContext(now=now, catalog=catalog, nodes=nodes, rate=out.rate, burst_requests=out.burst_requests,
                        params=params.fleet, replicas=replicas,
-                       serving=serving_replicas(counts, catalog, replicas, bucket))
+                       serving=serving_replicas(counts, catalog, replicas, bucket),
+                       observed=_observed(counts, waited, new, ~np.isin(models, tuple(dense or {})), bucket))
     plan, planner_state_ = plan_fleet(ctx, state.planner)
     result = RoundResult(plan=plan, dense=tuple(dense or {}), replicas=replicas, rate=out.rate,
                          decisions=decisions, states=states)
