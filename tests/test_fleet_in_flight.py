@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from forecasting.fleet.planner import ActionKind
@@ -65,3 +66,37 @@ def test_a_model_with_requests_in_the_bucket_being_counted_is_not_evicted(agent:
         ctx.client.incrby(keys.requests("b", res, int(now // res) * res), 3)
     assert counting_now(ctx, ["b", "c"], start=start, now=now, bucket=bucket) == {"b"}
     assert evicted() == set()
+
+
+def test_the_live_round_steers_its_price_by_the_waits_the_gateway_counted(agent: Agent) -> None:
+    """The live round reads the requests that waited for capacity (`keys.waited`, the gateway's fine counter) in
+    the buckets since its last round, of the models it plans by their outlook, and steers its memory price by the
+    cold-start budget with them, as the replay does: the same bucket with a tenth of its requests waiting lowers
+    the price (more models stay warm), calm raises it; the normaliser it carries is saved with the price."""
+    from forecasting.fleet.planner import FleetState
+    from workers.planning.fleet import load_state, save_state
+
+    ctx = agent.ctx
+    agent.heartbeat_once()
+    bucket = int(ctx.settings.planner.bucket_s)
+    fine = keys.FINE_RESOLUTION_S
+    t0 = math.floor(time.time() / bucket) * bucket - 3 * bucket
+    _, state = fleet_decide(ctx, now=t0 + 1, state=RoundState())  # the first round: where counting starts
+    assert state.seen_to == t0
+    for model, n in (("b", 6), ("c", 30)):  # under a request a second each: neither is a dense model
+        for res in keys.REQUEST_RESOLUTIONS_S:
+            for b in range(int(t0), int(t0) + bucket, res):
+                ctx.client.set(keys.requests(model, res, b), n * res // bucket)
+        ctx.client.sadd(keys.REQUEST_MODELS, model)
+    probe, _ = fleet_decide(ctx, now=t0 + bucket + 1, state=state)
+    assert probe is not None and probe.result.dense == ()
+    density = probe.result.plan.density
+    mid = float(np.sqrt(density.min() * density.max()))  # a price between the two models' densities
+    save_state(ctx, FleetState(lam=mid))
+    _, calm = fleet_decide(ctx, now=t0 + bucket + 1, state=state)
+    ctx.client.set(keys.waited("c", fine, int(t0)), 4)  # a tenth of the bucket's requests waited
+    _, missed = fleet_decide(ctx, now=t0 + bucket + 1, state=state)
+    assert missed.planner.lam < mid < calm.planner.lam, (missed.planner, calm.planner)
+    assert missed.planner.counted_rate == pytest.approx(36 / bucket)
+    save_state(ctx, missed.planner)
+    assert load_state(ctx) == missed.planner

@@ -63,5 +63,5 @@ def test_plan_dry_run_with_a_fleet_budget_prints_the_pool_round_and_changes_noth
 
     assert main(["plan", "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "fleet round:" in text and "of a 40 GB budget" in text and "nothing done" in text
+    assert "fleet round:" in text and "within 40 GB" in text and "cold-start budget" in text and "nothing done" in text
     assert "a@r1: gpu on n1, 1 replica(s) on GPU" in text and "would load on n1" in text

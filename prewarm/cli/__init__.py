@@ -317,8 +317,9 @@ def _print_fleet_decision(ctx: Any, *, now: float, as_json: bool) -> int:
         actions[a.model].append({"kind": a.kind.value, "node": a.node})
     budget = ctx.settings.planner.fleet_budget_gb
     if not as_json:
-        print(f"fleet round: {plan.gpu_gb:.0f} GB on GPU of a {budget:g} GB budget, memory price {plan.lam:.3g}, "
-              f"{len(plan.asleep)} asleep — dry run, nothing done")
+        print(f"fleet round: {plan.gpu_gb:.0f} GB on GPU within {budget:g} GB, memory price {plan.lam:.3g} (steered by "
+              f"the {ctx.settings.planner.cold_start_budget:.2%} cold-start budget), {len(plan.asleep)} asleep — dry run, "
+              "nothing done")
     for name in decision.names:
         v = {**view[name], "actions": actions[name]}
         if as_json:

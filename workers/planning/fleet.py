@@ -1,7 +1,9 @@
-"""The fleet round, live: every planned model at once, within one GPU-memory budget.
+"""The fleet round, live: every planned model at once, within one GPU-memory ceiling.
 
-With `planner.fleet_budget_gb` set, `forecast_and_plan` runs this instead of planning each
-model alone:
+With `planner.fleet_budget_gb` set (the ceiling on GPU memory a round places), `forecast_and_plan`
+runs this instead of planning each model alone; within it the memory price is steered by the
+cold-start budget (`planner.cold_start_budget`), on the requests of the models it plans by their
+outlook that waited for capacity as the gateway counted them (`keys.waited`):
 1. history: each model's complete buckets from the gateway's counters (`load_redis`),
    aligned into one ``counts[bucket, model]`` matrix;
 2. catalog: each model's footprint (`planner.model_memory_gb`) and priority, with the
@@ -40,7 +42,7 @@ import numpy as np
 import pandas as pd
 from celery import Celery
 
-from forecasting.data.history import counter_resolution, load_redis, rate_series
+from forecasting.data.history import counter_resolution, load_fine_counters, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s, measured_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
@@ -159,13 +161,47 @@ def counting_now(ctx: WorkerContext, models: list[str], *, start: float, now: fl
     return {m for (m, _), value in zip(asked, values) if float(value or 0) > 0}
 
 
+def _waited(ctx: WorkerContext, models: list[str], grid: np.ndarray, bucket: float,
+            since: float | None) -> np.ndarray | None:
+    """Requests that waited for capacity per bucket of ``grid`` (bucket starts) and model, as the gateway counted
+    them (`keys.waited`), for the buckets from ``since`` (the last round's end; the round reads no other); None
+    with no last round, or a bucket the gateway's fine counters do not divide."""
+    if since is None or not len(grid):
+        return None
+    out = np.zeros((grid.size, len(models)))
+    end = float(grid[-1] + bucket)
+    if since >= end:
+        return out
+    first = int(np.searchsorted(grid, since))
+    for j, model in enumerate(models):
+        try:
+            start, _, _, _, waited = load_fine_counters(ctx.client, model, start=float(grid[first]), end=end,
+                                                        bucket_s=int(bucket))
+        except HistoryError as exc:
+            log.info("fleet: no waited counter for %s: %s", model, exc)
+            return None
+        out[first:first + waited.size, j] = waited[:grid.size - first]
+    return out
+
+
 def load_state(ctx: WorkerContext) -> FleetState:
     raw = ctx.client.hgetall(keys.FLEET_STATE)
     try:
-        return FleetState(lam=float(raw["lam"]), spent_gb_s=float(raw["spent_gb_s"]),
-                          elapsed_s=float(raw["elapsed_s"]))
+        state = FleetState(lam=float(raw["lam"]), spent_gb_s=float(raw["spent_gb_s"]),
+                           elapsed_s=float(raw["elapsed_s"]))
     except (KeyError, ValueError):
         return FleetState()
+    try:  # the cold-start budget's normaliser (absent in a state an older planner wrote)
+        return replace(state, counted_rate=float(raw["counted_rate"]), counted_weight_s=float(raw["counted_weight_s"]))
+    except (KeyError, ValueError):
+        return state
+
+
+def save_state(ctx: WorkerContext, state: FleetState) -> None:
+    values = {"lam": state.lam, "spent_gb_s": state.spent_gb_s, "elapsed_s": state.elapsed_s,
+              "counted_rate": state.counted_rate, "counted_weight_s": state.counted_weight_s}
+    # as plain floats: numpy's repr ("np.float64(1200.0)") did not read back, and every round started afresh
+    ctx.client.hset(keys.FLEET_STATE, mapping={k: repr(float(v)) for k, v in values.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -215,7 +251,11 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     busy = {names_[j] for j in np.flatnonzero(counts[-1] > 0)} | counting_now(ctx, names_, start=end, now=now,
                                                                                 bucket=bucket)
     nodes = _nodes(ctx, catalog, busy)
-    fleet = FleetParams(step_s=max(bucket, p.interval_s), budget_gb=p.fleet_budget_gb, cap_gb=p.fleet_budget_gb)
+    # the memory budget is the round's ceiling; the price within it is steered by the cold-start budget, on the
+    # requests that waited as the gateway counted them since the last round (`forecasting.fleet.planner.steer`)
+    fleet = FleetParams(step_s=max(bucket, p.interval_s), cap_gb=p.fleet_budget_gb,
+                        cold_start_budget=p.cold_start_budget)
+    waited = _waited(ctx, names_, grid, bucket, since=state.seen_to)
     params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
@@ -226,7 +266,7 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
         except (HistoryError, ValueError) as exc:  # its counters unreadable: planned by its outlook this round
             log.error("fleet: %s not sized by the count planner this round: %s", name, exc)
     result, state = fleet_round(counts, catalog, nodes, now=now, params=params,
-                                state=replace(state, planner=load_state(ctx)), dense=dense)
+                                state=replace(state, planner=load_state(ctx)), dense=dense, waited=waited)
     return FleetDecision(tuple(names_), specs, catalog, result), state
 
 
@@ -241,9 +281,7 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
     plan = result.plan
     for name, planner_state in result.states.items():  # the dense models' count planner, as `plan_model` saves it
         save_planner_state(ctx, name, planner_state)
-    ctx.client.hset(keys.FLEET_STATE, mapping={"lam": repr(_STATE.planner.lam),
-                                               "spent_gb_s": repr(_STATE.planner.spent_gb_s),
-                                               "elapsed_s": repr(_STATE.planner.elapsed_s)})
+    save_state(ctx, _STATE.planner)
     sent: dict[str, list[str]] = {m: [] for m in names_}
     used_slots = {ns.node: set(ns.used) for ns in live_nodes(ctx)}
     slots = {ns.node: ns.slots for ns in live_nodes(ctx)}
