@@ -4,8 +4,8 @@
 every model), replays the trace through each policy at its default setting, sweeps each
 policy's knob (keep-alive seconds, the histogram's tail percentile, the planner's budget)
 into a curve of cold-start share against warm GPU-memory-time, and reports the target
-comparison: the fleet planner given the hybrid histogram's own average warm memory as its
-budget, against the hybrid histogram, at equal or lower memory-time. `at_equal` reads every
+comparison: the fleet planner at its cold-start budget against the hybrid histogram (fewer
+waits, at equal or lower memory-time?). `at_equal` reads every
 policy's curve (the sleep-enabled baselines' too) at the planner's point, both ways.
 Rate traces become seeded Poisson counts per step (`FleetSetup.poisson`).
 """
@@ -29,14 +29,15 @@ from forecasting.fleet.traces import FleetTrace
 #: Each policy's knob values for the curve.
 KEEPALIVE_S = (60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 4 * 3600.0)
 HH_TAIL_PCT = (50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
-#: The planner's budgets: reactive's average warm GB plus these shares of the hybrid histogram's extra over it.
+#: The planner's memory budgets (its curve's points with one: the price steered by it, not by the cold-start budget):
+#: reactive's average warm GB plus these shares of the hybrid histogram's extra over it.
 FLEET_BUDGET_SHARE = (0.25, 0.5, 0.75, 1.0, 1.5)
 #: The HPA targets each baseline's curve also sweeps, at its default knob: more replicas of its busy models for
 #: fewer requests waiting for a slot (the planner's dense models are sized by its cold-start budget instead).
 HPA_TARGETS = (0.5, 0.35, 0.25)
-#: The cold-start budgets the planner's curve also sweeps, at its default fleet budget: what its dense models are sized
-#: on (the baselines' HPA target, the planner's budget: each side's own count knob).
-COLD_START_BUDGETS = (0.003, 0.01)
+#: The cold-start budgets the planner's curve also sweeps, without a memory budget: what its dense models are sized on
+#: and its memory price is steered by (the baselines' HPA target, the planner's budget: each side's own knob).
+COLD_START_BUDGETS = (0.0003, 0.003, 0.01)
 
 
 def resample(trace: FleetTrace, step_s: float) -> FleetTrace:
@@ -132,12 +133,12 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
     hybrid histogram's extra warm memory over reactive's, as `FLEET_BUDGET_SHARE`); each
     baseline's curve also has its default at each of ``hpa_targets``, the planner's at each of
-    ``cold_start_budgets`` (at its default fleet budget).
+    ``cold_start_budgets`` (no memory budget: the cold-start budget steers its memory price too).
 
-    The planner is given the hybrid histogram's average warm memory as its budget, tightened
-    while it overshoots a little; a larger overshoot is what its dense models' replicas
-    need beyond the budget (the count planner sizes them on its cold-start budget, and the
-    fleet budget prices only warmth), and is reported as it is (``within_budget``)."""
+    The planner's row runs on its cold-start budget alone, as it runs live without a memory budget:
+    its dense models' counts and the price of every other model's warmth are both steered by it
+    (`forecasting.fleet.planner.steer`); its memory-time is what that costs, compared with the
+    hybrid histogram's as it is (``within_budget``: not above it)."""
     trace = resample(trace, setup.step_s)
     if setup.poisson and trace.kind == "client_rates":
         rng = np.random.default_rng(setup.seed)
@@ -153,16 +154,10 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     hh = rows.get("hybrid_histogram") or _run(trace, env, "hybrid_histogram", None, setup, progress)
     target: dict[str, Any] = {}
     if "fleet" in policies:
-        budget = hh.avg_warm_gb
-        fleet = _run(trace, env, "fleet", budget, setup, progress)
-        for _ in range(4):  # the budget is an average the controller tracks: tighten if it overshot a little
-            if fleet.warm_gb_h <= hh.warm_gb_h or fleet.warm_gb_h > 1.05 * hh.warm_gb_h:
-                break
-            budget *= 0.998 * hh.warm_gb_h / fleet.warm_gb_h
-            fleet = _run(trace, env, "fleet", budget, setup, progress)
+        fleet = _run(trace, env, "fleet", None, setup, progress)
         rows["fleet"] = fleet
         target = {
-            "budget_gb": budget,
+            "cold_start_budget": fleet.cold_start_budget,
             "hybrid_cold_share": hh.cold_share, "fleet_cold_share": fleet.cold_share,
             "cold_ratio": fleet.cold_share / hh.cold_share if hh.cold_share > 0 else float("nan"),
             "hybrid_warm_gb_h": hh.warm_gb_h, "fleet_warm_gb_h": fleet.warm_gb_h,
@@ -185,7 +180,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
                 if name != "fleet":
                     curves[name] += [_run(trace, env, name, None, setup, progress, h).row() for h in hpa_targets]
                 else:
-                    curves[name] += [_run(trace, env, name, target["budget_gb"], setup, progress,
+                    curves[name] += [_run(trace, env, name, None, setup, progress,
                                           cold_start_budget=b).row() for b in cold_start_budgets]
     return {
         "trace": trace.source, "kind": trace.kind, "models": trace.n_models, "steps": trace.n_steps,

@@ -43,7 +43,7 @@ def print_fleet(result: Mapping[str, Any]) -> None:
         print(line)
     t = result.get("target") or {}
     if t:
-        print(f"target: fleet planner at budget {t['budget_gb']:,.0f} GB: cold {t['fleet_cold_share']:.4%} vs "
+        print(f"target: fleet planner at cold-start budget {t['cold_start_budget']:.2%}: cold {t['fleet_cold_share']:.4%} vs "
               f"hybrid histogram {t['hybrid_cold_share']:.4%} (ratio {t['cold_ratio']:.2f}) at "
               f"{t['fleet_warm_gb_h']:,.0f} vs {t['hybrid_warm_gb_h']:,.0f} GB·h: {'met' if t['met'] else 'NOT met'}")
     eq = result.get("at_equal") or {}
