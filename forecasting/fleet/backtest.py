@@ -4,8 +4,8 @@
 every model), replays the trace through each policy at its default setting, sweeps each
 policy's knob (keep-alive seconds, the histogram's tail percentile, the planner's budget)
 into a curve of cold-start share against warm GPU-memory-time, and reports the target
-comparison: the fleet planner at its cold-start budget against the hybrid histogram (fewer
-waits, at equal or lower memory-time?). `at_equal` reads every
+comparison: the fleet planner at its cold-start budget against the hybrid histogram (its
+waits and its memory-time, each as they are). `at_equal` reads every
 policy's curve (the sleep-enabled baselines' too) at the planner's point, both ways.
 Rate traces become seeded Poisson counts per step (`FleetSetup.poisson`).
 """

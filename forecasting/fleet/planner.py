@@ -8,17 +8,19 @@ and decides for all models together:
   cold start would hit; its *density* is that value per GB of GPU memory. Models are kept
   in order of density while it is at least the threshold ``lam`` and memory lasts: the
   greedy answer to "maximise expected requests spared a cold start per GPU-memory-second";
-- ``lam`` is the price of GPU memory. A fleet budget (average warm GB) is met by an
-  integral controller on ``lam``: spending above the budget raises the price, below lowers
-  it, so the budget is spent where the outlook is best (dense models, whose outlook is ~1,
-  stay warm; a sparse model stays warm exactly while its own idle-time hazard pays for it,
-  which gives it a keep-alive window and a pre-warm from its own distribution);
+- ``lam`` is the price of GPU memory, steered by the cold-start budget (`steer`): requests of
+  the models planned by their outlook that waited lower it, calm raises it, so the share of
+  them that waits is the budget; memory goes where the outlook is best (a sparse model stays
+  warm exactly while its own idle-time hazard pays for it, which gives it a keep-alive window
+  and a pre-warm from its own distribution). Given a memory budget instead (average warm GB),
+  an integral controller on ``lam`` meets that average (`_price`);
 - a model with requests in flight is never evicted (one replica of it stays; its others are
   weighed like any replica, and one let go drains first);
 - the replicas a model's load needs now (`FleetContext.serving`: its last bucket's rate over a
   replica's capacity, no margin) come before any model's warmth: requests arriving now wait for
   certain without them, a warm idle model's only if one comes. Placed one replica per model at
-  a time, so a pool too small shares its shortfall instead of giving it all to one model;
+  a time, so a pool too small shares its shortfall instead of giving it all to one model; then
+  the rest of a dense model's forecast (its margin and warm pool), then warmth;
 - a model that leaves GPU is put to sleep where it is (weights in pinned host memory, woken in
   a fraction of a load) while that node's host memory lasts, best first, where its engine can sleep (a
   model whose engine reports no sleep mode has no asleep tier: `ModelCard.sleeps`,
@@ -299,6 +301,7 @@ def steer(state: FleetState, params: FleetParams, observed: tuple[float, float, 
     over, rate, weight_s = budget_overspend(requests, waited, span_s, state.counted_rate, state.counted_weight_s,
                                             budget=params.cold_start_budget, calibration_s=params.calibration_s,
                                             horizon_s=params.horizon_s)
+    # (the move is clipped only so that exp stays finite: 50 e-folds is wider than any densities' range)
     lam = state.lam * math.exp(-params.price_gain * float(np.clip(over, -50.0, 50.0))) if over is not None else state.lam
     positive = dens[dens > 0]
     if positive.size:
