@@ -44,6 +44,7 @@ import numpy as np
 
 from forecasting.calibration import budget_overspend
 from forecasting.fleet.catalog import Catalog, Tier
+from forecasting.planner import PlannerParams
 
 
 class ActionKind(str, enum.Enum):
@@ -88,9 +89,10 @@ class FleetParams:
     # without a memory budget the price is steered by the cold-start budget (None: held at ``lam0``): the share
     # of the outlook-planned models' requests that may wait for a load or a wake (`steer`)
     cold_start_budget: float | None = None
-    price_gain: float = 1.0  # e-folds the price moves per calibration window's budget overspent (or calm window)
-    calibration_s: float = 3_600.0  # the window whose requests an overspend is measured against (the count planner's)
-    horizon_s: float = 86_400.0  # the span the budget's share is meant over: the normaliser's average
+    price_gain: float = 1.0  # e-folds the price moves per calibration window's budget overspent (`planner.fleet_price_gain`)
+    # the count planner's calibration window and budget horizon (`planner.budget_calibration_s`, `budget_horizon_s`)
+    calibration_s: float = PlannerParams.budget_calibration_s
+    horizon_s: float = PlannerParams.budget_horizon_s
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE, WAIT_THR
 from forecasting.fleet.catalog import Catalog, Tier, measured_ready_s
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
-from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, round_settings
+from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, price_settings, round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core.planner_settings import PlannerSettings
 
@@ -378,9 +378,10 @@ class Oracle(FleetPolicy):
 
 
 def fleet_policy_settings(planner: PlannerSettings) -> dict[str, Any]:
-    """The `fleet` policy's settings from the `planner` settings group: the live round's (`round_settings`) and
-    the cold-start budget its dense models are sized on."""
-    return round_settings(planner) | {"cold_start_budget": float(planner.cold_start_budget)}
+    """The `fleet` policy's settings from the `planner` settings group, as the live round reads them: the round's
+    (`round_settings`) and its price's (`price_settings`: the cold-start budget its dense models are sized on and
+    its price is steered by)."""
+    return round_settings(planner) | price_settings(planner)
 
 
 def make_fleet_policy(name: str, knob: float | None = None, *, hpa_target: float | None = None,

@@ -94,6 +94,14 @@ def round_settings(planner: PlannerSettings) -> dict[str, Any]:
             "burst_hold_s": float(planner.fleet_burst_hold_s)}
 
 
+def price_settings(planner: PlannerSettings) -> dict[str, Any]:
+    """The fleet planner's price settings from the `planner` settings group (`FleetParams` fields): the cold-start
+    budget that steers it, its gain, and the count planner's calibration window and horizon, which its measure of
+    an overspend shares."""
+    return {"cold_start_budget": float(planner.cold_start_budget), "price_gain": float(planner.fleet_price_gain),
+            "calibration_s": float(planner.budget_calibration_s), "horizon_s": float(planner.budget_horizon_s)}
+
+
 def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
     """The models the count planner sizes: the busiest over the last ``dense_window_s`` of ``counts`` (requests
     per bucket, oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over that

@@ -138,3 +138,7 @@ class PlannerSettings(_Group):
     # the other models: a burst over one replica's capacity gets the replicas an HPA would give it (reasons in operating.md)
     fleet_burst_target: float = Field(0.7, gt=0, le=1)
     fleet_burst_hold_s: float = Field(300.0, ge=0)
+    # e-folds the fleet round's memory price moves per calibration window's cold-start budget overspent, or per calm
+    # window (the price is steered by `cold_start_budget` on the waits of the models planned by their outlook;
+    # reasons in docs/fleet.md)
+    fleet_price_gain: float = Field(1.0, gt=0)

@@ -46,7 +46,8 @@ from forecasting.data.history import counter_resolution, load_fine_counters, loa
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s, measured_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, round_settings
+from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, price_settings, \
+    round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, Replica, ReplicaState, replica_id
@@ -253,8 +254,7 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     nodes = _nodes(ctx, catalog, busy)
     # the memory budget is the round's ceiling; the price within it is steered by the cold-start budget, on the
     # requests that waited as the gateway counted them since the last round (`forecasting.fleet.planner.steer`)
-    fleet = FleetParams(step_s=max(bucket, p.interval_s), cap_gb=p.fleet_budget_gb,
-                        cold_start_budget=p.cold_start_budget)
+    fleet = FleetParams(step_s=max(bucket, p.interval_s), cap_gb=p.fleet_budget_gb, **price_settings(p))
     waited = _waited(ctx, names_, grid, bucket, since=state.seen_to)
     params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
