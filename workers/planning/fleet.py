@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 from celery import Celery
 
-from forecasting.data.history import counter_resolution, load_fine_counters, load_redis, rate_series
+from forecasting.data.history import MGET_CHUNK, counter_resolution, load_redis, rate_series
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s, measured_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
@@ -165,24 +165,31 @@ def counting_now(ctx: WorkerContext, models: list[str], *, start: float, now: fl
 def _waited(ctx: WorkerContext, models: list[str], grid: np.ndarray, bucket: float,
             since: float | None) -> np.ndarray | None:
     """Requests that waited for capacity per bucket of ``grid`` (bucket starts) and model, as the gateway counted
-    them (`keys.waited`), for the buckets from ``since`` (the last round's end; the round reads no other); None
-    with no last round, or a bucket the gateway's fine counters do not divide."""
-    if since is None or not len(grid):
+    them (`keys.waited`, at its fine resolution), for the buckets from ``since`` (the last round's end; the round
+    reads no other): one MGET of those keys alone. None with no last round, or a bucket the fine counters do not
+    divide."""
+    fine = keys.FINE_RESOLUTION_S
+    if since is None or not len(grid) or bucket % fine:
         return None
     out = np.zeros((grid.size, len(models)))
-    end = float(grid[-1] + bucket)
-    if since >= end:
-        return out
     first = int(np.searchsorted(grid, since))
-    for j, model in enumerate(models):
-        try:
-            start, _, _, _, waited = load_fine_counters(ctx.client, model, start=float(grid[first]), end=end,
-                                                        bucket_s=int(bucket))
-        except HistoryError as exc:
-            log.info("fleet: no waited counter for %s: %s", model, exc)
-            return None
-        out[first:first + waited.size, j] = waited[:grid.size - first]
+    starts = [int(b) for b in grid[first:]]
+    per = int(bucket // fine)
+    names_ = [keys.waited(m, fine, b + k * fine) for m in models for b in starts for k in range(per)]
+    values = []
+    for lo in range(0, len(names_), MGET_CHUNK):
+        values += ctx.client.mget(names_[lo:lo + MGET_CHUNK])
+    got = np.array([_count(v) for v in values]).reshape(len(models), len(starts), per).sum(axis=2)
+    out[first:] = got.T
     return out
+
+
+def _count(value: Any) -> float:
+    """A counter's value; an unreadable one counts as 0, as the history readers count it."""
+    try:
+        return max(0.0, float(value or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def load_state(ctx: WorkerContext) -> FleetState:
