@@ -251,3 +251,32 @@ def test_the_cold_start_budget_holds_the_share_of_a_sparse_pool_at_a_fine_step(b
     score = simulate(trace, policy, env, score_after_s=43_200.0)
     assert policy.cold_start_budget == budget
     assert 0.5 <= score.cold_share / budget <= 1.25, score
+
+
+def test_the_price_answers_for_the_waits_of_models_no_count_is_sized_for() -> None:
+    """The price is steered by the waits warmth prevents: those of models the round sizes no count for. A model
+    bursting beyond a replica (`burst_replicas`) has a count; its requests that waited for a slot are that count's,
+    and they do not move the price (counted, on the shared pool they drove it down for nothing: 0.2346% waited at
+    1,471,845 GB·h, against 0.2377% at 1,161,727 without them). A sparse model's waits do."""
+    counts, catalog, nodes, params = _fleet(120)
+    counts[-5:, 3] = 2_000  # m3 bursts: 33 requests/s, several replicas' worth
+    counts[-1, 1] = max(counts[-1, 1], 4.0)  # m1, sparse, has requests in the last bucket
+    params = replace(params, fleet=FleetParams(step_s=STEP, cold_start_budget=0.01))
+    assert "m3" in burst_replicas(counts, catalog, params) and "m1" not in burst_replicas(counts, catalog, params)
+    _, state = fleet_round(counts[:-1], catalog, nodes, now=(counts.shape[0] - 1) * STEP, params=params,
+                           state=RoundState())
+    probe, _ = fleet_round(counts, catalog, nodes, now=counts.shape[0] * STEP, params=params, state=state)
+    dens = probe.plan.density[probe.plan.density > 0]
+    state = replace(state, planner=FleetState(lam=float(np.sqrt(dens.min() * dens.max()))))  # within the densities
+
+    def price(waited_model: int | None) -> float:
+        waited = np.zeros_like(counts)
+        if waited_model is not None:
+            waited[-1, waited_model] = counts[-1, waited_model] / 2
+        _, after = fleet_round(counts, catalog, nodes, now=counts.shape[0] * STEP, params=params, state=state,
+                               waited=waited)
+        return after.planner.lam
+
+    calm = price(None)
+    assert price(3) == calm  # the bursting model's slot waits: its count's
+    assert price(1) < calm  # a sparse model's waits: warmth's

@@ -107,7 +107,8 @@ class FleetContext:
     params: FleetParams
     replicas: Mapping[str, int] = field(default_factory=dict)  # dense models: replicas their forecast needs
     serving: Mapping[str, int] = field(default_factory=dict)  # ... of them, those the load now needs (no margin)
-    # what the gateway counted since the last round for the models the outlook plans (not the dense ones):
+    # what the gateway counted since the last round for the models the outlook plans (no count sized for them: not
+    # the dense ones, whose margin answers for their waits, nor a burst's, whose HPA-like count does):
     # (requests, requests that waited for a load, a wake or a slot, seconds counted); None: nothing new
     observed: tuple[float, float, float] | None = None
 

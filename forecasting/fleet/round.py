@@ -172,7 +172,9 @@ def _estimator(counts: np.ndarray, new: int | None, params: RoundParams, state: 
 def _observed(counts: np.ndarray, waited: np.ndarray | None, new: int | None, planned: np.ndarray,
               bucket_s: float) -> tuple[float, float, float] | None:
     """(requests, requests that waited, seconds) of the ``planned`` models over the ``new`` last buckets: what
-    the fleet planner's price is steered by (None: no counter, or nothing new since the last round)."""
+    the fleet planner's price is steered by (None: no counter, or nothing new since the last round). Planned: the
+    models the round sizes no count for (not dense, not bursting); their waits are for a load or a wake, which
+    warmth prevents. A sized model's wait for a slot is its count's, and warmth does not prevent it."""
     if waited is None or not new:
         return None
     rows = slice(counts.shape[0] - new, None)
@@ -213,7 +215,7 @@ def fleet_round(counts: np.ndarray, catalog: Catalog, nodes: tuple[FleetNode, ..
     ctx = FleetContext(now=now, catalog=catalog, nodes=nodes, rate=out.rate, burst_requests=out.burst_requests,
                        params=params.fleet, replicas=replicas,
                        serving=serving_replicas(counts, catalog, replicas, bucket),
-                       observed=_observed(counts, waited, new, ~np.isin(models, tuple(dense or {})), bucket))
+                       observed=_observed(counts, waited, new, ~np.isin(models, tuple(replicas)), bucket))
     plan, planner_state_ = plan_fleet(ctx, state.planner)
     result = RoundResult(plan=plan, dense=tuple(dense or {}), replicas=replicas, rate=out.rate,
                          decisions=decisions, states=states)
