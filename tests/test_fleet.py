@@ -168,7 +168,8 @@ def test_the_load_now_comes_before_any_models_warmth() -> None:
     warmth gets what is left. Beyond the load now, the replicas the dense model's forecast needs come before an
     idle model's warmth too: they are sized on the cold-start budget for the many requests they serve (warmth
     first, the shared pool's warm sparse models took the memory of its dense models' margins: 0.2496% of its
-    requests waited over 14 days, against 0.2346% with the margin first, at the same memory-time)."""
+    requests waited over 14 days, against 0.2346% with the margin first, at the same memory-time, the price then
+    answering for the bursting models' slot waits too)."""
     nodes = (FleetNode("a", gpu_gb=80.0, host_gb=0.0, resident={"m0": Tier.GPU, "m1": Tier.GPU}),)
     base = replace(_ctx([1.0, 0.9, 0.0], nodes), replicas={"m0": 3})
     plan, _ = plan_fleet(replace(base, serving={"m0": 2}), FleetState(lam=1e-6))
