@@ -17,8 +17,11 @@ Two kinds of warm capacity are priced differently, because they last differently
 from __future__ import annotations
 
 import math
+from typing import Any
 
-__all__ = ["account", "allowed_share", "pool_target", "trim"]
+import numpy as np
+
+__all__ = ["account", "allowed_share", "pool_target", "replicas_needed", "trim", "warm_cost"]
 
 
 def warm_share(live: float, need: float) -> float:
@@ -81,3 +84,25 @@ def trim(target: int, pool: int, base: int, budget_share: float,
                          "one early/held replica cut")
             target -= 1
     return target, pool, notes
+
+
+def warm_cost(live: Any, need: Any) -> float:
+    """THE warm-cost definition: the share of replica-time above need, sum(max(live - need, 0)) / sum(live).
+
+    Scalars or per-second arrays; used by the planner (planned), the `warmup_cost_ratio`
+    gauge and `prewarm up` (live now) and the simulator's scoring (over a replay).
+    """
+    if isinstance(live, (int, float)) and isinstance(need, (int, float)):  # one moment: no arrays needed
+        return warm_share(live, need)
+    lv = np.asarray(live, dtype=np.float64)
+    nd = np.broadcast_to(np.asarray(need, dtype=np.float64), lv.shape)
+    total = float(lv.sum())
+    return float(np.maximum(lv - nd, 0.0).sum()) / total if total > 0 else 0.0
+
+
+def replicas_needed(demand: float, per_replica: float, headroom: float = 0.0) -> int:
+    """ceil(demand / per-replica capacity x (1 + headroom)); no demand needs no replica."""
+    if not demand > 0:
+        return 0
+    # round away float noise (0.1 * 3 = 0.30000000000000004 must not round up to one more)
+    return int(math.ceil(round(demand / per_replica * (1.0 + headroom), 9)))

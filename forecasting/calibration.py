@@ -213,7 +213,7 @@ def needed_margins(requests: np.ndarray, peak: np.ndarray, start: float, bucket_
     (its capacity was there in time). Buckets no recorded step sized are left out. With `slots` (a replica's) a
     margin is needed only for the replicas: enough when the sizing asks for as many replicas as the peak fills,
     so the load it needs is just above what one replica fewer is sized for, (ceil(peak / slots) - 1) x slots /
-    (1 + headroom) (`forecasting.planner.replicas_needed`)."""
+    (1 + headroom) (`forecasting.budget.replicas_needed`)."""
     return _scores(requests, peak, start, bucket_s, first, sized, nbins, slots, headroom)[0]
 
 

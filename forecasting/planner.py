@@ -57,8 +57,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from forecasting import budget, holds, interruption, park
+from forecasting import budget, holds, interruption, park, pauses
 from forecasting.batch import BatchJob, batch_replicas, batch_schedule
+from forecasting.budget import replicas_needed, warm_cost
 from forecasting.calibration import RULES, Sizing, calibrate, record_sizing, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
 from forecasting.placement import place
@@ -111,6 +112,7 @@ class PlannerParams:
     interruption_share: float = 0.1  # requests below this share of the profile's expectation: an interruption
     interruption_min_requests: float = 20.0  # ... judged over recent buckets expecting at least this many
     interruption_hold_s: float = 3600.0  # replicas held at most this long from the start of the fall
+    pause_memory: int = 0  # the model's last pauses a silent fall's span is learned from (0: off; `forecasting.pauses`)
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":
@@ -206,10 +208,12 @@ class PlannerState:
     sized: tuple[Sizing, ...] = ()  # the recent steps' sizings, to score the coming buckets against
     overspent: bool = False  # a counted step's waits were over the budget: the integrator's margin is uncapped since
     scored_buckets: float = 0.0  # the buckets `shortfalls` holds (decayed as it is)
+    pauses: pauses.Pauses = pauses.Pauses()  # the model's remembered pauses (`forecasting.pauses`)
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}
-                          | {"profile": None if self.profile is None else self.profile.to_dict()})
+                          | {"profile": None if self.profile is None else self.profile.to_dict(),
+                             "pauses": self.pauses._asdict()})
 
     @classmethod
     def from_json(cls, raw: str | None) -> "PlannerState":
@@ -221,6 +225,7 @@ class PlannerState:
                    | {"profile": None if p is None else Profile.from_dict(p), "mode": str(d.get("mode", REACTIVE)),
                       "overspent": bool(d.get("overspent", False)),
                       "lead_holds": tuple((float(u), int(n)) for u, n in d.get("lead_holds", ())),
+                      "pauses": pauses.from_dict(d.get("pauses") or {}),
                       "shortfalls": tuple(float(x) for x in d.get("shortfalls", ())),
                       "sized": tuple((float(t), float(lead), float(a), float(o))
                                      for t, lead, a, o in d.get("sized", ()))})
@@ -254,28 +259,6 @@ class Decision:
 
 # -- definitions shared by the planner, the gauges, the report and the simulator ---------------------------------
 
-def warm_cost(live: Any, need: Any) -> float:
-    """THE warm-cost definition: the share of replica-time above need, sum(max(live - need, 0)) / sum(live).
-
-    Scalars or per-second arrays; used by the planner (planned), the `warmup_cost_ratio`
-    gauge and `prewarm up` (live now) and the simulator's scoring (over a replay).
-    """
-    if isinstance(live, (int, float)) and isinstance(need, (int, float)):  # one moment: no arrays needed
-        return max(0.0, float(live) - float(need)) / float(live) if live > 0 else 0.0
-    lv = np.asarray(live, dtype=np.float64)
-    nd = np.broadcast_to(np.asarray(need, dtype=np.float64), lv.shape)
-    total = float(lv.sum())
-    return float(np.maximum(lv - nd, 0.0).sum()) / total if total > 0 else 0.0
-
-
-def replicas_needed(demand: float, per_replica: float, headroom: float = 0.0) -> int:
-    """ceil(demand / per-replica capacity x (1 + headroom)); no demand needs no replica."""
-    if not demand > 0:
-        return 0
-    # round away float noise (0.1 * 3 = 0.30000000000000004 must not round up to one more)
-    return int(math.ceil(round(demand / per_replica * (1.0 + headroom), 9)))
-
-
 def event_id(model: ModelSpec, kind: ScaleEventKind, bucket_start: float, pool: Pool) -> str:
     """Deterministic id: the same decision for the same bucket re-planned gives the same id."""
     raw = f"{model.key}|{kind.value}|{int(math.floor(bucket_start))}|{pool.value}"
@@ -289,10 +272,13 @@ def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
     return state.profile_at is None or now - state.profile_at >= params.profile_refit_s
 
 
-def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float) -> float:
-    """How much fine history a step reads: the scored window or the interruption's recent level and window
-    (plus a day while no profile is learned, for the seasonal-naive candidate)."""
-    base = max(params.score_window_s, params.budget_calibration_s, params.interruption_hold_s + params.stabilization_s) \
+def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float, held: bool = True) -> float:
+    """How much fine history a step reads: the scored window or the interruption's recent level (over its span
+    as the last step learned it) and window (plus a day while no profile is learned, for the seasonal-naive
+    candidate)."""
+    # the interruption's span, learned from its pauses (`held` False: the span the forecaster reads, without it)
+    hold = max(params.interruption_hold_s, state.pauses.hold_s if held else 0.0)
+    base = max(params.score_window_s, params.budget_calibration_s, hold + params.stabilization_s) \
         + lead_s + params.level_s + 2 * params.fine_bucket_s
     return base + (params.season_s if state.profile is None else 0.0)
 
@@ -333,10 +319,13 @@ def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Foreca
     p, obs = inp.params, inp.observed
     kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
               level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile, season_s=p.season_s)
-    fc = forecast_peak(obs.inflight, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+    # the forecaster reads what it read without a learned hold (a day more of it brings in the seasonal candidate)
+    cut = max(0, obs.requests.size - int(math.ceil(recent_span_s(state, p, lead, held=False) / obs.bucket_s)))
+    start = obs.start + cut * obs.bucket_s
+    fc = forecast_peak(obs.inflight[cut:], start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     mode = _mode(fc, p)
     if mode == REACTIVE:
-        fc = forecast_peak(obs.peak, obs.start, obs.bucket_s, **kw)  # type: ignore[arg-type]
+        fc = forecast_peak(obs.peak[cut:], start, obs.bucket_s, **kw)  # type: ignore[arg-type]
     return fc, mode
 
 
@@ -524,16 +513,27 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                          replicas=max(1, target - budget_target), reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
-    ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - p.interruption_hold_s, inp.now)[0] > 0
+    # the interruption's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`)
+    paused = pauses.observe(state.pauses, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p.pause_memory,
+                            lead) if p.pause_memory > 0 else state.pauses
+    span, alpha = pauses.hold_s(paused, p.cold_start_budget, p.pause_memory, p.interruption_hold_s,
+                                max(p.interruption_hold_s, p.season_s))
+    paused = paused._replace(hold_s=span)
+    ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - span, inp.now)[0] > 0
     fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran,
                                     obs.peak)
-    quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, p.interruption_hold_s)
+    if fall is None and pauses.silent_through(paused, state.quiet_since, inp.now, span):
+        # a fall that stayed silent past the hour, within the span its pauses ask for: its level read over that span
+        fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s,
+                                        replace(p, interruption_hold_s=span), not ran, obs.peak)
+    quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, span)
     keep = inp.replicas.live if fall is None or fall.peak is None else \
         min(inp.replicas.live, replicas_needed(margin(fall.peak), slots, p.headroom))
     if fall is not None and held and target < keep:
         target = keep
         why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
-               f"expectation since {quiet_since:.0f}: {target} held (at most {p.interruption_hold_s:.0f} s)")
+               f"expectation since {quiet_since:.0f}: {target} held (at most {span:.0f} s"
+               + (f", as the budget lets {alpha:.1%} of its pauses outlast)" if span > p.interruption_hold_s else ")"))
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
     if p.park_horizon_s > 0:
         events = _parked(inp, events, state, target, lead, staffed)
@@ -547,4 +547,4 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     decision = Decision(tuple(events), tuple(dropped + placement_dropped), target, pool, need_next, need_lead, lead,
                         mode, fc, share, schedule)
     warm_avg, warm_at = budget.account(state.warm_avg, state.warm_at, inp.now, share, p.budget_window_s)
-    return decision, replace(state, warm_avg=warm_avg, warm_at=warm_at, quiet_since=quiet_since)
+    return decision, replace(state, warm_avg=warm_avg, warm_at=warm_at, quiet_since=quiet_since, pauses=paused)

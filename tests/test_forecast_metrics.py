@@ -1,4 +1,4 @@
-"""The one warm-cost definition (`forecasting.planner.warm_cost`), tested once: the planner, the
+"""The one warm-cost definition (`forecasting.budget.warm_cost`), tested once: the planner, the
 `warmup_cost_ratio` gauge, `prewarm up` and the simulator's scoring all call it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forecasting.planner import warm_cost
+from forecasting.budget import warm_cost
 
 
 @pytest.mark.parametrize(("live", "need", "ratio"), [(0, 0, 0.0), (4, 4, 0.0), (5, 4, 0.2), (3, 5, 0.0), (10, 7, 0.3)])

@@ -14,7 +14,8 @@ from forecasting.charges import ACTUATION_S, LOAD_SHARE, WAIT_THRESHOLD_S, copie
 from forecasting.data.traces import RateTrace, RequestTrace
 from forecasting.fleet.catalog import Catalog, ModelCard
 from forecasting.fleet.policies import FleetEnv
-from forecasting.planner import PlannerParams, replicas_needed
+from forecasting.budget import replicas_needed
+from forecasting.planner import PlannerParams
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
 from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized, make_policy

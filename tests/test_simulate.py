@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecasting.planner import PlannerParams, StepInputs, replicas_needed
+from forecasting.budget import replicas_needed
+from forecasting.planner import PlannerParams, StepInputs
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.policies import POLICIES, Prewarm, make_policy
 from forecasting.curves import weighted_quantile

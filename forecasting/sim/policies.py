@@ -53,9 +53,9 @@ from forecasting.planner import (
     observed_from_counts,
     recent_span_s,
     refit_due,
-    replicas_needed,
     step,
 )
+from forecasting.budget import replicas_needed
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import cold_start_p95
 from prewarm.core.domain import ModelSpec

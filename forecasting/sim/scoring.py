@@ -14,7 +14,8 @@ import numpy as np
 
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
 from forecasting.curves import weighted_quantile
-from forecasting.planner import PlannerParams, warm_cost
+from forecasting.budget import warm_cost
+from forecasting.planner import PlannerParams
 from forecasting.sim.policies import KNOWN, POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
 

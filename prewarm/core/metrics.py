@@ -141,7 +141,7 @@ class Metrics:
         )
         self.warmup_cost_ratio = Gauge(
             "warmup_cost_ratio",
-            "Share of replica-time above need (forecasting.planner.warm_cost)",
+            "Share of replica-time above need (forecasting.budget.warm_cost)",
             ["model"],
             registry=registry,
         )

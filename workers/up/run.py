@@ -29,7 +29,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from forecasting.planner import warm_cost
+from forecasting.budget import warm_cost
 from prewarm.core import keys
 from prewarm.registry.embedded import claim_port_block, free_port
 from prewarm.runtime.model import load_manifest, make_model
@@ -206,7 +206,7 @@ class UpRun:
 
     @property
     def warm_cost(self) -> float:
-        """The one warm-cost definition (`forecasting.planner.warm_cost`) over this run: replica-time above need."""
+        """The one warm-cost definition (`forecasting.budget.warm_cost`) over this run: replica-time above need."""
         return warm_cost(self.live_dt, self.need_dt) if self.live_dt else 0.0
 
     def _view(self, counts: dict[tuple[str, str, str], int], phase: str) -> Group:

@@ -107,6 +107,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.planner.interruption.minRequests | quote }}
 - name: PREWARM_PLANNER_INTERRUPTION_HOLD_S
   value: {{ .Values.planner.interruption.holdSeconds | quote }}
+- name: PREWARM_PLANNER_PAUSE_MEMORY
+  value: {{ .Values.planner.interruption.pauseMemory | quote }}
 {{- with .Values.planner.models }}
 - name: PREWARM_PLANNER_MODELS
   value: {{ toJson . | quote }}

@@ -1,0 +1,125 @@
+"""How long a fall is held: learned from the model's own pauses, as long as the cold-start budget affords.
+
+A tenant that stops sending and comes back at the same rate pays a whole cold start of waits at its
+returning rate for every return that finds its replicas released: a margin on the square root of a zero
+load is zero, and no forecast sees an onset that does not recur (ServeGen's chunk-116 comes back from zero
+85 times in 14 days, after pauses of 10 minutes to 18 hours). The interruption hold
+(`forecasting.interruption`) keeps what the traffic's recent level expects; held for a fixed span
+(`interruption_hold_s`, an hour) it is the wrong length for every tenant but one: too short where the pauses
+run for hours, and one length for a tenant whose misses the budget can afford and one whose it cannot.
+
+So the span is read from the pauses the model has had, as the serverless keep-alive of a histogram of
+idle times is (Shahrad et al., 2020), at the quantile the cold-start budget affords. A return the hold
+misses makes the requests of its first lead back wait; over a pause cycle (the mean time between returns)
+the budget lets `cold_start_budget` of the cycle's requests wait. Their ratio is the share of
+pauses that may outlast the hold:
+
+    alpha = cold_start_budget x requests per cycle / median requests of a lead back
+
+and the hold is the (1 - alpha) quantile of the remembered pause lengths, never below
+`interruption_hold_s` (alpha of 1 or more: a miss is cheap against the traffic between pauses, and the
+hour stays) and never above the season (`season_s`: a pause longer than a day is the daily profile's to
+judge, and the gateway keeps its fine counters two days). Read from few pauses the quantile is their
+longest, on the safe side, as the margin starts on the safe side of the budget.
+
+The learned span does not change how a fall is found: that is judged on the hour's level, as before (read
+over a day, the level of a bursty tenant's busiest burst made every quiet hour after it a fall, and the
+holds cost more GPU for more waits: chunk-73 at 60 s, 0.58% of its requests waited with a fixed 24 h span,
+0.32% with the hour). It changes how long a fall that stays silent is held: past the hour, while no
+request came since it began (`silent_through`), its level is read over the learned span (so what is held
+fades as the pause takes up more of it) and it is held until the span ends.
+
+A pause is a run of fine buckets without a request at least `stabilization_s` long (a shorter one is
+covered by the scale-down window: nothing was released); what a miss of it costs is the requests of its
+first lead back. The last `pause_memory` pauses are remembered (0, the default: none, and the hour holds).
+Dense traffic has no pause, or pauses (a counter gap, an outage) so rare against its traffic that alpha is
+above 1: nothing changes there (ServeGen m-small's 14 days at 60 s, identical to the digit).
+
+Off by default, because on the two bursty clients it is a split (docs/operating.md, "Built, off by
+default: the span of a silent fall learned from the model's pauses"): chunk-116 waits 4x less at a 60 s
+cold start for 7% more GPU, chunk-73 waits 10-25% more.
+
+Pure: no I/O, no clock (bucket times come with the counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Pause = tuple[float, float, float]  # (ended at, length s, the requests of the lead back)
+
+
+class Pauses(NamedTuple):
+    """What is carried between steps (`forecasting.planner.PlannerState`)."""
+
+    pauses: tuple[Pause, ...] = ()
+    silent_since: float | None = None  # the end of the last bucket with a request (None: none seen yet)
+    since: float | None = None  # when the pauses began to be counted (the span their frequency is read over)
+    hold_s: float = 0.0  # the learned hold as of the last step (0: none; the fine history a step reads covers it)
+    requests: float = 0.0  # the requests counted since `since` (the traffic the budget's share is of)
+    counted_to: float | None = None  # the end of the last bucket counted in `requests`
+
+
+def from_dict(d: dict[str, Any]) -> Pauses:
+    """`Pauses._asdict()` read back (from JSON: lists for tuples)."""
+    s, since = d.get("silent_since"), d.get("since")
+    to = d.get("counted_to")
+    return Pauses(tuple((float(e), float(n), float(r)) for e, n, r in d.get("pauses", ())),
+                  None if s is None else float(s), None if since is None else float(since),
+                  float(d.get("hold_s", 0.0)), float(d.get("requests", 0.0)), None if to is None else float(to))
+
+
+def observe(carried: Pauses, requests: np.ndarray, start: float, bucket_s: float, min_s: float,
+            memory: int, lead_s: float) -> Pauses:
+    """Take in the fine buckets (requests per bucket from epoch `start`): a return after at least `min_s`
+    without a request is remembered as a pause (the last `memory`), with the requests of its first `lead_s`
+    back (what a return that finds nothing makes wait)."""
+    if requests.size == 0:
+        return carried
+    since = start if carried.since is None else carried.since
+    end = start + requests.size * bucket_s
+    new = requests[max(0, int((carried.counted_to - start) // bucket_s)):] if carried.counted_to is not None else requests
+    carried = carried._replace(since=since, requests=carried.requests + float(new.sum()),
+                               counted_to=max(end, carried.counted_to or end))
+    busy = np.flatnonzero(requests > 0)
+    if busy.size == 0:
+        return carried
+    pauses, silent = carried.pauses, carried.silent_since
+    if silent is not None:
+        back = busy[start + busy * bucket_s >= silent]
+        if back.size and start + float(back[0]) * bucket_s - silent >= min_s:
+            ended = start + float(back[0]) * bucket_s
+            pauses = (pauses + ((ended, ended - silent, 0.0),))[-memory:]
+    if pauses and pauses[-1][0] >= start:  # the requests of the lead back, as its buckets come in
+        ended, length, got = pauses[-1]
+        first = int((ended - start) // bucket_s)
+        lead = float(requests[first:first + max(1, int(math.ceil(lead_s / bucket_s)))].sum())
+        pauses = pauses[:-1] + ((ended, length, max(got, lead)),)
+    last = start + (float(busy[-1]) + 1.0) * bucket_s
+    return carried._replace(pauses=pauses, silent_since=max(last, silent or last), since=since)
+
+
+def hold_s(carried: Pauses, budget: float, memory: int, floor_s: float, ceiling_s: float) -> tuple[float, float | None]:
+    """The learned hold, within [`floor_s`, `ceiling_s`], and the share of pauses the budget lets outlast it (None:
+    no pause remembered, no request counted, or no budget)."""
+    ps, since, to = carried.pauses, carried.since, carried.counted_to
+    if not ps or not carried.requests > 0 or since is None or to is None or not to > since or not 0 < budget < 1:
+        return floor_s, None
+    # the requests of a pause cycle: those counted over the span the remembered pauses came in, per pause
+    first = since if len(ps) < memory else max(since, ps[0][0] - ps[0][1])
+    cycle = carried.requests * (to - first) / (to - since) / len(ps)
+    lengths = np.array([p[1] for p in ps])
+    miss = float(np.median([p[2] for p in ps]))  # the waits of a return that finds nothing
+    alpha = budget * cycle / miss if miss > 0 else 1.0
+    if alpha >= 1.0:
+        return floor_s, alpha
+    return min(ceiling_s, max(floor_s, float(np.quantile(lengths, 1.0 - alpha)))), alpha
+
+
+def silent_through(carried: Pauses, quiet_since: float | None, now: float, span_s: float) -> bool:
+    """Whether an interruption that began at `quiet_since` has had no request since, and is within `span_s`."""
+    s = carried.silent_since
+    return quiet_since is not None and s is not None and s <= quiet_since and now - quiet_since <= span_s
