@@ -37,8 +37,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    predicted rise may, in predictive mode, spend what calm steps left unspent (the budget holds on
    average over `budget_window_s`, the state carries the account), so a step may pre-warm a rise the
    forecaster learned to expect; in reactive mode the budget holds at every step;
-   an interruption (`forecasting.interruption`) keeps the live replicas (where only the recent level
-   contradicts the fall, what its expected requests need) for at most `interruption_hold_s`;
+   an interruption (`forecasting.interruption`) keeps the live replicas (where only the recent level contradicts
+   the fall, what its expected requests need) for at most `interruption_hold_s` (silent: `forecasting.pauses`);
 6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
    rise is predicted within the lead, the warm pool's events; ids derive from (model,
    kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
@@ -319,7 +319,7 @@ def _forecast(inp: StepInputs, state: PlannerState, lead: float) -> tuple[Foreca
     p, obs = inp.params, inp.observed
     kw = dict(horizon=lead_buckets(lead, obs.bucket_s), quantile=p.quantile, window=int(p.score_window_s // obs.bucket_s),
               level_buckets=max(1, int(p.level_s // obs.bucket_s)), profile=state.profile, season_s=p.season_s)
-    # the forecaster reads what it read without a learned hold (a day more of it brings in the seasonal candidate)
+    # the forecaster reads the window it reads without a learned span: its inputs do not depend on the pauses
     cut = max(0, obs.requests.size - int(math.ceil(recent_span_s(state, p, lead, held=False) / obs.bucket_s)))
     start = obs.start + cut * obs.bucket_s
     fc = forecast_peak(obs.inflight[cut:], start, obs.bucket_s, **kw)  # type: ignore[arg-type]
@@ -513,7 +513,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                          replicas=max(1, target - budget_target), reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
     target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
-    # the interruption's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`)
+    # a silent fall's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`; off at 0)
     paused = pauses.observe(state.pauses, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p.pause_memory,
                             lead) if p.pause_memory > 0 else state.pauses
     span, alpha = pauses.hold_s(paused, p.cold_start_budget, p.pause_memory, p.interruption_hold_s,
