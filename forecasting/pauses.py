@@ -58,7 +58,6 @@ class Pauses(NamedTuple):
     pauses: tuple[Pause, ...] = ()
     silent_since: float | None = None  # the end of the last bucket with a request (None: none seen yet)
     since: float | None = None  # when the pauses began to be counted (the span their frequency is read over)
-    hold_s: float = 0.0  # the learned hold as of the last step (0: none; the fine history a step reads covers it)
     requests: float = 0.0  # the requests counted since `since` (the traffic the budget's share is of)
     counted_to: float | None = None  # the end of the last bucket counted in `requests`
 
@@ -69,7 +68,7 @@ def from_dict(d: dict[str, Any]) -> Pauses:
     to = d.get("counted_to")
     return Pauses(tuple((float(e), float(n), float(r)) for e, n, r in d.get("pauses", ())),
                   None if s is None else float(s), None if since is None else float(since),
-                  float(d.get("hold_s", 0.0)), float(d.get("requests", 0.0)), None if to is None else float(to))
+                  float(d.get("requests", 0.0)), None if to is None else float(to))
 
 
 def observe(carried: Pauses, requests: np.ndarray, start: float, bucket_s: float, min_s: float,

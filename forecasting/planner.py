@@ -273,11 +273,9 @@ def refit_due(state: PlannerState, now: float, params: PlannerParams) -> bool:
 
 
 def recent_span_s(state: PlannerState, params: PlannerParams, lead_s: float, held: bool = True) -> float:
-    """How much fine history a step reads: the scored window or the interruption's recent level (over its span
-    as the last step learned it) and window (plus a day while no profile is learned, for the seasonal-naive
-    candidate)."""
-    # the interruption's span, learned from its pauses (`held` False: the span the forecaster reads, without it)
-    hold = max(params.interruption_hold_s, state.pauses.hold_s if held else 0.0)
+    """How much fine history a step reads: the scored window or the interruption's recent level (over a silent fall's
+    span; `held` False: without it, what the forecaster reads) and window (plus a day while no profile is learned)."""
+    hold = _span(state.pauses, params)[0] if held else params.interruption_hold_s
     base = max(params.score_window_s, params.budget_calibration_s, hold + params.stabilization_s) \
         + lead_s + params.level_s + 2 * params.fine_bucket_s
     return base + (params.season_s if state.profile is None else 0.0)
@@ -295,6 +293,10 @@ def observed_from_counts(start: float, bucket_s: float, requests: Sequence[float
     return Observed(float(start), float(bucket_s), np.asarray(requests, dtype=np.float64),
                     np.asarray(peak, dtype=np.float64), np.asarray(busy, dtype=np.float64),
                     None if waited is None else np.asarray(waited, dtype=np.float64), now_load)
+
+
+def _span(c: pauses.Pauses, p: PlannerParams) -> tuple[float, float | None]:  # a silent fall's span, and its alpha
+    return pauses.hold_s(c, p.cold_start_budget, p.pause_memory, p.interruption_hold_s, max(p.interruption_hold_s, p.season_s))
 
 
 def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
@@ -516,9 +518,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     # a silent fall's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`; off at 0)
     paused = pauses.observe(state.pauses, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p.pause_memory,
                             lead) if p.pause_memory > 0 else state.pauses
-    span, alpha = pauses.hold_s(paused, p.cold_start_budget, p.pause_memory, p.interruption_hold_s,
-                                max(p.interruption_hold_s, p.season_s))
-    paused = paused._replace(hold_s=span)
+    span, alpha = _span(paused, p)
     ran = bool(p.batch_jobs) and batch_replicas(p.batch_jobs, inp.model, inp.now - span, inp.now)[0] > 0
     fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p, not ran,
                                     obs.peak)

@@ -110,7 +110,7 @@ def test_the_planner_holds_a_long_pause_its_past_pauses_say_will_end() -> None:
 
 
 def test_the_pauses_survive_the_planner_states_round_trip() -> None:
-    carried = _pauses([600.0, 1200.0], back=3.0, every_s=3600.0)._replace(hold_s=5400.0)
+    carried = _pauses([600.0, 1200.0], back=3.0, every_s=3600.0)._replace(requests=40.0, counted_to=7200.0)
     state = PlannerState(pauses=carried)
     assert PlannerState.from_json(state.to_json()).pauses == carried
     assert PlannerState.from_json(PlannerState().to_json()).pauses == Pauses()
