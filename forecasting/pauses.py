@@ -37,7 +37,8 @@ above 1: nothing changes there (ServeGen m-small's 14 days at 60 s, identical to
 
 Off by default, because on the two bursty clients it is a split (docs/operating.md, "Built, off by
 default: the span of a silent fall learned from the model's pauses"): chunk-116 waits 4x less at a 60 s
-cold start for 7% more GPU, chunk-73 waits 10-25% more.
+cold start for 7% more GPU, chunk-73 waits 10-25% more (from two onsets met with fewer replicas, not from the
+holds); on ten more m-large clients it changes nothing.
 
 Pure: no I/O, no clock (bucket times come with the counts).
 """
