@@ -50,14 +50,6 @@ def chosen(trace: FleetTrace, names: list[str] | None, min_requests: float, min_
     return [trace.names[k] for k in sorted(keep, key=lambda k: -total[k])]
 
 
-def client_trace(trace: FleetTrace, name: str, limit_s: float | None) -> RateTrace:
-    """One client's rate per window (zeros where it sent nothing), as `prewarm backtest` reads a rate file."""
-    k = trace.names.index(name)
-    n = trace.n_steps if limit_s is None else min(trace.n_steps, int(np.ceil(limit_s / trace.step_s)))
-    return RateTrace(window_start_s=np.arange(n) * trace.step_s, rate=trace.counts[:n, k] / trace.step_s,
-                     window_s=trace.step_s, source=f"{trace.source}:{name}", start_epoch=trace.start_epoch)
-
-
 def replay(tr: RateTrace, params: SimParams, memory: int) -> dict[str, Any]:
     row = run_backtest(tr, params, ["prewarm"], policy_kwargs={"prewarm": {"pause_memory": memory}})["result"]["rows"][0]
     return {"share": row["cold_start_share"], "gpu_hours": row["gpu_hours"], "starts": row["starts"]}
@@ -84,7 +76,7 @@ def main(argv: list[str]) -> int:
     per: dict[str, dict[str, Any]] = {}
     rows: list[tuple[str, Any, str]] = []
     for name in names:
-        tr = client_trace(trace, name, args.limit_s)
+        tr = trace.client(name, args.limit_s)
         requests = float(tr.rate.sum() * tr.window_s)
         off, on = replay(tr, params, 0), replay(tr, params, args.memory)
         per[name] = {"requests": requests, "off": off, "on": on}

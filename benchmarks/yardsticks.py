@@ -13,8 +13,12 @@ A fleet trace (per-client rates) runs the fleet backtest instead: every fleet po
 sleep-enabled baselines included, their curves and `at_equal` (the planner's point read on
 each curve).
 
+`--client NAME` replays one model of a fleet trace alone (a tenant of a per-client file, its rate per
+window with zeros where it sent nothing) through the single-model yardsticks: is prewarm dominated on
+that tenant, curve by curve.
+
 Usage: python benchmarks/yardsticks.py TRACE [--cold-start 8.7] [--days 7] [--few] [--quick] [--json] [--out F.json]
-       [--row LABEL] [--plot F.png] [--prewarm-curve]
+       [--row LABEL] [--plot F.png] [--prewarm-curve] [--client NAME]
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, like the other benchmarks
 
 from benchmarks.common import ROOT, parser
-from forecasting.data.traces import load_trace
+from forecasting.data.traces import HistoryError, load_trace
+from forecasting.fleet.traces import is_fleet_trace, load_fleet
 from forecasting.sim.scoring import SWEEP_KNOBS, run_sweep
 from forecasting.sim.simulate import SimParams
 
@@ -62,14 +67,20 @@ def main() -> None:
     p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--row", metavar="LABEL", help="also print the README's table row for this run, labelled LABEL")
     p.add_argument("--plot", metavar="OUT.png", help="also draw every policy's curve (cold share against GPU or GB·h)")
+    p.add_argument("--client", metavar="NAME", help="with a fleet trace: replay this one model (a client of a per-client "
+                   "file) alone, as a rate trace, through the single-model yardsticks instead of the fleet backtest")
     args = p.parse_args()
     from prewarm.cli.backtest import _head
 
-    from forecasting.fleet.traces import is_fleet_trace
-
-    if is_fleet_trace(args.trace):
+    trace: Any
+    if is_fleet_trace(args.trace) and not args.client:
         return _fleet(args)
-    trace: Any = load_trace(args.trace)
+    if args.client and not is_fleet_trace(args.trace):
+        p.error(f"--client {args.client!r}: {args.trace} is not a fleet trace (per-client rates, a request log)")
+    try:
+        trace = load_fleet([args.trace]).client(args.client) if args.client else load_trace(args.trace)
+    except HistoryError as exc:
+        p.error(str(exc))
     days = 0.25 if args.quick else args.days
     if days:
         trace = _head(trace, days * 86400.0)
@@ -119,7 +130,6 @@ def _fleet(args: Any) -> None:
 
     from forecasting.fleet.backtest import FleetSetup, resample, run_fleet_backtest
     from forecasting.fleet.report import print_fleet
-    from forecasting.fleet.traces import load_fleet
 
     trace = resample(load_fleet([args.trace]), 60.0)
     days = 2.0 if args.quick else args.days

@@ -253,6 +253,17 @@ def test_fleet_trace_head_keeps_the_busiest() -> None:
     assert tr.head(2).names == ("b", "c")
 
 
+def test_one_client_of_a_fleet_trace_is_a_rate_trace_with_zeros_where_it_sent_nothing() -> None:
+    fleet = load_fleet([FIX / "client_rates.csv"])
+    rare = fleet.client("client-rare")
+    assert rare.window_s == 600.0 and rare.rate.size == fleet.n_steps and rare.source.endswith(":client-rare")
+    assert np.flatnonzero(rare.rate).tolist() == [40, 41, 200] and rare.rate[40] == pytest.approx(0.05)
+    assert rare.window_start_s[:3].tolist() == [0.0, 600.0, 1200.0]
+    assert fleet.client("client-rare", limit_s=41 * 600.0 - 1.0).rate.size == 41  # the window begun is kept
+    with pytest.raises(HistoryError, match="no model 'nope'"):
+        fleet.client("nope")
+
+
 def test_the_memory_price_is_steered_by_the_cold_start_budget() -> None:
     """Without a memory budget the price of warmth is an integrator of the cold-start budget's overspend: requests
     that waited beyond the budget lower it (more models stay warm), calm raises it, by `price_gain` e-folds per

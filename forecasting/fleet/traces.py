@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from forecasting.data.traces import HistoryError
+from forecasting.data.traces import HistoryError, RateTrace
 
 _MODEL_COLUMNS = ("client", "model", "model_id", "app", "function")
 _MINUTE = re.compile(r"^(?:minute_?)?(\d+)$", re.IGNORECASE)
@@ -70,6 +70,16 @@ class FleetTrace:
         order = np.sort(order)
         return FleetTrace(tuple(self.names[i] for i in order), self.counts[:, order], self.step_s,
                           self.source, self.kind, self.start_epoch)
+
+    def client(self, name: str, limit_s: float | None = None) -> RateTrace:
+        """One model's rate per step (zeros where it had no request), as a single-model rate trace: the
+        first `limit_s` seconds (None: all). An unknown name is an error that names it."""
+        if name not in self.names:
+            raise HistoryError(f"no model {name!r} in {self.source} (it has {self.n_models})")
+        k = self.names.index(name)
+        n = self.n_steps if limit_s is None else min(self.n_steps, int(np.ceil(limit_s / self.step_s)))
+        return RateTrace(window_start_s=np.arange(n) * self.step_s, rate=self.counts[:n, k] / self.step_s,
+                         window_s=self.step_s, source=f"{self.source}:{name}", start_epoch=self.start_epoch)
 
 
 def _columns(frame: pd.DataFrame) -> dict[str, str]:
