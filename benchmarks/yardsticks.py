@@ -73,9 +73,10 @@ def main() -> None:
     from prewarm.cli.backtest import _head
 
     trace: Any
-    if is_fleet_trace(args.trace) and not args.client:
+    fleet = is_fleet_trace(args.trace)  # reads the file's head: once
+    if fleet and not args.client:
         return _fleet(args)
-    if args.client and not is_fleet_trace(args.trace):
+    if args.client and not fleet:
         p.error(f"--client {args.client!r}: {args.trace} is not a fleet trace (per-client rates, a request log)")
     try:
         trace = load_fleet([args.trace]).client(args.client) if args.client else load_trace(args.trace)
