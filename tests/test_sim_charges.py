@@ -18,7 +18,7 @@ from forecasting.budget import replicas_needed
 from forecasting.planner import PlannerParams
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
-from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized, make_policy
+from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized, make_policy, oracle_want
 from forecasting.sim.scoring import at_equal_share, run_backtest, run_sweep, sweep_summary
 from forecasting.sim.simulate import SimParams, Workload, build_workload, replay
 from prewarm.cli import main
@@ -378,3 +378,27 @@ def test_the_ablation_runs_with_the_planner_settings_prewarm_runs_with(monkeypat
     for name in ("prewarm", "prewarm_fixed_margin"):
         policy = make_policy(name, **kw[name])
         assert isinstance(policy, Prewarm) and policy.params.stabilization_s == 120.0, name
+
+
+@pytest.mark.parametrize("node_loads,snapshot", [("ordered", None), ("shared", None), ("ordered", 0.34)])
+@pytest.mark.parametrize("aggregated", [False, True])
+def test_the_oracle_leads_a_nodes_worth_of_loads_by_their_turns(node_loads: str, snapshot: float | None,
+                                                                aggregated: bool) -> None:
+    """A step that needs two nodes' worth of replicas at once: the replicas behind others on their node load later
+    than one cold start, so the oracle starts them earlier and no request waits (one cold start's lead waited)."""
+    trace = RateTrace(window_start_s=np.array([0.0, 1800.0]), rate=np.array([0.5, 160.0]), window_s=1800.0,
+                      source="step")
+    params = SimParams(cold_start_s=60.0, node_loads=node_loads, snapshot_ratio=snapshot,
+                       aggregate_above_rps=0.0 if aggregated else 1e9)
+    out = run_backtest(trace, params, ("oracle",))
+    work = out["work"]
+    assert work.aggregated is aggregated and work.need.max() > 2 * params.gpus_per_node
+    assert out["result"]["policies"]["oracle"]["cold_start_share"] == 0.0
+    want = oracle_want(work.need, params)
+    level = 2 * params.gpus_per_node  # the last replica on the second node: 7 behind the others in its node's line
+    behind = params.gpus_per_node - 1
+    cold = 60.0 * (1 + 3 * params.cold_start_cv)  # the slowest draw the oracle plans for
+    lead = cold + behind * cold * params.load_share * (snapshot or 1.0) + params.actuation_delay_s
+    needed_at = int(np.argmax(work.need >= level))
+    assert work.need[1800:1860].max() >= level and (want >= work.need).all()
+    assert int(np.argmax(want >= level)) <= needed_at - lead

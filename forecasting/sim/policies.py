@@ -58,6 +58,7 @@ from forecasting.planner import (
 from forecasting.budget import replicas_needed
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import cold_start_p95
+from forecasting.sim.workload import SimParams
 from prewarm.core.domain import ModelSpec
 
 POLICIES = ("reactive", "reactive_sized", "fixed_pool", "keepalive", "prewarm", "oracle")
@@ -248,27 +249,41 @@ class ReactiveSized(Policy):
 
 
 class Oracle(Policy):
-    """Knows the future need; keeps the most needed within one cold start (+2 s) ahead."""
+    """Knows the future need; starts each replica one worst-case load (+2 s) before the need reaches it.
+
+    A replica's worst-case load is the slowest cold start plus, for each replica ahead of it on its node, one more
+    weight transfer (a node's transfers are ordered or share its bandwidth, `forecasting.sim.loads`; credited
+    snapshot copies take `snapshot_ratio` of one). Replicas pack nodes in start order, so the j-th replica of the
+    need is at most ((j - 1) mod gpus_per_node)-th on its node: its lead is read from that position, and a step
+    that needs a node's worth of replicas at once starts its last ones earlier than its first.
+    """
 
     name = "oracle"
     period_s = 1.0
 
     def start(self, env: PolicyEnv) -> int:
-        self._need = env.work.need
-        p = env.params
-        cold = max(p.cold_starts_s) if p.cold_starts_s else p.cold_start_s * (1 + 3 * p.cold_start_cv)
-        self._ahead = int(math.ceil(cold + p.actuation_delay_s)) + 2
-        if not self._need.size:
-            self._want: list[int] = []
-            return 0
-        padded = np.concatenate([self._need, np.zeros(self._ahead - 1, dtype=self._need.dtype)])
-        # the most needed in [t, t + ahead): a sliding maximum, computed once
-        self._want = np.lib.stride_tricks.sliding_window_view(padded, self._ahead).max(axis=1).tolist()
-        return int(self._want[0])
+        need = env.work.need
+        self._want: list[int] = oracle_want(need, env.params).tolist() if need.size else []
+        return int(self._want[0]) if self._want else 0
 
     def decide(self, obs: Observation) -> int:
         t = int(obs.now)
         return self._want[t] if t < len(self._want) else 0
+
+
+def oracle_want(need: np.ndarray, params: SimParams) -> np.ndarray:
+    """The replicas the oracle keeps live each second: the largest j that its lead (`Oracle`) sees needed."""
+    cold = max(params.cold_starts_s) if params.cold_starts_s else params.cold_start_s * (1 + 3 * params.cold_start_cv)
+    gpn = params.gpus_per_node
+    transfer = cold * params.load_share * (params.snapshot_ratio if params.snapshot_ratio is not None else 1.0)
+    want = np.zeros(need.size, dtype=np.int64)
+    for q in range(gpn):  # the replicas with q ahead of them on their node: j = q + 1, q + 1 + gpn, ...
+        ahead = int(math.ceil(cold + q * transfer + params.actuation_delay_s)) + 2
+        padded = np.concatenate([need, np.zeros(ahead - 1, dtype=need.dtype)])
+        most = np.lib.stride_tricks.sliding_window_view(padded, ahead).max(axis=1).astype(np.int64)
+        top = most - np.mod(most - 1 - q, gpn)  # the largest j <= most at node position q
+        want = np.maximum(want, np.where(most >= q + 1, top, 0))
+    return want
 
 
 class Prewarm(Policy):
