@@ -111,6 +111,11 @@ def main() -> None:
     print(f"at prewarm's default cold-start share ({share:.4%}):" if share is not None else "no prewarm point")
     for k, v in eq["policies"].items():
         print(f"  {k:<20} {'outside its curve' if v is None else f'{v:.3f}x reactive'}")
+    if (fs := out["foresight"]) is not None:
+        got = "" if fs["captured"] is None else f"; prewarm gets {fs['captured']:.0%} of the oracle's saving"
+        print(f"foresight: the oracle (cold {fs['oracle_cold_start_share']:.4%}) {fs['oracle']:.3f}x reactive, "
+              f"{fs['oracle_vs_reactive_sized']:.3f}x reactive_sized at prewarm's share; prewarm "
+              f"{fs['prewarm_vs_reactive_sized']:.3f}x{got}")
     if args.row:
         print(readme_row(args.row, out))
     if args.plot:

@@ -46,6 +46,26 @@ def sweep_summary(points: Sequence[Mapping[str, Any]], anchor: str = "prewarm", 
     return out
 
 
+def foresight(points: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], anchor: str = "prewarm",
+              ablation: str = "reactive_sized", oracle: str = "oracle",
+              y: str = "gpu_hours_vs_reactive") -> dict[str, Any] | None:
+    """What perfect foresight would save against the forecast-free ablation at the anchor's share, and how much of
+    it the anchor saves: the oracle's `y` (its default point; it knows the need and waits for no load, so it is
+    the reference a forecast is read against, not a proof of the least cost at a share) over the ablation's `y`
+    on its curve at the anchor's share (`summary`, `sweep_summary`'s), the anchor's over the same, and the share
+    of the oracle's saving the anchor gets. None when a reading is missing (the ablation's curve does not reach
+    the anchor's share, or a policy was not replayed)."""
+    o = next((p for p in points if p["policy"] == oracle and p["default"]), None)
+    at = summary.get("policies", {})
+    base, mine = at.get(ablation), at.get(anchor)
+    if o is None or o.get(y) is None or not base or mine is None:
+        return None
+    saved = base - float(o[y])
+    return {"oracle": float(o[y]), "oracle_cold_start_share": o.get("cold_start_share"),
+            f"oracle_vs_{ablation}": float(o[y]) / base, f"{anchor}_vs_{ablation}": mine / base,
+            "captured": (base - mine) / saved if saved > 0 else None}
+
+
 def weighted_quantile(values: np.ndarray, weights: np.ndarray | None, q: float) -> float:
     """The q-quantile of values (each counted `weight` times; None: once each); nan when there is no weight."""
     if values.size == 0:

@@ -19,6 +19,7 @@ from forecasting.planner import PlannerParams
 from forecasting.sim.interface import Observation, Policy, PolicyEnv
 from forecasting.sim.loads import LoadBank, cold_start_p95
 from forecasting.sim.policies import POLICIES, Prewarm, ReactiveSized, make_policy, oracle_want
+from forecasting.curves import foresight
 from forecasting.sim.scoring import at_equal_share, run_backtest, run_sweep, sweep_summary
 from forecasting.sim.simulate import SimParams, Workload, build_workload, replay
 from prewarm.cli import main
@@ -280,6 +281,27 @@ def test_sweep_summary_reads_every_curve_at_prewarms_default_share() -> None:
     assert out["policies"] == {"prewarm": 0.7, "reactive": pytest.approx(1.0 - 0.2 / 3), "oracle": None}
 
 
+def test_foresight_reads_the_oracle_against_the_ablation_at_prewarms_share() -> None:
+    pts = [
+        {"policy": "prewarm", "default": True, "cold_start_share": 0.01, "gpu_hours_vs_reactive": 0.85},
+        {"policy": "reactive_sized", "default": True, "cold_start_share": 0.02, "gpu_hours_vs_reactive": 0.8},
+        {"policy": "reactive_sized", "default": False, "cold_start_share": 0.005, "gpu_hours_vs_reactive": 1.0},
+        {"policy": "oracle", "default": True, "cold_start_share": 0.0, "gpu_hours_vs_reactive": 0.6},
+    ]
+    fs = foresight(pts, sweep_summary(pts))
+    assert fs is not None
+    base = 1.0 - 0.2 * (0.01 - 0.005) / 0.015  # reactive_sized's curve at prewarm's share
+    assert fs["oracle_vs_reactive_sized"] == pytest.approx(0.6 / base)
+    assert fs["prewarm_vs_reactive_sized"] == pytest.approx(0.85 / base)
+    assert fs["captured"] == pytest.approx((base - 0.85) / (base - 0.6)) and fs["oracle_cold_start_share"] == 0.0
+    # the ablation's curve short of prewarm's share, or no oracle: nothing to read
+    assert foresight(pts[:1] + pts[2:], sweep_summary(pts[:1] + pts[2:])) is None
+    assert foresight(pts[:3], sweep_summary(pts[:3])) is None
+    # an oracle no cheaper than the ablation there: nothing for a forecast to get
+    worse = pts[:3] + [dict(pts[3], gpu_hours_vs_reactive=1.2)]
+    assert foresight(worse, sweep_summary(worse))["captured"] is None  # type: ignore[index]
+
+
 def _small_rate_trace() -> RateTrace:
     rng = np.random.default_rng(5)
     return RateTrace(window_start_s=np.arange(0, 7200.0, 300.0), rate=rng.uniform(2.0, 12.0, 24), window_s=300.0,
@@ -313,6 +335,10 @@ def test_sweep_gives_rows_points_and_the_equal_share_summary() -> None:
     assert eq["cold_start_share"] == prewarm["cold_start_share"]
     assert eq["policies"]["prewarm"] == prewarm["gpu_hours_vs_reactive"]
     assert set(eq["policies"]) == {"reactive", "reactive_sized", "prewarm", "oracle"}
+    fs = out["foresight"]
+    assert (fs is None) == (eq["policies"]["reactive_sized"] is None)  # read only where its curve reaches the share
+    if fs is not None:
+        assert fs["prewarm_vs_reactive_sized"] == pytest.approx(eq["policies"]["prewarm"] / eq["policies"]["reactive_sized"])
 
 
 def test_cli_sweep_json_and_the_charges_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
-from forecasting.curves import weighted_quantile
+from forecasting.curves import foresight, weighted_quantile
 from forecasting.budget import warm_cost
 from forecasting.planner import PlannerParams
 from forecasting.sim.policies import KNOWN, POLICIES, Prewarm, make_policy
@@ -150,10 +150,11 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
               progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
 
-    Returns `{"trace", "reactive_gpu_hours", "rows", "points", "at_equal_cold_start_share"}`: `points`
-    holds every setting ({policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
-    cold_start_share, ttft_p99_s, starts}), `rows` the defaults, and `at_equal_cold_start_share`
-    each policy's GPU-hours vs reactive on its curve at prewarm's default cold-start share.
+    Returns `{"trace", "reactive_gpu_hours", "rows", "points", "at_equal_cold_start_share", "foresight"}`:
+    `points` holds every setting ({policy, knob, value, default, gpu_hours, gpu_hours_vs_reactive,
+    cold_start_share, ttft_p99_s, starts}), `rows` the defaults, `at_equal_cold_start_share`
+    each policy's GPU-hours vs reactive on its curve at prewarm's default cold-start share, and
+    `foresight` the oracle's against `reactive_sized`'s there (`forecasting.curves.foresight`).
     The oracle is one point.
     """
     knobs = SWEEP_KNOBS if knobs is None else knobs
@@ -175,6 +176,7 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
         base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
     for pt in points:
         pt["gpu_hours_vs_reactive"] = pt["gpu_hours"] / base_gpu if base_gpu else None
+    summary = sweep_summary(points)
     return {"trace": work.source, "params": asdict(params) | {"engine": "fluid" if work.aggregated else "exact"},
             "reactive_gpu_hours": base_gpu, "rows": [p for p in points if p["default"]],
-            "points": points, "at_equal_cold_start_share": sweep_summary(points)}
+            "points": points, "at_equal_cold_start_share": summary, "foresight": foresight(points, summary)}
