@@ -254,8 +254,9 @@ class Oracle(Policy):
     A replica's worst-case load is the slowest cold start plus, for each replica ahead of it on its node, one more
     weight transfer (a node's transfers are ordered or share its bandwidth, `forecasting.sim.loads`; credited
     snapshot copies take `snapshot_ratio` of one). Replicas pack nodes in start order, so the j-th replica of the
-    need is at most ((j - 1) mod gpus_per_node)-th on its node: its lead is read from that position, and a step
-    that needs a node's worth of replicas at once starts its last ones earlier than its first.
+    need is ((j - 1) mod gpus_per_node)-th in its node's line when the nodes fill from the first (replicas retired
+    in between can leave free GPUs that put more in one line; the replays read showed no wait from it): its lead
+    is read from that position, and a step that needs a node's worth of replicas at once starts them earlier.
     """
 
     name = "oracle"
