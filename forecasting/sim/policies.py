@@ -255,7 +255,7 @@ class Oracle(Policy):
     weight transfer (a node's transfers are ordered or share its bandwidth, `forecasting.sim.loads`; credited
     snapshot copies take `snapshot_ratio` of one). Replicas pack nodes in start order, so the j-th replica of the
     need is ((j - 1) mod gpus_per_node)-th in its node's line when the nodes fill from the first (replicas retired
-    in between can leave free GPUs that put more in one line; the replays read showed no wait from it): its lead
+    in between can leave free GPUs that put more in one line, docs/simulator.md): its lead
     is read from that position, and a step that needs a node's worth of replicas at once starts them earlier.
     """
 
