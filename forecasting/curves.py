@@ -50,7 +50,7 @@ def foresight(points: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], a
               ablation: str = "reactive_sized", oracle: str = "oracle",
               y: str = "gpu_hours_vs_reactive") -> dict[str, Any] | None:
     """What perfect foresight would save against the forecast-free ablation at the anchor's share, and how much of
-    it the anchor saves: the oracle's `y` (its default point; it knows the need and waits for no load, so it is
+    it the anchor saves: the oracle's `y` (its default point; it knows the need and waits for (almost) no load, so it is
     the reference a forecast is read against, not a proof of the least cost at a share) over the ablation's `y`
     on its curve at the anchor's share (`summary`, `sweep_summary`'s), the anchor's over the same, and the share
     of the oracle's saving the anchor gets. None when a reading is missing (the ablation's curve does not reach
