@@ -11,7 +11,11 @@ Two kinds of warm capacity are priced differently, because they last differently
   changes in 6 hours at `warm_pool_size=2`, a 12% budget and a steady need of 4;
 - early scale-ups and holds before a predicted rise are transient: in predictive mode they
   may spend what calm steps left unspent (`allowed_share`: the budget holds on average
-  over `budget_window_s`), in reactive mode only the plain budget.
+  over `budget_window_s`), in reactive mode only the plain budget. The budget only refuses new early
+  capacity: the planner does not release a live replica (loading or ready) that its target still wants. Cut
+  whenever the account was spent and restored when it refilled, a held replica was released and started
+  again at alternate steps, loads cancelled half-way (chunk-83 of m-large's clients, 60 s cold starts, 14
+  days: 129 starts against 46, 0.0088% of requests waiting against 0.0068%, at the same GPU-hours).
 """
 
 from __future__ import annotations

@@ -35,13 +35,12 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    `budget_share` of the planned capacity; what it cuts is reported. The warm pool is a standing cost,
    sized against the plain budget (a stable size, no flapping); early scale-ups and holds before a
    predicted rise may, in predictive mode, spend what calm steps left unspent (the budget holds on
-   average over `budget_window_s`, the state carries the account), so a step may pre-warm a rise the
-   forecaster learned to expect; in reactive mode the budget holds at every step;
+   average over `budget_window_s`, the state carries the account), so a step may pre-warm a rise the forecaster
+   learned to expect; in reactive mode it holds at every step; it refuses new replicas, never releases live ones;
    an interruption (`forecasting.interruption`) keeps the live replicas (where only the recent level contradicts
    the fall, what its expected requests need) for at most `interruption_hold_s` (silent: `forecasting.pauses`);
-6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept because a
-   rise is predicted within the lead, the warm pool's events; ids derive from (model,
-   kind, fine bucket, pool) so a re-plan of the same decision deduplicates;
+6. `_events`: SCALE_UP / SCALE_DOWN to the target, HOLD only for replicas kept for a rise predicted within the
+   lead, the warm pool's events; ids derive from (model, kind, fine bucket, pool): a re-plan deduplicates;
 7. `place` (`forecasting.placement`): the one placement rule (snapshot holders first, then the least loaded).
 
 Warm cost has one definition here (`warm_cost`): the share of replica-time above need.
@@ -508,13 +507,14 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     why += f" (batch jobs {batch_lead})" if batch_lead else ""
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
     budget_target, pool, notes = budget.trim(target, pool, floor_next, p.budget_share, allowed if mode == PREDICTIVE else None)
+    kept = max(budget_target, min(target, inp.replicas.live))  # never a live replica the target wants (`forecasting.budget`)
     dropped: list[DroppedEvent] = []
-    if budget_target < target or notes:
+    if kept < target:
         cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
                          kind=ScaleEventKind.SCALE_UP, model=inp.model.name, revision=inp.model.revision, at=inp.now,
-                         replicas=max(1, target - budget_target), reason="warm capacity beyond need")
+                         replicas=target - kept, reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
-    target = max(budget_target, min(target, inp.replicas.live)) if mode == REACTIVE else budget_target
+    target = kept
     # a silent fall's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`; off at 0)
     paused = pauses.observe(state.pauses, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p.pause_memory,
                             lead) if p.pause_memory > 0 else state.pauses

@@ -289,6 +289,22 @@ def test_predictive_budget_holds_on_average_so_an_unspent_account_pays_for_an_ex
     assert PlannerState.from_json(state.to_json()) == state
 
 
+def test_the_budget_refuses_new_early_capacity_but_never_releases_live_replicas_the_target_wants() -> None:
+    """A spent account, a known rise from 2 to 14 replicas 100 s ahead: replicas already started for it (loading
+    or ready) are kept, not cancelled half-way to be started again once the account refills (cut and restored at
+    alternate steps, a small tenant's hold made 129 starts in 14 days for 46); none is added beyond them, and
+    only the refused ones are reported."""
+    job = BatchJob(cron=EVERY_10_MIN, model="m", replicas=12, duration_s=300.0)
+    params = replace(BASE, budget_share=0.12, batch_jobs=(job,), default_cold_start_s=170.0)
+    spent = PlannerState(warm_avg=0.5)
+    for ready, loading, target, refused in [(2, 12, 14, 0), (14, 0, 14, 0), (2, 6, 8, 6), (2, 0, 2, 12)]:
+        inp = inputs([8.0] * buckets_until(-100.0), ready=ready, loading=loading, params=params)
+        d, _ = step(inp, replace(spent, warm_at=inp.now - 10.0))
+        assert d.mode == PREDICTIVE and (d.need_next, d.need_lead, d.target) == (2, 14, target)
+        assert not any(e.kind is ScaleEventKind.SCALE_DOWN for e in d.events)
+        assert [x.event.replicas for x in d.dropped] == ([refused] if refused else [])
+
+
 def test_warm_pool_from_settings_rides_on_top() -> None:
     d, _ = step(inputs([40.0] * 400, ready=7, params=replace(BASE, warm_pool_size=2)), PlannerState())
     assert d.pool_target == 2 and ("scale_up", "warm", 2) in kinds(d)
