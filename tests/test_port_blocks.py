@@ -11,7 +11,9 @@ import pytest
 from prewarm.core.errors import TemporaryError
 from prewarm.registry.embedded import claim_port_block
 
-LO, SIZE = 29_960, 8  # a range of two blocks at the top of `prewarm up`'s: the claims below cover it
+# two blocks below `prewarm up`'s range (20000-30000) and the test workers' (30000-32760), so that no concurrent
+# claimant walks them: at the top of `prewarm up`'s, a `prewarm up` test on the other worker once held the second
+LO, SIZE = 19_960, 8
 
 
 def test_a_claimed_block_is_not_handed_to_another_process() -> None:
