@@ -506,15 +506,15 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
     why += f" (batch jobs {batch_lead})" if batch_lead else ""
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
-    budget_target, pool, notes = budget.trim(target, pool, floor_next, p.budget_share, allowed if mode == PREDICTIVE else None)
-    kept = max(budget_target, min(target, inp.replicas.live))  # never a live replica the target wants (`forecasting.budget`)
+    budget_target, pool, notes = budget.trim(target, pool, floor_next, p.budget_share,
+                                             allowed if mode == PREDICTIVE else None, inp.replicas.live)
     dropped: list[DroppedEvent] = []
-    if kept < target:
+    if budget_target < target:
         cut = ScaleEvent(event_id=event_id(inp.model, ScaleEventKind.SCALE_UP, inp.now, Pool.SERVING),
                          kind=ScaleEventKind.SCALE_UP, model=inp.model.name, revision=inp.model.revision, at=inp.now,
-                         replicas=target - kept, reason="warm capacity beyond need")
+                         replicas=target - budget_target, reason="warm capacity beyond need")
         dropped.append(DroppedEvent(cut, "; ".join(notes[:1] + notes[-1:]) if notes else "budget"))
-    target = kept
+    target = budget_target
     # a silent fall's span: the quantile of the model's own pauses the budget affords (`forecasting.pauses`; off at 0)
     paused = pauses.observe(state.pauses, obs.requests, obs.start, obs.bucket_s, p.stabilization_s, p.pause_memory,
                             lead) if p.pause_memory > 0 else state.pauses
