@@ -329,7 +329,9 @@ def test_two_replicas_of_a_node_one_reads_the_other_waits_and_maps_its_snapshot(
         model_dir: Path, tmp_path: Path, server: RuntimeProcess) -> None:
     """Two `serve-model` processes of one model sharing a node's snapshot directory: the second, asked to load
     while the first reads the original (capped), waits for the first's snapshot and maps it (`/load` says so)."""
-    env = {"PREWARM_RUNTIME_READ_LIMIT_BPS": "800000"}  # the ~4 MB model reads in ~5 s
+    # the ~4 MB model reads in ~10 s: long enough that the second's load starts within the first's read on a
+    # machine busy with other tests (at ~5 s, once, with two replay sweeps beside it, it started after the fill)
+    env = {"PREWARM_RUNTIME_READ_LIMIT_BPS": "400000"}
     first = start_runtime(model_dir, tmp_path, "--no-autoload", "--model-name", "tiny", env=env)
     second = start_runtime(model_dir, tmp_path, "--no-autoload", "--model-name", "tiny", env=env)
     try:
@@ -339,6 +341,7 @@ def test_two_replicas_of_a_node_one_reads_the_other_waits_and_maps_its_snapshot(
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert call(second.url + "/load", "POST", {}, token=TOKEN)[0] == 202
+        assert not call(first.url + "/load", token=TOKEN)[1]["loaded"], "the first had read it all already"
         one, two = wait_loaded(first.url), wait_loaded(second.url)
         assert one["source"] == "original" and one["fill_waited_s"] == 0.0
         assert two["source"] == "snapshot" and two["fill_waited_s"] > 0.5, two
