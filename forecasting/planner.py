@@ -111,7 +111,7 @@ class PlannerParams:
     interruption_share: float = 0.1  # requests below this share of the profile's expectation: an interruption
     interruption_min_requests: float = 20.0  # ... judged over recent buckets expecting at least this many
     interruption_hold_s: float = 3600.0  # replicas held at most this long from the start of the fall
-    pause_memory: int = 0  # the model's last pauses a silent fall's span is learned from (0: off; `forecasting.pauses`)
+    pause_memory: int = 64  # the model's last pauses a silent fall's span is learned from (0: off; `forecasting.pauses`)
 
     @classmethod
     def from_settings(cls, s: PlannerSettings) -> "PlannerParams":

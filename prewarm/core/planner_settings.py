@@ -50,7 +50,7 @@ class PlannerSettings(_Group):
     interruption_share: float = Field(0.1, ge=0, lt=1)  # below this share of the expected requests (0: never held)
     interruption_min_requests: float = Field(20.0, gt=0)  # judged over recent buckets expecting at least this many
     interruption_hold_s: float = Field(3600.0, ge=0)  # held at most this long from the start of the fall
-    pause_memory: int = Field(0, ge=0)  # the last pauses a silent fall's span is learned from (0: off)
+    pause_memory: int = Field(64, ge=0)  # the last pauses a silent fall's span is learned from (0: off)
 
     @model_validator(mode="before")
     @classmethod
