@@ -1,7 +1,8 @@
 """The learned span of a silent fall (`planner.pause_memory`), on and off, over the clients of a per-client file.
 
-`forecasting/pauses.py` is off by default because on ServeGen's two bursty clients it is a split
-(docs/operating.md, "Built, off by default"). This replays clients one by one through the
+`forecasting/pauses.py` was a split on ServeGen's two bursty clients when it was built (docs/operating.md,
+"Built, off by default"), and is the default since (64 pauses; "Built since: the learned span of a silent fall
+is the default"). This replays clients one by one through the
 single-model engine (`forecasting.sim`, the prewarm policy alone, default charges) twice, with
 `pause_memory` 0 and with `--memory`, and prints each one's cold-start share, GPU-hours and replica
 starts, and the waits and GPU-hours of all of them together. Which clients is decided before any
