@@ -109,6 +109,27 @@ def test_the_planner_holds_a_long_pause_its_past_pauses_say_will_end() -> None:
     assert _step(later, silent + 3 * 3600.0 + 600.0, state, live=held)[0] < held
 
 
+def test_a_long_pause_holds_what_its_returns_bring_not_the_level_its_silence_thinned() -> None:
+    """Three hours into a silence the level over the learned span is an eighth of the rate the model left at, and
+    held alone it kept what an eighth needs; its returns came back at the rate they left (the requests of a lead
+    back, remembered), so the hold keeps what the median return brings, at most the live replicas."""
+    night = 3 * 86400.0 + 2 * 3600.0
+    requests = np.concatenate([np.full(360, 100.0), np.zeros(1080)])  # an hour at 10 req/s, then 3 h of nothing
+    now = night + requests.size * B
+    silent = now - 1080 * B
+    thin = _pauses([3600.0 * 4] * 16, back=70.0, every_s=4.5 * 3600.0)  # returns that brought 1 req/s
+    full = _pauses([3600.0 * 4] * 16, back=700.0, every_s=4.5 * 3600.0)  # ... and the 10 req/s they left at
+    held = {}
+    for name, carried in (("thin", thin), ("full", full)):
+        carried = carried._replace(silent_since=silent, since=0.0, requests=0.5 * silent, counted_to=silent)
+        held[name], why = _step(requests, now, PlannerState(margin=0.0, pauses=carried, quiet_since=silent + 300.0),
+                                live=12)
+        assert "of its pauses outlast" in why
+    assert held["thin"] <= 2 and held["full"] == 5  # 10 req/s x 2 s in flight over 4 slots: 5 replicas
+    carried = full._replace(silent_since=silent, since=0.0, requests=0.5 * silent, counted_to=silent)
+    assert _step(requests, now, PlannerState(margin=0.0, pauses=carried, quiet_since=silent + 300.0), live=3)[0] == 3
+
+
 def test_the_pauses_survive_the_planner_states_round_trip() -> None:
     carried = _pauses([600.0, 1200.0], back=3.0, every_s=3600.0)._replace(requests=40.0, counted_to=7200.0)
     state = PlannerState(pauses=carried)
