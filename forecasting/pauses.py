@@ -38,9 +38,10 @@ above 1: nothing changes there (ServeGen m-small's 14 days at 60 s, identical to
 
 On by default since the planner stopped releasing the live replicas its target still wants
 (`forecasting.budget.trim`); before that it was a split on the two bursty clients (docs/operating.md, "Built,
-off by default", and "Built since: the learned span of a silent fall is the default"). Now, 14 days, seed 0:
-chunk-116 waits 3.8x less at a 60 s cold start for 5% less GPU, and 48% less at 8.7 s for 17% more; chunk-73
-waits 19% less at 60 s for 0.5% more GPU, and 23% more at 8.7 s for 8% more (1.24x the budget, in its band).
+off by default", and "Built since: the learned span of a silent fall is the default"). With the return's
+floor, 14 days, seed 0, against the hour alone: chunk-116 waits 5.4x less at a 60 s cold start for 6% less
+GPU, and 52% less at 8.7 s for 14% more; chunk-73 waits 29% less at 60 s for 5% less GPU, and 26% more at
+8.7 s for 13% more (1.27x the budget, from 1.01x).
 
 Pure: no I/O, no clock (bucket times come with the counts).
 """
