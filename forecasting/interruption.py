@@ -25,7 +25,7 @@ and the expectation is large enough for the shortfall not to be noise (at least
 holds replicas for at most `interruption_hold_s` from the start of the fall; after that the fall is
 believed. A fall is always found on that hour's level; once it has stayed silent past the hour, the
 planner may re-read it with a longer span where the model's own pauses ask for one and the cold-start
-budget cannot afford to miss their returns (`forecasting.pauses`, off by default): the level is then read
+budget cannot afford to miss their returns (`forecasting.pauses`, `pause_memory` 64 by default): the level is then read
 over that span and the fall held until it ends. The window is the shortest run of recent buckets that expects that many requests (a busy
 model decides within one bucket, a quiet one over more), at most `window_max_s`. Without a profile
 (under two seasons of history) only the recent level is read.
