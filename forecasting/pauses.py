@@ -105,6 +105,11 @@ def observe(carried: Pauses, requests: np.ndarray, start: float, bucket_s: float
     return carried._replace(pauses=pauses, silent_since=max(last, silent or last), since=since)
 
 
+def _median_back(ps: tuple[Pause, ...]) -> float:
+    """The median requests of the remembered pauses' first lead back: what a return brings before capacity can."""
+    return float(np.median([p[2] for p in ps]))
+
+
 def hold_s(carried: Pauses, budget: float, memory: int, floor_s: float, ceiling_s: float) -> tuple[float, float | None]:
     """The learned hold, within [`floor_s`, `ceiling_s`], and the share of pauses the budget lets outlast it (None:
     no pause remembered, no request counted, or no budget)."""
@@ -115,7 +120,7 @@ def hold_s(carried: Pauses, budget: float, memory: int, floor_s: float, ceiling_
     first = since if len(ps) < memory else max(since, ps[0][0] - ps[0][1])
     cycle = carried.requests * (to - first) / (to - since) / len(ps)
     lengths = np.array([p[1] for p in ps])
-    miss = float(np.median([p[2] for p in ps]))  # the waits of a return that finds nothing
+    miss = _median_back(ps)  # the waits of a return that finds nothing
     alpha = budget * cycle / miss if miss > 0 else 1.0
     if alpha >= 1.0:
         return floor_s, alpha
@@ -132,7 +137,7 @@ def return_peak(carried: Pauses, expected: float, peak: float, lead_s: float, bu
     with the margin, chunk-116 at 8.7 s spent 29% more GPU-hours for 18% fewer waits)."""
     if not carried.pauses or not expected > 0:
         return 0.0
-    back = float(np.median([p[2] for p in carried.pauses])) / max(1, math.ceil(lead_s / bucket_s))
+    back = _median_back(carried.pauses) / max(1, math.ceil(lead_s / bucket_s))
     return back * peak / expected
 
 
