@@ -38,7 +38,7 @@ calibrated included), at most the live ones: a tenant that sent for twenty minut
 a third of its rate, and is held at what a third needs. A bursty tenant's profile, smeared over the
 hours it sends at random, lies far below its bursts, so its pauses are led by the level. The level's
 span slides into the silence step by step, so what a long pause holds shrinks as it lasts, down to what the
-model's median return brought (`forecasting.pauses.return_peak`, with pauses remembered).
+model's returns bring, read at the budget (`forecasting.pauses.return_peak`, with pauses remembered).
 
 Pure: no I/O, no clock.
 """

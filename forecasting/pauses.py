@@ -28,7 +28,9 @@ holds cost more GPU for more waits: chunk-73 at 60 s, 0.58% of its requests wait
 0.32% with the hour). It changes how long a fall that stays silent is held: past the hour, while no
 request came since it began (`silent_through`), its level is read over the learned span (so what is held
 fades as the pause takes up more of it) and it is held until the span ends. What it holds is never below
-what the median remembered return brought in its first lead (`return_peak`), at most the live replicas.
+what the returns bring in their first lead, read at the budget (`return_size`: the least whose mean excess over
+the remembered returns, what they would make wait, is the budget's share of a pause cycle; the median of them
+until the last round, which left a larger return than the median to wait), at most the live replicas.
 
 A pause is a run of fine buckets without a request at least `stabilization_s` long (a shorter one is
 covered by the scale-down window: nothing was released); what a miss of it costs is the requests of its
@@ -39,9 +41,12 @@ above 1: nothing changes there (ServeGen m-small's 14 days at 60 s, identical to
 On by default since the planner stopped releasing the live replicas its target still wants
 (`forecasting.budget.trim`); before that it was a split on the two bursty clients (docs/operating.md, "Built,
 off by default", and "Built since: the learned span of a silent fall is the default"). With the return's
-floor, 14 days, seed 0, against the hour alone: chunk-116 waits 5.4x less at a 60 s cold start for 6% less
+floor (then the median), 14 days, seed 0, against the hour alone: chunk-116 waits 5.4x less at a 60 s cold start for 6% less
 GPU, and 52% less at 8.7 s for 14% more; chunk-73 waits 29% less at 60 s for 5% less GPU, and 26% more at
 8.7 s for 13% more (1.27x the budget, from 1.01x).
+The floor read at the budget, against the median: chunk-116 waits 2.2x less at 60 s for 0.6% more GPU and 13%
+less at 8.7 s for 2.2% more; chunk-73 3-4% less for 12% / 6.7% more GPU (a poor trade: its largest returns come
+back above what was live when the pause began, and a hold never loads).
 
 Pure: no I/O, no clock (bucket times come with the counts).
 """
@@ -49,7 +54,7 @@ Pure: no I/O, no clock (bucket times come with the counts).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -105,39 +110,77 @@ def observe(carried: Pauses, requests: np.ndarray, start: float, bucket_s: float
     return carried._replace(pauses=pauses, silent_since=max(last, silent or last), since=since)
 
 
+class ReturnParams(Protocol):
+    """The planner parameters `return_peak` reads (`forecasting.planner.PlannerParams`)."""
+
+    @property
+    def cold_start_budget(self) -> float: ...
+    @property
+    def pause_memory(self) -> int: ...
+
+
 def _median_back(ps: tuple[Pause, ...]) -> float:
     """The median requests of the remembered pauses' first lead back: what a return brings before capacity can."""
     return float(np.median([p[2] for p in ps]))
 
 
+def _cycle(carried: Pauses, memory: int) -> float | None:
+    """The requests of a pause cycle: those counted over the span the remembered pauses came in, per pause (None: no
+    pause remembered or no request counted)."""
+    ps, since, to = carried.pauses, carried.since, carried.counted_to
+    if not ps or not carried.requests > 0 or since is None or to is None or not to > since:
+        return None
+    first = since if len(ps) < memory else max(since, ps[0][0] - ps[0][1])
+    return carried.requests * (to - first) / (to - since) / len(ps)
+
+
 def hold_s(carried: Pauses, budget: float, memory: int, floor_s: float, ceiling_s: float) -> tuple[float, float | None]:
     """The learned hold, within [`floor_s`, `ceiling_s`], and the share of pauses the budget lets outlast it (None:
     no pause remembered, no request counted, or no budget)."""
-    ps, since, to = carried.pauses, carried.since, carried.counted_to
-    if not ps or not carried.requests > 0 or since is None or to is None or not to > since or not 0 < budget < 1:
+    cycle = _cycle(carried, memory)
+    if cycle is None or not 0 < budget < 1:
         return floor_s, None
-    # the requests of a pause cycle: those counted over the span the remembered pauses came in, per pause
-    first = since if len(ps) < memory else max(since, ps[0][0] - ps[0][1])
-    cycle = carried.requests * (to - first) / (to - since) / len(ps)
-    lengths = np.array([p[1] for p in ps])
-    miss = _median_back(ps)  # the waits of a return that finds nothing
+    lengths = np.array([p[1] for p in carried.pauses])
+    miss = _median_back(carried.pauses)  # the waits of a return that finds nothing
     alpha = budget * cycle / miss if miss > 0 else 1.0
     if alpha >= 1.0:
         return floor_s, alpha
     return min(ceiling_s, max(floor_s, float(np.quantile(lengths, 1.0 - alpha)))), alpha
 
 
-def return_peak(carried: Pauses, expected: float, peak: float, lead_s: float, bucket_s: float) -> float:
-    """The peak in flight the median remembered return brings in its first lead, at the peak per request of a
-    fall held by its recent level (`expected` requests per bucket bringing `peak`; 0: no pause remembered): the
-    least a held fall keeps. The level's span slides into the silence, so read alone what a hold keeps shrinks
-    as a pause lasts, while the returns come back at the rate they left (ServeGen's chunk-116 at 60 s: 30-67
-    req/s met by 1-3 replicas). It is not margined: it is a median of what returns brought, not a forecast whose
-    misses the margin answers for, and a margin wound up by the returns it could not see multiplied it (sized
-    with the margin, chunk-116 at 8.7 s spent 29% more GPU-hours for 18% fewer waits)."""
+def return_size(carried: Pauses, budget: float, memory: int) -> float:
+    """The fewest requests of a lead back a held fall must serve so that the remembered returns' mean excess over
+    them (what a return beyond the hold makes wait) is within the budget's share of a pause cycle: the whole
+    distribution of the returns read at the budget, not its median (0: no pause remembered)."""
+    if not carried.pauses:
+        return 0.0
+    back = np.sort(np.array([p[2] for p in carried.pauses]))
+    cycle = _cycle(carried, memory)
+    if cycle is None or not 0 < budget < 1:
+        return float(np.median(back))
+    allowed = budget * cycle
+    # mean((back - s)+) is piecewise linear and falls as s rises: solve it on the segment between two returns
+    n, above = back.size, np.cumsum(back[::-1])[::-1]  # above[i]: the sum of back[i:]
+    for i in range(n):  # s in [back[i-1], back[i]]: the excess is (above[i] - (n - i) s) / n
+        s = (above[i] - n * allowed) / (n - i)
+        if s <= back[i]:
+            return max(s, float(back[i - 1]) if i else 0.0)
+    return float(back[-1])
+
+
+def return_peak(carried: Pauses, expected: float, peak: float, lead_s: float, bucket_s: float, p: ReturnParams) -> float:
+    """The peak in flight the returns bring in their first lead, sized at the budget (`return_size`), at the peak
+    per request of a fall held by its recent level (`expected` requests per bucket bringing `peak`; 0: no pause
+    remembered): the least a held fall keeps. The level's span slides into the silence, so read alone what a hold
+    keeps shrinks as a pause lasts, while the returns come back at the rate they left (ServeGen's chunk-116 at 60
+    s: 30-67 req/s met by 1-3 replicas). Read at the median of the returns (the last round), a return larger than
+    the median still waited: chunk-116 at 60 s 0.2969% of its requests, 0.1376% read at the budget. It is not
+    margined: it is read from what returns brought, not a forecast whose misses the margin answers for, and a
+    margin wound up by the returns it could not see multiplied it (the median sized with the margin: chunk-116 at
+    8.7 s spent 29% more GPU-hours for 18% fewer waits)."""
     if not carried.pauses or not expected > 0:
         return 0.0
-    back = _median_back(carried.pauses) / max(1, math.ceil(lead_s / bucket_s))
+    back = return_size(carried, p.cold_start_budget, p.pause_memory) / max(1, math.ceil(lead_s / bucket_s))
     return back * peak / expected
 
 

@@ -528,7 +528,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                                         replace(p, interruption_hold_s=span), not ran, obs.peak)
     quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, span)
     keep = inp.replicas.live if fall is None or fall.peak is None else min(inp.replicas.live, replicas_needed(max(
-        margin(fall.peak), pauses.return_peak(paused, fall.expected, fall.peak, lead, obs.bucket_s)), slots, p.headroom))
+        margin(fall.peak), pauses.return_peak(paused, fall.expected, fall.peak, lead, obs.bucket_s, p)), slots, p.headroom))
     if fall is not None and held and target < keep:
         target = keep
         why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "

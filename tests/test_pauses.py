@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forecasting.pauses import Pauses, hold_s, observe
+from forecasting.pauses import Pauses, hold_s, observe, return_size
 from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from prewarm.core.domain import ModelSpec
 
@@ -77,6 +77,28 @@ def test_the_hold_is_the_quantile_of_the_pauses_the_budget_affords() -> None:
     assert held(0.001) == (pytest.approx(np.quantile(lengths, 1 - 0.0386), rel=0.01), pytest.approx(0.0386, abs=1e-4))
 
 
+def test_a_hold_serves_the_returns_the_budget_cannot_afford_to_let_wait() -> None:
+    """What a held fall keeps is read from the whole distribution of the returns: the least whose mean excess over
+    the remembered returns (what they would make wait) is the budget's share of a pause cycle. Mostly small returns
+    and one large one: a tight budget serves the large one, a looser one lets it wait in part, a dense model's
+    budget affords every return's waits."""
+    backs = [100.0] * 15 + [2000.0]
+    now = 16 * 3 * 3600.0 + 60.0
+    carried = Pauses(tuple((3 * 3600.0 * (k + 1), 3600.0, b) for k, b in enumerate(backs)), now, 0.0, 5.0 * now, now)
+    cycle = 5.0 * now / 16
+
+    def excess(size: float) -> float:
+        return float(np.maximum(np.asarray(backs) - size, 0.0).mean())
+
+    tight = return_size(carried, 0.0002, 64)
+    assert excess(tight) == pytest.approx(0.0002 * cycle) and 1800.0 < tight < 2000.0
+    loose = return_size(carried, 0.001, 64)
+    assert excess(loose) == pytest.approx(0.001 * cycle) and 100.0 < loose < tight  # the median is 100
+    assert return_size(carried, 0.01, 64) == 0.0  # the budget affords every return's waits: nothing is kept for them
+    assert return_size(carried._replace(requests=0.0), 0.001, 64) == 100.0  # nothing counted: the median
+    assert return_size(Pauses(), 0.001, 64) == 0.0
+
+
 def _step(requests: np.ndarray, now: float, state: PlannerState, live: int) -> tuple[int, str]:
     busy = requests * 2.0  # each request in flight 2 s
     obs = observed_from_counts(now - requests.size * B, B, requests, np.ceil(busy / B), busy)
@@ -112,7 +134,8 @@ def test_the_planner_holds_a_long_pause_its_past_pauses_say_will_end() -> None:
 def test_a_long_pause_holds_what_its_returns_bring_not_the_level_its_silence_thinned() -> None:
     """Three hours into a silence the level over the learned span is an eighth of the rate the model left at, and
     held alone it kept what an eighth needs; its returns came back at the rate they left (the requests of a lead
-    back, remembered), so the hold keeps what the median return brings, at most the live replicas."""
+    back, remembered), so the hold keeps what the returns bring (at the budget: `return_size`), at most the live
+    replicas."""
     night = 3 * 86400.0 + 2 * 3600.0
     requests = np.concatenate([np.full(360, 100.0), np.zeros(1080)])  # an hour at 10 req/s, then 3 h of nothing
     now = night + requests.size * B
@@ -128,6 +151,10 @@ def test_a_long_pause_holds_what_its_returns_bring_not_the_level_its_silence_thi
     assert held["thin"] <= 2 and held["full"] == 5  # 10 req/s x 2 s in flight over 4 slots: 5 replicas
     carried = full._replace(silent_since=silent, since=0.0, requests=0.5 * silent, counted_to=silent)
     assert _step(requests, now, PlannerState(margin=0.0, pauses=carried, quiet_since=silent + 300.0), live=3)[0] == 3
+    # a quarter of the returns came back full, the rest thin: the median return is thin, but the full ones' waits
+    # are more than the budget's share of the pauses, so the hold serves them
+    mixed = carried._replace(pauses=tuple((e, n, 700.0 if k % 4 == 0 else 70.0) for k, (e, n, _) in enumerate(thin.pauses)))
+    assert _step(requests, now, PlannerState(margin=0.0, pauses=mixed, quiet_since=silent + 300.0), live=12)[0] == 5
 
 
 def test_the_pauses_survive_the_planner_states_round_trip() -> None:
