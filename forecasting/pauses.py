@@ -154,10 +154,10 @@ def return_size(carried: Pauses, budget: float, memory: int) -> float:
     distribution of the returns read at the budget, not its median (0: no pause remembered)."""
     if not carried.pauses:
         return 0.0
-    back = np.sort(np.array([p[2] for p in carried.pauses]))
     cycle = _cycle(carried, memory)
     if cycle is None or not 0 < budget < 1:
-        return float(np.median(back))
+        return _median_back(carried.pauses)
+    back = np.sort(np.array([p[2] for p in carried.pauses]))
     allowed = budget * cycle
     # mean((back - s)+) is piecewise linear and falls as s rises: solve it on the segment between two returns
     n, above = back.size, np.cumsum(back[::-1])[::-1]  # above[i]: the sum of back[i:]
