@@ -41,9 +41,9 @@ above 1: nothing changes there (ServeGen m-small's 14 days at 60 s, identical to
 On by default since the planner stopped releasing the live replicas its target still wants
 (`forecasting.budget.trim`); before that it was a split on the two bursty clients (docs/operating.md, "Built,
 off by default", and "Built since: the learned span of a silent fall is the default"). With the return's
-floor (then the median), 14 days, seed 0, against the hour alone: chunk-116 waits 5.4x less at a 60 s cold start for 6% less
-GPU, and 52% less at 8.7 s for 14% more; chunk-73 waits 29% less at 60 s for 5% less GPU, and 26% more at
-8.7 s for 13% more (1.27x the budget, from 1.01x).
+floor (then the median), 14 days, seed 0, against the hour alone: chunk-116 waits 5.4x less at a 60 s cold
+start for 6% less GPU, and 52% less at 8.7 s for 14% more; chunk-73 waits 29% less at 60 s for 5% less GPU,
+and 26% more at 8.7 s for 13% more (1.27x the budget, from 1.01x).
 The floor read at the budget, against the median: chunk-116 waits 2.2x less at 60 s for 0.6% more GPU and 13%
 less at 8.7 s for 2.2% more; chunk-73 3-4% less for 12% / 6.7% more GPU (a poor trade: its largest returns come
 back above what was live when the pause began, and a hold never loads).
@@ -158,14 +158,12 @@ def return_size(carried: Pauses, budget: float, memory: int) -> float:
     if cycle is None or not 0 < budget < 1:
         return _median_back(carried.pauses)
     back = np.sort(np.array([p[2] for p in carried.pauses]))
-    allowed = budget * cycle
-    # mean((back - s)+) is piecewise linear and falls as s rises: solve it on the segment between two returns
-    n, above = back.size, np.cumsum(back[::-1])[::-1]  # above[i]: the sum of back[i:]
-    for i in range(n):  # s in [back[i-1], back[i]]: the excess is (above[i] - (n - i) s) / n
-        s = (above[i] - n * allowed) / (n - i)
-        if s <= back[i]:
-            return max(s, float(back[i - 1]) if i else 0.0)
-    return float(back[-1])
+    # mean((back - s)+) is piecewise linear and falls as s rises: on [back[i-1], back[i]] it is
+    # (sum(back[i:]) - (n - i) s) / n, so solve each segment and take the first whose root lies within it
+    n = back.size
+    roots = (np.cumsum(back[::-1])[::-1] - n * (budget * cycle)) / (n - np.arange(n))
+    i = int(np.argmax(roots <= back))  # the last segment always holds its root
+    return max(float(roots[i]), float(back[i - 1]) if i else 0.0)
 
 
 def return_peak(carried: Pauses, expected: float, peak: float, lead_s: float, bucket_s: float, p: ReturnParams) -> float:
