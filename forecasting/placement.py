@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import replace
+from typing import Iterable, Sequence
 
-from prewarm.core.domain import NodeView
+from prewarm.core.domain import NodeView, ScaleEvent, ScaleEventKind
 
-__all__ = ["place"]
+__all__ = ["place", "place_events"]
 
 
 def place(nodes: Iterable[NodeView], model_key: str, n: int, used: dict[str, int] | None = None) -> tuple[str, ...]:
@@ -30,3 +31,24 @@ def place(nodes: Iterable[NodeView], model_key: str, n: int, used: dict[str, int
         used[best[1].name] = used.get(best[1].name, 0) + 1
         chosen.append(best[1].name)
     return tuple(chosen)
+
+
+def place_events(nodes: Sequence[NodeView], model_key: str,
+                 events: Sequence[ScaleEvent]) -> tuple[list[ScaleEvent], list[tuple[ScaleEvent, str]]]:
+    """A step's events with its scale-ups placed (`place`, one rule for all of them, in order): the events kept
+    (a scale-up with the nodes found for it) and what no ready node had room for, with why."""
+    used: dict[str, int] = {}
+    out: list[ScaleEvent] = []
+    dropped: list[tuple[ScaleEvent, str]] = []
+    for ev in events:
+        if ev.kind is not ScaleEventKind.SCALE_UP:
+            out.append(ev)
+            continue
+        chosen = place(nodes, model_key, ev.replicas, used)
+        if len(chosen) < ev.replicas:
+            missing = ev.replicas - len(chosen)
+            why = f"placement: no ready node with room for {missing} of {ev.replicas}"
+            dropped.append((replace(ev, replicas=missing), why))
+        if chosen:
+            out.append(replace(ev, replicas=len(chosen), nodes=chosen))
+    return out, dropped

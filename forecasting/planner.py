@@ -28,7 +28,9 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    what the load so far in the bucket in progress needs while no replica is loading (`Observed.now_load`:
    a rise is met at the next step, not one complete bucket later; while loads run, the backlog they will
    serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
-   a recommendation whose lead has not passed (`forecasting.holds`); in reactive mode never below what
+   a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below what the peaks in
+   flight of the last lead needed (a replica used within a load's time is not released: its return would cost that
+   load, and a forecast of the mean released it between peaks and started it again); in reactive mode never below what
    it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
    own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
@@ -61,7 +63,7 @@ from forecasting.batch import BatchJob, batch_replicas, batch_schedule
 from forecasting.budget import replicas_needed, warm_cost
 from forecasting.calibration import RULES, Sizing, calibrate, record_sizing, sizing
 from forecasting.forecast.nowcast import Forecast, Profile, fit_profile, forecast_peak, lead_buckets
-from forecasting.placement import place
+from forecasting.placement import place_events
 from prewarm.core.domain import ModelSpec, NodeView, Pool, ScaleEvent, ScaleEventKind
 from prewarm.core.settings import PlannerSettings
 
@@ -335,12 +337,12 @@ def _mode(fc: Forecast, p: PlannerParams) -> str:
     return PREDICTIVE if fc.error is not None and fc.error <= p.error_threshold else REACTIVE
 
 
-def _observed_need(inp: StepInputs, margin: Callable[[float], float]) -> int | None:
+def _observed_need(inp: StepInputs, margin: Callable[[float], float], window_s: float) -> int | None:
     """The replicas the planner sizes (`margin`: its sizing of a peak) for the largest peak in flight of the
-    last `stabilization_s` (None: less history than that). Sized as the target is: an unsized floor sits below
+    last `window_s` (None: less history than that). Sized as the target is: an unsized floor sits below
     the target, which then follows each burst's forecast down within seconds and starts it again at the next."""
     obs, p = inp.observed, inp.params
-    k = int(math.ceil(p.stabilization_s / obs.bucket_s))
+    k = int(math.ceil(window_s / obs.bucket_s))
     if k == 0:
         return 0  # no stabilization window: nothing observed holds capacity
     if obs.peak.size < k:
@@ -359,12 +361,15 @@ def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
     return replicas_needed(margin(float(obs.inflight[k - 1])), inp.model.slots, inp.params.headroom)
 
 
-def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None, held: int) -> tuple[int, str]:
+def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None, held: int,
+                    used: int | None) -> tuple[int, str]:
     p, live = inp.params, inp.replicas.live
     target = max(need_lead, p.min_serving)
     why = f"forecast needs {need_lead} within the lead"
     if target < live and held > target:  # either mode: a recommendation stands until its lead has passed
         target, why = min(live, held), f"{held} recommended by a step whose lead has not passed"
+    if target < live and used is not None and used > target:  # either mode: a replica used within a load's time
+        target, why = min(live, used), f"{used} needed by a peak in flight within the lead"
     if mode == REACTIVE and target < live:
         floor = live if observed_need is None else max(observed_need, target)
         if floor > target:
@@ -446,21 +451,8 @@ def _events(inp: StepInputs, target: int, pool: int, need_next: int, need_lead: 
 def _placed(inp: StepInputs, events: list[ScaleEvent]) -> tuple[list[ScaleEvent], list[DroppedEvent]]:
     if inp.nodes is None:
         return events, []
-    used: dict[str, int] = {}
-    out: list[ScaleEvent] = []
-    dropped: list[DroppedEvent] = []
-    for ev in events:
-        if ev.kind is not ScaleEventKind.SCALE_UP:
-            out.append(ev)
-            continue
-        nodes = place(inp.nodes, inp.model.key, ev.replicas, used)
-        if len(nodes) < ev.replicas:
-            missing = ev.replicas - len(nodes)
-            dropped.append(DroppedEvent(replace(ev, replicas=missing),
-                                        f"placement: no ready node with room for {missing} of {ev.replicas}"))
-        if nodes:
-            out.append(replace(ev, replicas=len(nodes), nodes=nodes))
-    return out, dropped
+    out, dropped = place_events(inp.nodes, inp.model.key, events)
+    return out, [DroppedEvent(ev, why) for ev, why in dropped]
 
 
 def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
@@ -502,7 +494,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                        p.budget_share)[1]
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
-    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin), holds.held(state.lead_holds, inp.now))
+    used = _observed_need(inp, sizing(True, margin_now, p.queue_beta), lead)  # the peaks of the last lead, as peaks
+    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
+                                  holds.held(state.lead_holds, inp.now), used)
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
     why += f" (batch jobs {batch_lead})" if batch_lead else ""
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)
