@@ -28,9 +28,9 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    what the load so far in the bucket in progress needs while no replica is loading (`Observed.now_load`:
    a rise is met at the next step, not one complete bucket later; while loads run, the backlog they will
    serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
-   a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below what the peaks in
-   flight of the last lead needed (a replica used within a load's time is not released: its return would cost that
-   load, and a forecast of the mean released it between peaks and started it again); in reactive mode never below what
+   a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below the replicas the
+   peaks in flight of the last lead filled (a replica used within a load's time is not released: its return would
+   cost that load, and a forecast of the mean released it between peaks and started it again); in reactive mode never below what
    it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
    own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
@@ -369,7 +369,7 @@ def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: i
     if target < live and held > target:  # either mode: a recommendation stands until its lead has passed
         target, why = min(live, held), f"{held} recommended by a step whose lead has not passed"
     if target < live and used is not None and used > target:  # either mode: a replica used within a load's time
-        target, why = min(live, used), f"{used} needed by a peak in flight within the lead"
+        target, why = min(live, used), f"{used} filled by a peak in flight within the lead"
     if mode == REACTIVE and target < live:
         floor = live if observed_need is None else max(observed_need, target)
         if floor > target:
@@ -494,7 +494,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                        p.budget_share)[1]
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
-    used = _observed_need(inp, sizing(True, margin_now, p.queue_beta), lead)  # the peaks of the last lead, as peaks
+    used = _observed_need(inp, lambda peak: peak, lead)  # the replicas the peaks of the last lead filled, unsized
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
                                   holds.held(state.lead_holds, inp.now), used)
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
