@@ -338,13 +338,14 @@ def _mode(fc: Forecast, p: PlannerParams) -> str:
 
 
 def _observed_need(inp: StepInputs, margin: Callable[[float], float], window_s: float) -> int | None:
-    """The replicas the planner sizes (`margin`: its sizing of a peak) for the largest peak in flight of the
-    last `window_s` (None: less history than that). Sized as the target is: an unsized floor sits below
-    the target, which then follows each burst's forecast down within seconds and starts it again at the next."""
+    """The replicas `margin` sizes for the largest peak in flight of the last `window_s` (None: less history than
+    that). The reactive floor over `stabilization_s` sizes the peak as the target is (unsized, it sat below the
+    target, which then followed each burst's forecast down within seconds and started it again at the next); the
+    lead's floor passes the peak unsized: the replicas it filled."""
     obs, p = inp.observed, inp.params
     k = int(math.ceil(window_s / obs.bucket_s))
     if k == 0:
-        return 0  # no stabilization window: nothing observed holds capacity
+        return 0  # no window: nothing observed holds capacity
     if obs.peak.size < k:
         return None
     return replicas_needed(margin(float(obs.peak[-k:].max())), inp.model.slots, p.headroom)
