@@ -300,6 +300,13 @@ def _span(c: pauses.Pauses, p: PlannerParams) -> tuple[float, float | None]:  # 
     return pauses.hold_s(c, p.cold_start_budget, p.pause_memory, p.interruption_hold_s, max(p.interruption_hold_s, p.season_s))
 
 
+def holds_fall(state: PlannerState, params: PlannerParams, now: float) -> bool:
+    """Whether the last step held replicas through a fall that `now` is still within the span of (an
+    interruption, `forecasting.interruption`; its span from the model's remembered pauses): the replicas it keeps
+    for the return are this planner's to release."""
+    return state.quiet_since is not None and now - state.quiet_since <= _span(state.pauses, params)[0]
+
+
 def lead_of(params: PlannerParams, cold_start_p95_s: float | None) -> float:
     return (cold_start_p95_s if cold_start_p95_s is not None else params.default_cold_start_s) + params.lead_margin_s
 

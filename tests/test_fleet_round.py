@@ -25,8 +25,9 @@ from forecasting.fleet.round import (
     dense_models,
     estimator_from_history,
     fleet_round,
+    held_models,
 )
-from forecasting.planner import PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
+from forecasting.planner import PlannerParams, PlannerState, ReplicaCounts, StepInputs, observed_from_counts, step
 from prewarm.core.domain import ModelSpec
 
 STEP = 60.0
@@ -179,6 +180,28 @@ def test_a_model_back_in_the_dense_set_does_not_count_the_misses_from_before_as_
     # no round on record (a restarted planner, `prewarm plan --dry-run`): its counting goes on as carried
     unknown, _ = after(RoundState())
     assert unknown.margin == was_dense.margin
+
+
+def test_a_model_whose_count_planner_holds_a_fall_stays_dense_until_it_lets_go() -> None:
+    """A dense model gone quiet falls below the dense rate within its window; while its count planner holds its
+    replicas through that fall (within the span its pauses ask for) it stays with the count planner, whose hold it
+    is, and leaves once the span has passed. Dropped at once, its return met the one replica its outlook gave it."""
+    counts, catalog, _, _ = _fleet()
+    params = RoundParams(bucket_s=STEP, dense_rps=0.05)
+    quiet = counts.copy()
+    quiet[:, 3] = 0.0  # m3's hour went silent
+    assert "m3" not in dense_models(quiet, catalog, params)
+    planner = PlannerParams()
+    now = quiet.shape[0] * STEP
+    states = {"m3": PlannerState(quiet_since=now - 1_800.0), "m1": PlannerState()}
+    holding = held_models(("m3", "m1"), states, planner, now)
+    assert holding == ("m3",)  # m1's planner holds nothing
+    assert dense_models(quiet, catalog, params, holding)[-1] == "m3"
+    assert held_models(("m1",), states, planner, now) == ()  # not sized last round: not its planner's hold
+    # past the span (the default hold, no pause remembered), the fleet round plans it by its outlook again
+    assert held_models(("m3",), states, planner, now + planner.interruption_hold_s) == ()
+    # the busiest come first: a held model does not push one out past max_dense
+    assert dense_models(counts, catalog, RoundParams(bucket_s=STEP, dense_rps=0.05, max_dense=1), ("m0",)) == ("m3",)
 
 
 def test_a_dense_model_not_in_the_catalog_is_refused_by_name() -> None:

@@ -209,3 +209,30 @@ def test_which_models_the_count_planner_sizes_is_a_setting(
                 app.close()
             plan = json.loads(ctx.client.get(keys.FLEET_PLAN) or "{}")["models"]
             assert plan["a"]["dense"] is dense, (extra, plan)
+
+
+def test_a_model_whose_saved_planner_holds_a_fall_stays_dense_in_the_live_round(
+        redis_url: str, clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The live round reads the same rule as the replay (`held_models`): `c` is idle, far below the dense rate,
+    but the last round sized it and its saved count-planner state holds a fall within its span, so the count
+    planner sizes it this round too; with that span passed it is planned by its outlook."""
+    from forecasting.fleet.round import RoundState
+    from workers.planning.fleet import fleet_decide
+    from workers.planning.forecast import save_planner_state
+
+    with KubeDouble() as double:
+        for dep in DEPLOYMENTS.values():
+            double.add_deployment(NS, dep, replicas=1, labels={"app": dep})
+        ctx = _fleet_ctx(clean_env, redis_url, _kubeconfig(tmp_path / "kubeconfig", double.url), "none")
+        _traffic(ctx)
+        now = time.time()
+        last = RoundState(dense=("a", "c"))
+        hold_s = ctx.settings.planner.interruption_hold_s
+        save_planner_state(ctx, "c", PlannerState(quiet_since=now - hold_s / 2))
+        decision, _ = fleet_decide(ctx, now=now, state=last)
+        assert decision is not None and "c" in decision.result.dense and "a" in decision.result.dense
+        save_planner_state(ctx, "c", PlannerState(quiet_since=now - 2 * hold_s))
+        decision, _ = fleet_decide(ctx, now=now, state=last)
+        assert decision is not None and "c" not in decision.result.dense
+        decision, _ = fleet_decide(ctx, now=now, state=RoundState(dense=("a",)))  # not sized last round
+        assert decision is not None and "c" not in decision.result.dense

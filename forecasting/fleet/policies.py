@@ -34,7 +34,8 @@ from forecasting.charges import ACTUATION_S, COLD_START_CV, LOAD_SHARE, WAIT_THR
 from forecasting.fleet.catalog import Catalog, Tier, measured_ready_s
 from forecasting.fleet.planner import FleetNode, FleetParams, FleetState
 from forecasting.fleet.dense import DenseInputs
-from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, price_settings, round_settings
+from forecasting.fleet.round import RoundParams, RoundState, dense_models, fleet_round, held_models, price_settings, \
+    round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core.planner_settings import PlannerSettings
 
@@ -306,8 +307,9 @@ class FleetPlanner(FleetPolicy):
     def decide(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         now = t * self.env.step_s
         counts, waited = self.dense.window()
-        dense = {name: self.dense.inputs(self.index[name], now) for name in dense_models(counts, self.catalog,
-                                                                                       self.round)}
+        holding = held_models(self.state.dense, self.dense.states, self.dense.params, now)
+        dense = {name: self.dense.inputs(self.index[name], now)
+                 for name in dense_models(counts, self.catalog, self.round, holding)}
         result, self.state = fleet_round(counts, self.catalog, self._nodes(), now=now, params=self.round,
                                          state=self.state, dense=dense, waited=waited)
         self.dense.carry(result)

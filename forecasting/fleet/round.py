@@ -35,14 +35,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
 from forecasting.fleet.catalog import Catalog
 from forecasting.fleet.estimate import ArrivalEstimator
 from forecasting.fleet.planner import FleetContext, FleetNode, FleetParams, FleetPlan, FleetState, plan_fleet
-from forecasting.planner import Decision, PlannerState, StepInputs, step
+from forecasting.planner import Decision, PlannerParams, PlannerState, StepInputs, holds_fall, step
 from prewarm.core.planner_settings import PlannerSettings
 
 
@@ -102,9 +102,11 @@ def price_settings(planner: PlannerSettings) -> dict[str, Any]:
             "calibration_s": float(planner.budget_calibration_s), "horizon_s": float(planner.budget_horizon_s)}
 
 
-def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> tuple[str, ...]:
+def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams,
+                 holding: Collection[str] = ()) -> tuple[str, ...]:
     """The models the count planner sizes: the busiest over the last ``dense_window_s`` of ``counts`` (requests
-    per bucket, oldest first), at least ``dense_rps``, at most ``max_dense`` of them. A model's rate is over that
+    per bucket, oldest first), at least ``dense_rps``, then those of ``holding`` (`held_models`: the count planner
+    holds their replicas through a fall), at most ``max_dense`` in all. A model's rate is over that
     window, or since its first request when that is later: the buckets before its traffic began (a model just deployed,
     the zeros a live history holds before the gateway counted) are not its rate."""
     if not counts.size or params.max_dense <= 0:
@@ -114,7 +116,19 @@ def dense_models(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> t
     first = np.where(active.any(axis=0), active.argmax(axis=0), window.shape[0] - 1)
     recent = window.sum(axis=0) / ((window.shape[0] - first) * params.bucket_s)
     busy = np.argsort(-recent, kind="stable")[:params.max_dense]
-    return tuple(catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps)
+    chosen = [catalog.cards[int(i)].name for i in busy if recent[i] >= params.dense_rps]
+    chosen += [name for name in catalog.names if name in holding and name not in chosen]
+    return tuple(chosen[:params.max_dense])
+
+
+def held_models(last: Collection[str], states: Mapping[str, PlannerState], planner: PlannerParams,
+                now: float) -> tuple[str, ...]:
+    """Of the models the last round sized (``last``), those whose count planner holds replicas through a fall at
+    ``now`` (`forecasting.planner.holds_fall`). They stay with it until it lets them go: a model whose hour went
+    quiet left the dense models while its planner held its replicas for the return, and the return (a silent
+    client back at 50 requests/s) then met the one replica its outlook gave it (the pool replay of m-large's 40
+    busiest clients: 78% of chunk-116's waits)."""
+    return tuple(name for name in last if name in states and holds_fall(states[name], planner, now))
 
 
 def burst_replicas(counts: np.ndarray, catalog: Catalog, params: RoundParams) -> dict[str, int]:

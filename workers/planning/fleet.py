@@ -46,8 +46,8 @@ from forecasting.data.history import MGET_CHUNK, counter_resolution, load_redis,
 from forecasting.data.traces import HistoryError
 from forecasting.fleet.catalog import Catalog, ModelCard, Tier, default_catalog, default_ready_s, measured_ready_s
 from forecasting.fleet.planner import ActionKind, FleetNode, FleetParams, FleetState
-from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, price_settings, \
-    round_settings
+from forecasting.fleet.round import RoundParams, RoundResult, RoundState, dense_models, fleet_round, held_models, \
+    price_settings, round_settings
 from forecasting.planner import PlannerParams
 from prewarm.core import keys
 from prewarm.core.domain import LIVE_STATES, ModelSpec, Pool, Replica, ReplicaState, replica_id
@@ -266,7 +266,9 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
-    for name in dense_models(counts, catalog, params):  # sized by the count planner, as if planned alone
+    last = [name for name in state.dense if name in specs]  # sized last round: its planner may hold a fall
+    holding = held_models(last, {name: load_planner_state(ctx, name) for name in last}, planner, now)
+    for name in dense_models(counts, catalog, params, holding):  # sized by the count planner, as if planned alone
         planner_state = load_planner_state(ctx, name)
         try:
             dense[name] = (inputs(ctx, specs[name], planner_state, planner, now=now), planner_state)
