@@ -13,7 +13,8 @@ warm) are two regimes of this one decision:
   round (`workers.planning.fleet`) call this same function, so the replay scores what
   ships;
 - the dense models (`dense_models`: the busiest, above ``dense_rps`` over ``dense_window_s``,
-  at most ``max_dense``) are sized by the count planner, `forecasting.planner.step`, on
+  then those whose count planner holds their replicas through a fall, `held_models`; at most
+  ``max_dense``) are sized by the count planner, `forecasting.planner.step`, on
   the inputs the caller built for them as the single-model loop builds them (the gateway's
   fine counters, the live replicas, the measured cold start): the same step, cold-start
   budget and calibrated margin as a model planned alone, its state carried per model. The

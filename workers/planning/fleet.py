@@ -266,10 +266,10 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     params = RoundParams(bucket_s=bucket, fleet=fleet, **round_settings(p))  # what the replays run with too
     planner = PlannerParams.from_settings(p)
     dense = {}
-    last = [name for name in state.dense if name in specs]  # sized last round: its planner may hold a fall
-    holding = held_models(last, {name: load_planner_state(ctx, name) for name in last}, planner, now)
+    saved = {name: load_planner_state(ctx, name) for name in state.dense if name in specs}  # sized last round
+    holding = held_models(tuple(saved), saved, planner, now)  # ... and its planner holds a fall
     for name in dense_models(counts, catalog, params, holding):  # sized by the count planner, as if planned alone
-        planner_state = load_planner_state(ctx, name)
+        planner_state = saved[name] if name in saved else load_planner_state(ctx, name)
         try:
             dense[name] = (inputs(ctx, specs[name], planner_state, planner, now=now), planner_state)
         except (HistoryError, ValueError) as exc:  # its counters unreadable: planned by its outlook this round
