@@ -301,9 +301,7 @@ def _span(c: pauses.Pauses, p: PlannerParams) -> tuple[float, float | None]:  # 
 
 
 def holds_fall(state: PlannerState, params: PlannerParams, now: float) -> bool:
-    """Whether the last step held replicas through a fall that `now` is still within the span of (an
-    interruption, `forecasting.interruption`; its span from the model's remembered pauses): the replicas it keeps
-    for the return are this planner's to release."""
+    """Whether `now` is within the span of a fall the last step held replicas through (theirs to release)."""
     return state.quiet_since is not None and now - state.quiet_since <= _span(state.pauses, params)[0]
 
 
