@@ -145,18 +145,29 @@ def _points(y: np.ndarray, origins: np.ndarray, h: int, start: float, bucket_s: 
             profile: Profile | None, season: int) -> dict[str, np.ndarray]:
     """Each candidate's point forecast of the peak over the ``h`` buckets after each origin."""
     out = {"persistence": y[origins]}
-    lo = int(max(0, origins.min() - level_buckets + 1))
-    cs = np.concatenate([[0.0], np.cumsum(y[lo: origins.max() + 1])])
-    first = np.clip(origins - level_buckets + 1, lo, None)
+    first_o, last_o = int(origins[0]), int(origins[-1])  # origins ascend
+    lo = max(0, first_o - level_buckets + 1)
+    cs = np.empty(last_o + 2 - lo)
+    cs[0] = 0.0
+    np.cumsum(y[lo: last_o + 1], out=cs[1:])
+    first = origins - (level_buckets - 1)
+    np.maximum(first, lo, out=first)
     level = (cs[origins + 1 - lo] - cs[first - lo]) / (origins + 1 - first)
     if profile is not None:
         t_level = start + (origins - (level_buckets - 1) / 2.0 + 0.5) * bucket_s
         t_target = start + (origins + 1 + h / 2.0) * bucket_s
         level = level * profile.ratio(t_target, t_level)
     out["nowcast"] = level
-    if season > 0 and origins.min() - season + 1 >= 0:
-        back = origins - season + 1
-        out["seasonal_naive"] = np.max(np.stack([y[back + j] for j in range(h)]), axis=0)
+    if season > 0 and first_o - season + 1 >= 0:
+        out["seasonal_naive"] = _window_max(y, first_o - season + 1, origins.size, h)
+    return out
+
+
+def _window_max(y: np.ndarray, first: int, k: int, h: int) -> np.ndarray:
+    """The peak of ``y`` over the ``h`` buckets from ``first + i``, for i in 0..k-1."""
+    out = y[first: first + k].copy()
+    for j in range(1, h):
+        np.maximum(out, y[first + j: first + j + k], out=out)
     return out
 
 
@@ -187,37 +198,42 @@ def forecast_peak(y: np.ndarray, start: float, bucket_s: float, *, horizon: int,
         point = float(y[-level_buckets:].max())
         return Forecast("persistence", point, point, point, None, None, k)
     origins = np.arange(usable - k, usable, dtype=np.int64)
-    target = np.max(np.stack([y[origins + 1 + j] for j in range(h)]), axis=0)
+    target = _window_max(y, usable - k + 1, k, h)
     now = np.array([n - 1], dtype=np.int64)
-    now_pts = _points(y, now, h, start, bucket_s, level_buckets, profile, season)
     pts = _points(y, origins, h, start, bucket_s, level_buckets, profile, season)
-    maes = {name: float(np.mean(np.abs(target - p))) for name, p in pts.items() if name in now_pts}
+    maes = {name: float(np.abs(target - p).mean()) for name, p in pts.items()}
     best = min(maes, key=lambda m: (maes[m], m != "persistence"))
     fp = _fwd(pts[best])
     z = _fwd(target) - fp
     z_med = _median_shift(target, fp, z, maes[best])
     # the gate's figure: the typical error of the forecaster that scored best over the whole window, its
     # errors beyond the planning quantile left out (the misses the cold-start budget's margin pays for)
-    scale = float(np.mean(target))
+    scale = float(target.mean())
     abs_err = np.abs(target - _inv(fp + z_med))
-    error = float(np.mean(abs_err[abs_err <= _q(abs_err, quantile)]) / scale) if scale > 0 else 0.0
+    error = float(abs_err[abs_err <= _q(abs_err, quantile)].mean() / scale) if scale > 0 else 0.0
     z_up = _q(z, quantile)
-    base = float(_fwd(now_pts[best][0]))
-    median = float(_inv(base + z_med))
-    upper = float(_inv(base + z_up))
+    base = math.sqrt(max(float(_points(y, now, h, start, bucket_s, level_buckets, profile, season)[best][0]), 0.0))
+    median = _sq(base + z_med)
+    upper = _sq(base + z_up)
     # the next bucket alone: the same point, the residuals of a one-bucket horizon
-    z1 = _fwd(y[origins + 1]) - fp
-    next_upper = min(upper, float(_inv(base + _q(z1, quantile))))
-    coverage = float(np.mean(target <= _inv(fp + z_up) + 1e-9))
+    z1 = _fwd(y[usable - k + 1: usable + 1]) - fp
+    next_upper = min(upper, _sq(base + _q(z1, quantile)))
+    coverage = float((target <= _inv(fp + z_up) + 1e-9).mean())
     r = lambda v: round(max(0.0, v), 9)  # noqa: E731  (square-root round trips leave float noise)
     return Forecast(best, r(median), r(upper), r(next_upper), r(error), coverage, k,
                     tuple(sorted((m, r(v)) for m, v in maes.items())))
 
 
+def _sq(z: float) -> float:
+    """`_inv` of one value."""
+    m = max(z, 0.0)
+    return m * m
+
+
 def _median_shift(target: np.ndarray, fp: np.ndarray, z: np.ndarray, mae: float) -> float:
     """The median residual, or 0 where shifting by it did not pay on the scored window."""
     z_med = _q(z, 0.5)
-    return 0.0 if np.mean(np.abs(target - _inv(fp + z_med))) > mae else z_med
+    return 0.0 if np.abs(target - _inv(fp + z_med)).mean() > mae else z_med
 
 
 def _fwd(x: np.ndarray | float) -> np.ndarray:
