@@ -25,6 +25,7 @@ from forecasting.fleet.catalog import Catalog, default_catalog
 from forecasting.fleet.policies import FLEET_POLICIES, FleetEnv, make_fleet_policy
 from forecasting.fleet.simulate import FleetScore, simulate
 from forecasting.fleet.traces import FleetTrace
+from forecasting.parallel import check_jobs, run_all
 
 #: Each policy's knob values for the curve.
 KEEPALIVE_S = (60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 4 * 3600.0)
@@ -108,12 +109,20 @@ class FleetSetup:
                         load_share=self.load_share, seed=self.seed)
 
 
-def _run(trace: FleetTrace, env: FleetEnv, name: str, knob: float | None, setup: FleetSetup,
-         progress: Callable[[str], None] | None, hpa_target: float | None = None,
-         cold_start_budget: float | None = None) -> FleetScore:
-    if progress is not None:
-        progress(f"{name} {'' if knob is None else knob}{'' if hpa_target is None else f' hpa {hpa_target}'}"
-                 f"{'' if cold_start_budget is None else f' cold-start budget {cold_start_budget}'}")
+#: One replay of the backtest: (policy, knob, HPA target, cold-start budget); None: the policy's default.
+Run = tuple[str, float | None, float | None, float | None]
+
+
+def _label(run: Run) -> str:
+    name, knob, hpa_target, cold_start_budget = run
+    return (f"{name}{'' if knob is None else f' {knob}'}{'' if hpa_target is None else f' hpa {hpa_target}'}"
+            f"{'' if cold_start_budget is None else f' cold-start budget {cold_start_budget}'}")
+
+
+def _replay(shared: tuple[FleetTrace, FleetEnv, FleetSetup], run: Run) -> FleetScore:
+    """One replay (`forecasting.parallel.run_all`'s function: module-level, so a process can import it)."""
+    trace, env, setup = shared
+    name, knob, hpa_target, cold_start_budget = run
     kw = dict(setup.planner) if name == "fleet" else {}
     if cold_start_budget is not None:
         kw["cold_start_budget"] = cold_start_budget
@@ -127,7 +136,7 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
                        progress: Callable[[str], None] | None = None,
                        knobs: Mapping[str, Sequence[float]] | None = None,
                        hpa_targets: Sequence[float] = HPA_TARGETS,
-                       cold_start_budgets: Sequence[float] = COLD_START_BUDGETS) -> dict[str, Any]:
+                       cold_start_budgets: Sequence[float] = COLD_START_BUDGETS, jobs: int = 1) -> dict[str, Any]:
     """Every policy on ``trace``; the curve over knobs; the target comparison against the hybrid histogram.
 
     ``knobs`` replaces the curve's settings per policy (the planner's as shares of the
@@ -138,7 +147,11 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     The planner's row runs on its cold-start budget alone, as it runs live without a memory budget:
     its dense models' counts and the price of every other model's warmth are both steered by it
     (`forecasting.fleet.planner.steer`); its memory-time is what that costs, compared with the
-    hybrid histogram's as it is (``within_budget``: not above it)."""
+    hybrid histogram's as it is (``within_budget``: not above it).
+
+    The replays run in up to ``jobs`` processes (`forecasting.parallel`), the same figures as in one; ``progress``
+    is told each replay as it starts (one job) or ends (several)."""
+    check_jobs(jobs)
     trace = resample(trace, setup.step_s)
     if setup.poisson and trace.kind == "client_rates":
         rng = np.random.default_rng(setup.seed)
@@ -146,15 +159,29 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
     if catalog is None:
         catalog = default_catalog(trace.names, setup.sizes_gb) if setup.sizes_gb else default_catalog(trace.names)
     env = setup.env(catalog, trace.counts)
-    rows: dict[str, FleetScore] = {}
-    for name in policies:
-        if name == "fleet":
-            continue
-        rows[name] = _run(trace, env, name, None, setup, progress)
-    hh = rows.get("hybrid_histogram") or _run(trace, env, "hybrid_histogram", None, setup, progress)
+    shared = (trace, env, setup)
+
+    def replays(runs: Sequence[Run]) -> list[FleetScore]:
+        if jobs > 1:
+            return run_all(_replay, shared, runs, jobs, done=None if progress is None else
+                           lambda r: progress(f"{_label(r)}: done"))
+        out = []
+        for r in runs:  # in this process, each told as it starts
+            if progress is not None:
+                progress(_label(r))
+            out.append(_replay(shared, r))
+        return out
+
+    # the defaults first (the curve's planner points are read from reactive's and the hybrid histogram's)
+    first = [name for name in policies if name != "fleet"]
+    first += [name for name in ("hybrid_histogram", "reactive") if name not in first and (curve or name != "reactive")]
+    first += ["fleet"] if "fleet" in policies else []
+    done = dict(zip(first, replays([(name, None, None, None) for name in first])))
+    rows: dict[str, FleetScore] = {name: done[name] for name in policies if name != "fleet"}
+    hh = done["hybrid_histogram"]
     target: dict[str, Any] = {}
     if "fleet" in policies:
-        fleet = _run(trace, env, "fleet", None, setup, progress)
+        fleet = done["fleet"]
         rows["fleet"] = fleet
         target = {
             "cold_start_budget": fleet.cold_start_budget,
@@ -166,22 +193,21 @@ def run_fleet_backtest(trace: FleetTrace, *, catalog: Catalog | None = None, set
         }
     curves: dict[str, list[dict[str, Any]]] = {}
     if curve:
-        reactive = rows.get("reactive") or _run(trace, env, "reactive", None, setup, progress)
-        floor = reactive.avg_warm_gb
+        floor = done["reactive"].avg_warm_gb
         chosen: dict[str, Sequence[float]] = {
             "keepalive": KEEPALIVE_S, "hybrid_histogram": HH_TAIL_PCT,
             "keepalive_sleep": KEEPALIVE_S, "hybrid_histogram_sleep": HH_TAIL_PCT, "fleet": FLEET_BUDGET_SHARE,
         } | dict(knobs or {})
         extra = max(hh.avg_warm_gb - floor, 0.05 * hh.avg_warm_gb)
         chosen["fleet"] = tuple(floor + s * extra for s in chosen["fleet"])
+        points: dict[str, list[Run]] = {}
         for name, values in chosen.items():
             if name in policies:
-                curves[name] = [_run(trace, env, name, v, setup, progress).row() for v in values]
-                if name != "fleet":
-                    curves[name] += [_run(trace, env, name, None, setup, progress, h).row() for h in hpa_targets]
-                else:
-                    curves[name] += [_run(trace, env, name, None, setup, progress,
-                                          cold_start_budget=b).row() for b in cold_start_budgets]
+                points[name] = [(name, v, None, None) for v in values]
+                points[name] += [(name, None, h, None) for h in hpa_targets] if name != "fleet" else \
+                    [(name, None, None, b) for b in cold_start_budgets]
+        scores = iter(replays([r for runs in points.values() for r in runs]))
+        curves = {name: [next(scores).row() for _ in runs] for name, runs in points.items()}
     return {
         "trace": trace.source, "kind": trace.kind, "models": trace.n_models, "steps": trace.n_steps,
         "step_s": trace.step_s, "requests": trace.total_requests,

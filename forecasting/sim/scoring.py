@@ -15,6 +15,7 @@ import numpy as np
 from forecasting.curves import at_equal_share, sweep_summary  # noqa: F401  (re-exported)
 from forecasting.curves import foresight, weighted_quantile
 from forecasting.budget import warm_cost
+from forecasting.parallel import check_jobs, run_all
 from forecasting.planner import PlannerParams
 from forecasting.sim.policies import KNOWN, POLICIES, Prewarm, make_policy
 from forecasting.sim.simulate import PolicyRun, SimParams, Workload, build_workload, replay
@@ -144,10 +145,23 @@ def default_knob(policy: str, knobs: Mapping[str, tuple[str, tuple[float, ...], 
     return knob, default
 
 
+def _sweep_point(shared: tuple[Workload, SimParams, Mapping[str, Mapping[str, Any]]],
+                 setting: tuple[str, str, float, bool], progress: Callable[[str, float], None] | None = None
+                 ) -> dict[str, Any]:
+    """One policy at one knob value, scored (`forecasting.parallel.run_all`'s function: module-level)."""
+    work, params, policy_kwargs = shared
+    name, knob, v, _ = setting
+    kw = dict(policy_kwargs.get(name, {}))
+    if knob:
+        kw[knob] = v
+    cb = (lambda f, n=f"{name} {knob}={v:g}": progress(n, f)) if progress is not None else None
+    return score(replay(work, make_policy(name, **kw), params, cb), work, params)
+
+
 def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
               knobs: dict[str, tuple[str, tuple[float, ...], float]] | None = None,
               policy_kwargs: dict[str, dict[str, Any]] | None = None,
-              progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str, float], None] | None = None, jobs: int = 1) -> dict[str, Any]:
     """Each policy over its knob on one workload: GPU-hours and cold-start hits per setting.
 
     Returns `{"trace", "reactive_gpu_hours", "rows", "points", "at_equal_cold_start_share", "foresight"}`:
@@ -155,23 +169,28 @@ def run_sweep(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
     cold_start_share, ttft_p99_s, starts}), `rows` the defaults, `at_equal_cold_start_share`
     each policy's GPU-hours vs reactive on its curve at prewarm's default cold-start share, and
     `foresight` the oracle's against `reactive_sized`'s there (`forecasting.curves.foresight`).
-    The oracle is one point.
+    The oracle is one point. The settings replay in up to ``jobs`` processes (`forecasting.parallel`: the same
+    figures as in one); ``progress`` follows each replay (one job) or is told each as it ends (several).
     """
+    check_jobs(jobs)
     knobs = SWEEP_KNOBS if knobs is None else knobs
     work = build_workload(trace, params)
-    base_gpu: float | None = None
-    points: list[dict[str, Any]] = []
+    settings: list[tuple[str, str, float, bool]] = []  # (policy, knob, value, default)
     for name in policies:
         knob, values, default = knobs.get(name, ("", (float("nan"),), float("nan")))
-        for v in values:
-            kw = dict((policy_kwargs or {}).get(name, {}))
-            if knob:
-                kw[knob] = v
-            cb = (lambda f, n=f"{name} {knob}={v:g}": progress(n, f)) if progress is not None else None
-            s = score(replay(work, make_policy(name, **kw), params, cb), work, params)
-            if name == "reactive" and v == default:
-                base_gpu = s["gpu_hours"]
-            points.append(row(name, s, knob, v, bool(v == default or not knob)))
+        settings += [(name, knob, v, bool(v == default or not knob)) for v in values]
+    shared = (work, params, policy_kwargs or {})
+    if jobs > 1:
+        scores = run_all(_sweep_point, shared, settings, jobs,
+                         done=None if progress is None else lambda s: progress(f"{s[0]} {s[1]}={s[2]:g}", 1.0))
+    else:
+        scores = [_sweep_point(shared, s, progress) for s in settings]
+    base_gpu: float | None = None
+    points: list[dict[str, Any]] = []
+    for (name, knob, v, default), s in zip(settings, scores):
+        if name == "reactive" and default:
+            base_gpu = s["gpu_hours"]
+        points.append(row(name, s, knob, v, default))
     if base_gpu is None:
         base_gpu = score(replay(work, make_policy("reactive"), params), work, params)["gpu_hours"]
     for pt in points:

@@ -36,6 +36,9 @@ def add_parser(sub: Any) -> None:
                    help="run each policy over its knob (reactive target, reactive_sized queue_beta, pool percent, "
                         "keep-alive, prewarm cold-start budget) and draw GPU-hours against cold-start hits, one curve "
                         "per policy (default file: sweep.png)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="replays run side by side in N processes (--sweep and fleet traces; default: the CPUs this "
+                        "process may use); the figures are the same with any N")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     g = p.add_argument_group("rollout scenario (a canary rollout in the middle of the trace)")
@@ -155,7 +158,8 @@ def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
                            planner=fleet_policy_settings(settings.planner), **fleet_charges(args))
         policies = [p.strip() for p in (args.policies or ",".join(FLEET_POLICIES)).split(",") if p.strip()]
         out = run_fleet_backtest(trace, catalog=catalog, setup=setup, policies=policies, curve=not args.no_curve,
-                                 progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
+                                 progress=lambda s: print(f"  replay {s}", file=sys.stderr, flush=True),
+                                 jobs=_jobs(args))
     except (HistoryError, ValueError, KeyError) as exc:
         print(f"prewarm backtest: {exc}", file=sys.stderr)
         return 2
@@ -215,6 +219,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    """`--jobs`, or the CPUs this process may use."""
+    from forecasting.parallel import check_jobs, cpus
+
+    return cpus() if args.jobs is None else check_jobs(args.jobs)
+
+
 def _planner_kwargs(settings: Settings) -> dict[str, dict[str, Any]]:
     """The planner settings the planner-based policies run with (prewarm, its feedback-off ablation, reactive_sized)."""
     return {name: {"planner_settings": settings.planner} for name in ("prewarm", "prewarm_fixed_margin", "reactive_sized")}
@@ -247,7 +258,7 @@ def _sweep(args: argparse.Namespace, settings: Settings, trace: object, params: 
 
     with progress_bar() as progress:
         sweep = run_sweep(trace, params, policies,  # type: ignore[arg-type]
-                          policy_kwargs=_planner_kwargs(settings), progress=progress)
+                          policy_kwargs=_planner_kwargs(settings), progress=progress, jobs=_jobs(args))
     print(f"{sweep['trace']}: GPU-hours vs reactive ({sweep['reactive_gpu_hours']:.2f} GPU-h) and cold-start hits")
     for pt in sweep["points"]:
         knob = f"{pt['knob']}={pt['value']:g}" if pt["knob"] else "-"
