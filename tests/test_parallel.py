@@ -13,7 +13,7 @@ from forecasting.data.traces import RateTrace
 from forecasting.fleet.backtest import FleetSetup, run_fleet_backtest
 from forecasting.fleet.traces import load_fleet
 from forecasting.parallel import check_jobs, run_all
-from forecasting.sim.scoring import run_sweep
+from forecasting.sim.scoring import run_backtest, run_sweep
 from forecasting.sim.simulate import SimParams
 from prewarm.cli import main
 
@@ -77,3 +77,17 @@ def test_the_cli_refuses_jobs_below_one(capsys: pytest.CaptureFixture[str]) -> N
     rc = main(["backtest", *map(str, AZURE), "--jobs", "0", "--no-curve"])
     assert rc == 2
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_backtest_gives_the_same_rows_in_two_processes() -> None:
+    rng = np.random.default_rng(7)
+    tr = RateTrace(window_start_s=np.arange(0, 7200.0, 300.0), rate=rng.uniform(2.0, 12.0, 24), window_s=300.0,
+                   source="small")
+    policies = ("reactive", "reactive_sized", "prewarm", "oracle")
+    one, two = (run_backtest(tr, SimParams(), policies, jobs=j) for j in (1, 2))
+    strip = lambda out: {k: {f: v for f, v in s.items() if f != "replay_s"}  # noqa: E731  (wall time differs)
+                         for k, s in out["result"]["policies"].items()}
+    assert json.dumps(strip(one), default=float) == json.dumps(strip(two), default=float)
+    assert json.dumps(one["result"]["rows"], default=float) == json.dumps(two["result"]["rows"], default=float)
+    assert all(np.array_equal(one["runs"][p].live, two["runs"][p].live) for p in policies)
+    assert two["result"]["policies"]["prewarm"]["cold_start_budget"] == 0.001

@@ -64,28 +64,43 @@ def _after(run: PolicyRun, work: Workload, after_s: float) -> tuple[PolicyRun, W
     return sub, replace(work, need=work.need[cut:])
 
 
-def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
-                 progress: Callable[[str, float], None] | None = None,
-                 policy_kwargs: dict[str, dict[str, Any]] | None = None, score_after_s: float = 0.0) -> dict[str, Any]:
-    """Replay `trace` under each policy; the JSON-ready result `prewarm backtest` prints."""
+def _policy_run(shared: tuple[Workload, SimParams, Mapping[str, Mapping[str, Any]], float], name: str,
+                progress: Callable[[str, float], None] | None = None) -> tuple[PolicyRun, dict[str, Any]]:
+    """One policy's replay and its scores (`forecasting.parallel.run_all`'s function: module-level)."""
     import time
 
+    work, params, policy_kwargs, score_after_s = shared
+    t0 = time.perf_counter()
+    cb = (lambda f, n=name: progress(n, f)) if progress is not None else None
+    policy = make_policy(name, **policy_kwargs.get(name, {}))
+    run = replay(work, policy, params, cb)
+    scores: dict[str, Any] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
+    if isinstance(policy, Prewarm):
+        scores |= {"planner_modes": dict(policy.modes), "cold_start_budget": policy.params.cold_start_budget,
+                   "margin_final": policy.state.margin}
+    return run, scores
+
+
+def run_backtest(trace: Any, params: SimParams, policies: Sequence[str] = POLICIES,
+                 progress: Callable[[str, float], None] | None = None,
+                 policy_kwargs: dict[str, dict[str, Any]] | None = None, score_after_s: float = 0.0,
+                 jobs: int = 1) -> dict[str, Any]:
+    """Replay `trace` under each policy; the JSON-ready result `prewarm backtest` prints. The policies replay in up
+    to ``jobs`` processes (`forecasting.parallel`: the same figures as in one); ``progress`` follows each replay (one
+    job) or is told each as it ends (several)."""
+    check_jobs(jobs)
     unknown = [p for p in policies if p not in KNOWN]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; known: {', '.join(KNOWN)}")
     work = build_workload(trace, params)
-    runs: dict[str, PolicyRun] = {}
-    scores: dict[str, dict[str, Any]] = {}
-    for name in policies:
-        t0 = time.perf_counter()
-        cb = (lambda f, n=name: progress(n, f)) if progress is not None else None
-        policy = make_policy(name, **(policy_kwargs or {}).get(name, {}))
-        run = replay(work, policy, params, cb)
-        runs[name] = run
-        scores[name] = score(run, work, params, score_after_s) | {"replay_s": round(time.perf_counter() - t0, 3)}
-        if isinstance(policy, Prewarm):
-            scores[name] |= {"planner_modes": dict(policy.modes), "cold_start_budget": policy.params.cold_start_budget,
-                             "margin_final": policy.state.margin}
+    shared = (work, params, policy_kwargs or {}, score_after_s)
+    if jobs > 1:
+        done = run_all(_policy_run, shared, list(policies), jobs,
+                       done=None if progress is None else lambda name: progress(name, 1.0))
+    else:
+        done = [_policy_run(shared, name, progress) for name in policies]
+    runs: dict[str, PolicyRun] = {name: run for name, (run, _) in zip(policies, done)}
+    scores: dict[str, dict[str, Any]] = {name: s for name, (_, s) in zip(policies, done)}
     for name, s in scores.items():
         for ref in ("reactive", "oracle"):
             base = scores.get(ref, {}).get("gpu_hours")
