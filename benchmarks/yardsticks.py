@@ -9,9 +9,9 @@ seeded arrivals with the simulator's default charges (docs/simulator.md), and pr
 policy's GPU-hours vs reactive interpolated on its curve at prewarm's default cold-start
 share. These are ratios of the same run; nothing here depends on the machine's speed.
 
-A fleet trace (per-client rates) runs the fleet backtest instead: every fleet policy, the
-sleep-enabled baselines included, their curves and `at_equal` (the planner's point read on
-each curve).
+A fleet trace (per-client rates) runs the fleet backtest instead, at the planner's fine bucket as
+`prewarm backtest` does: every fleet policy, the sleep-enabled baselines included, their curves
+and `at_equal` (the planner's point read on each curve).
 
 `--client NAME` replays one model of a fleet trace alone (a tenant of a per-client file, its rate per
 window with zeros where it sent nothing) through the single-model yardsticks: is prewarm dominated on
@@ -136,6 +136,8 @@ def _fleet(args: Any) -> None:
 
     from forecasting.fleet.backtest import FleetSetup, resample, run_fleet_backtest
     from forecasting.fleet.report import print_fleet
+    from forecasting.parallel import cpus
+    from prewarm.core.settings import Settings
 
     trace = resample(load_fleet([args.trace]), 60.0)
     days = 2.0 if args.quick else args.days
@@ -147,8 +149,9 @@ def _fleet(args: Any) -> None:
         knobs = {"keepalive": (60.0, 300.0, 600.0, 3600.0), "keepalive_sleep": (60.0, 300.0, 600.0, 3600.0),
                  "hybrid_histogram": (75.0, 95.0, 99.0), "hybrid_histogram_sleep": (75.0, 95.0, 99.0),
                  "fleet": (0.5, 1.0, 1.5)}
-    out = run_fleet_backtest(trace, setup=FleetSetup(), knobs=knobs,
-                             progress=lambda s: print(f"  running {s}", file=sys.stderr, flush=True))
+    step = float(Settings.load().planner.fine_bucket_s)  # the live round's resolution, as `prewarm backtest`
+    out = run_fleet_backtest(trace, setup=FleetSetup(step_s=step), knobs=knobs, jobs=cpus(),
+                             progress=lambda s: print(f"  replay {s}", file=sys.stderr, flush=True))
     print_fleet(out)
     if args.plot:
         from forecasting.fleet.report import plot_curves

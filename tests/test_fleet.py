@@ -248,6 +248,22 @@ def test_backtest_cli_reads_a_request_log(capsys: pytest.CaptureFixture[str]) ->
     assert result["models"] == 3 and {r["policy"] for r in result["rows"]} >= {"fleet", "oracle", "hybrid_histogram"}
 
 
+def test_the_pool_replays_at_the_planners_fine_bucket_unless_told(capsys: pytest.CaptureFixture[str],
+                                                                    clean_env: pytest.MonkeyPatch) -> None:
+    """Live, the round sizes its dense models on the gateway's fine counters: the replay decides at that step."""
+    from prewarm.cli import main
+
+    def step(*flags: str) -> float:
+        assert main(["backtest", str(FIX / "client_rates.csv"), "--no-curve", "--json", "--policies", "keepalive",
+                     "--jobs", "1", *flags]) == 0
+        return float(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_s"])
+
+    assert step() == 10.0
+    assert step("--step", "60") == 60.0
+    clean_env.setenv("PREWARM_PLANNER_FINE_BUCKET_S", "20")
+    assert step() == 20.0
+
+
 def test_fleet_trace_head_keeps_the_busiest() -> None:
     tr = FleetTrace(("a", "b", "c"), np.array([[1.0, 5.0, 0.0], [0.0, 5.0, 2.0]]), 60.0, "x", "test")
     assert tr.head(2).names == ("b", "c")

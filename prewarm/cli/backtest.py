@@ -37,8 +37,8 @@ def add_parser(sub: Any) -> None:
                         "keep-alive, prewarm cold-start budget) and draw GPU-hours against cold-start hits, one curve "
                         "per policy (default file: sweep.png)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="replays run side by side in N processes (--sweep and fleet traces; default: the CPUs this "
-                        "process may use); the figures are the same with any N")
+                   help="replays run side by side in N processes (default: the CPUs this process may use); the "
+                        "figures are the same with any N")
     p.add_argument("--score-after", type=float, default=0.0, metavar="S",
                    help="score only requests (and GPU time) after S seconds: a warm-up excluded for every policy")
     g = p.add_argument_group("rollout scenario (a canary rollout in the middle of the trace)")
@@ -119,7 +119,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-column", help="request log: the column of arrival times (e.g. gmt_create)")
     g.add_argument("--model-column", help="request log: the column naming the model (e.g. checkpoint_model_version_id)")
     g.add_argument("--unit", choices=["app", "function"], default="app", help="Azure Functions: a model per app or function")
-    g.add_argument("--step", type=float, default=60.0, help="simulation step in seconds (default 60)")
+    g.add_argument("--step", type=float, default=None, metavar="S",
+                   help="the pool replay's step in seconds: each policy decides once a step (default: the planner's "
+                        "fine bucket, PREWARM_PLANNER_FINE_BUCKET_S, 10 s: the counters the live round sizes its dense "
+                        "models on, every 5 s; 60 replays six times faster and sees a burst up to a minute late)")
     g.add_argument("--catalog", help="a JSON model catalog (default: footprints from a stable hash of the name)")
     g.add_argument("--nodes", type=int, default=0, help="GPU nodes (default: enough for --capacity-share of all models)")
     g.add_argument("--node-gpu-gb", type=float, default=640.0)
@@ -145,14 +148,15 @@ def _cmd_fleet_backtest(args: argparse.Namespace, settings: Settings) -> int:
     from forecasting.fleet.traces import load_fleet
     from forecasting.data.traces import HistoryError
 
+    step = float(settings.planner.fine_bucket_s) if args.step is None else args.step
     try:
         trace = load_fleet(args.trace, time_column=args.time_column, model_column=args.model_column,
-                           step_s=args.step, unit=args.unit)
+                           step_s=step, unit=args.unit)
         if args.top:
             trace = trace.head(args.top)
         catalog = load_catalog(args.catalog, trace.names) if args.catalog else None
         setup = FleetSetup(n_nodes=args.nodes, node_gpu_gb=args.node_gpu_gb, node_host_gb=args.node_host_gb,
-                           capacity_share=args.capacity_share, step_s=args.step,
+                           capacity_share=args.capacity_share, step_s=step,
                            score_after_s=args.score_after or 86_400.0, poisson=not args.even_counts,
                            seed=args.seed, sleep_share=args.sleep_share, sleep_gbps=args.sleep_gbps,
                            planner=fleet_policy_settings(settings.planner), **fleet_charges(args))
@@ -194,8 +198,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if args.sweep:
             return _sweep(args, settings, trace, params, policies)
         with progress_bar() as progress:
-            out = run_backtest(trace, params, policies, progress=progress,
-                               policy_kwargs=_planner_kwargs(settings), score_after_s=args.score_after)
+            out = run_backtest(trace, params, policies, progress=progress, policy_kwargs=_planner_kwargs(settings),
+                               score_after_s=args.score_after, jobs=_jobs(args))
         if args.rollout_at is not None:
             from forecasting.sim.rollout import add_rollout_rows
 
