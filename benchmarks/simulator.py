@@ -6,11 +6,16 @@ depend on the machine, so each is also given as a ratio to a baseline measured i
 same run: a bare Python loop over the same number of seconds doing the fluid queue's
 arithmetic and nothing else (no policy, no replica bookkeeping).
 
-Usage: python benchmarks/simulator.py [--quick] [--json] [--policies reactive,prewarm]
+The same policies are then replayed side by side (`prewarm backtest`'s `--jobs`, one process per
+CPU by default), in the same run: the wall time against one after the other, and the check that
+every figure is the same.
+
+Usage: python benchmarks/simulator.py [--quick] [--json] [--policies reactive,prewarm] [--jobs N]
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +26,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, like the other benchmarks
 
 from benchmarks.common import ROOT, parser, report
+from forecasting.parallel import cpus
 from forecasting.sim.policies import POLICIES, make_policy
+from forecasting.sim.scoring import run_backtest
 from forecasting.sim.simulate import SimParams, build_workload, replay
 from forecasting.data.traces import RateTrace, load_trace
 
@@ -42,6 +49,7 @@ def _baseline_loop(counts: list[float]) -> float:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--policies", default="reactive,fixed_pool,keepalive,oracle,prewarm")
+    p.add_argument("--jobs", type=int, default=cpus(), help="processes for the side-by-side replay (default: the CPUs)")
     args = p.parse_args()
     full = load_trace(TRACE)
     assert isinstance(full, RateTrace)
@@ -76,6 +84,18 @@ def main() -> None:
         rows.append((f"{name}_s", wall, f"{wall / base_s:.1f}x the baseline loop"))
     rows.append(("total_s", total, "all policies, one after the other (target: < 180 s for 14 days)"))
     result["total_s"] = total
+    names = [x for x in args.policies.split(",") if x]
+    t0 = time.perf_counter()
+    side = run_backtest(trace, params, names, jobs=args.jobs)["result"]["rows"]
+    side_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    serial = run_backtest(trace, params, names)["result"]["rows"]
+    serial_s = time.perf_counter() - t0
+    same = json.dumps(side, default=float) == json.dumps(serial, default=float)
+    rows.append(("side_by_side_s", side_s, f"{args.jobs} processes: {serial_s / side_s:.2f}x faster than one after the "
+                                           f"other ({serial_s:.1f} s, same run); figures {'the same' if same else 'DIFFER'}"))
+    result |= {"jobs": args.jobs, "side_by_side_s": side_s, "one_after_the_other_s": serial_s,
+               "side_by_side_speedup": serial_s / side_s, "same_figures": same}
     report("trace replay speed", rows, result, args.json)
 
 
