@@ -1,6 +1,6 @@
-"""Independent replays side by side: the backtests' knob sweeps, one process per CPU.
+"""Independent replays side by side: a backtest's policies and knob sweeps, one process per CPU.
 
-Every replay of a sweep reads the same inputs (a workload, a fleet trace and its fleet) and
+Every replay of a backtest reads the same inputs (a workload, a fleet trace and its fleet) and
 draws from its own seeded generators, so a replay gives the same figures in any process and
 in any order. `run_all` sends the shared inputs once to each process (not once per replay)
 and returns the results in the order of the items; with one job it runs them in this process.
@@ -48,7 +48,7 @@ def run_all(fn: Callable[[Any, T], R], shared: Any, items: Sequence[T], jobs: in
             done: Callable[[T], None] | None = None) -> list[R]:
     """``fn(shared, item)`` for each item, the results in the order of ``items``, in up to ``jobs`` processes;
     ``done(item)`` as each finishes. ``fn`` is a module-level function (the processes import it by name). The
-    first replay that fails raises here and the ones not yet started are cancelled."""
+    first replay that fails raises here once the ones running have ended; the ones not yet started are cancelled."""
     check_jobs(jobs)
     if jobs == 1 or len(items) <= 1:
         out = []
