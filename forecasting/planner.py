@@ -23,8 +23,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    predictive either way;
 4. `_serving_target`: the replicas the forecast needs over the lead (`calibration.sizing`: a + margin x
    sqrt(a) of the forecast mean load in flight in predictive mode; in reactive mode of the peak in
-   flight, which holds the fluctuation the staffing beta stands for, so only the margin beyond
-   `queue_beta` is added), plus any batch job running within it, at least `min_serving`, never below
+   flight, which holds the fluctuation the staffing beta stands for, so the margin counts from
+   `queue_beta`), plus any batch job running within it, at least `min_serving`, never below
    what the load so far in the bucket in progress needs while no replica is loading (`Observed.now_load`:
    a rise is met at the next step, not one complete bucket later; while loads run, the backlog they will
    serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
@@ -468,7 +468,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     obs = inp.observed
     cal = calibrate(obs.requests, obs.waited, obs.peak, obs.start, obs.bucket_s, state, p, slots)
     state, margin_now = replace(state, **cal._asdict()), cal.margin
-    # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak gets its part beyond beta
+    # the margin the cold-start budget calibrated, in both modes (every miss counts); a peak's counts from beta
     staffed = sizing(False, margin_now, p.queue_beta)  # a mean load in flight (the gateway's busy time)
     lead = lead_of(p, inp.cold_start_p95_s)
     fc, mode = _forecast(inp, state, lead)

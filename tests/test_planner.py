@@ -129,10 +129,13 @@ def test_forecast_quality_gate_falls_back_to_reactive_scale_downs() -> None:
     assert d.mode == PREDICTIVE
 
 
-def test_a_peak_is_not_staffed_twice_only_the_calibrated_margin_beyond_the_staffing_beta_is_added() -> None:
+def test_a_peak_is_not_staffed_twice_the_calibrated_margin_counts_from_the_staffing_beta() -> None:
     """In reactive mode the plan is of the peak in flight, which holds the fluctuation square-root staffing
     stands for: at the staffing beta (1.5) the peak is planned as it is; a margin the budget raised to 3.5
-    adds its part beyond the beta, 2 x sqrt(peak)."""
+    adds its part beyond the beta, 2 x sqrt(peak); one it brought under the beta sizes below the peak, as it
+    sizes a mean load (clipped at the peak, a tenant one replica serves started a second at each brief peak
+    over its slots: chunk-72 at 60 s, 31 starts in 7 days to the HPA's 6), never below one replica for a peak
+    with a request in flight."""
     rng = np.random.default_rng(0)
     y = np.where(rng.random(400) < 0.2, 10.0, 1.0)  # bursts: the mean's forecast is poor, the gate is closed
     peak = np.full(400, 12.0)  # the peak in flight per bucket: flat, forecast exactly
@@ -141,6 +144,11 @@ def test_a_peak_is_not_staffed_twice_only_the_calibrated_margin_beyond_the_staff
     assert d.need_lead == 2  # 12 slots of 8 (staffed again, 12 + 1.5 sqrt(12) = 17.2, it took 3)
     d, _ = step(inputs(y, ready=1, peak=peak, params=replace(BASE, margin_initial=3.5)), PlannerState())
     assert d.need_lead == 3  # 12 + 2 sqrt(12) = 18.9 slots
+    calm = replace(BASE, margin_initial=0.0, min_serving=0)  # the budget brought the margin to 0
+    d, _ = step(inputs(y, ready=1, peak=peak, params=calm), PlannerState())
+    assert d.mode == REACTIVE and d.need_lead == 1  # 12 - 1.5 sqrt(12) = 6.8 slots (clipped at the peak: 12, 2)
+    d, _ = step(inputs(y, ready=1, peak=np.full(400, 1.0), params=calm), PlannerState())
+    assert d.need_lead == 1  # 1 - 1.5 sqrt(1) < 0: the request in flight keeps its replica
     d, _ = step(inputs([12.0] * 400, ready=1), PlannerState())
     assert d.mode == PREDICTIVE and d.need_lead == 3  # a mean load in flight is staffed: 12 + 1.5 sqrt(12) = 17.2
 
