@@ -30,7 +30,8 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
    a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below the replicas the
    peaks in flight of the last lead filled (a replica used within a load's time is not released: its return would
-   cost that load, and a forecast of the mean released it between peaks and started it again); in reactive mode never below what
+   cost that load, and a forecast of the mean released it between peaks and started it again); in predictive mode a
+   fall leaves `release_band` of a replica spare beyond the load sized (a deadband); in reactive mode never below what
    it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
    own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
@@ -82,6 +83,7 @@ class PlannerParams:
     default_cold_start_s: float = 8.7
     stabilization_s: float = 300.0
     scale_down_tolerance: float = 0.1  # reactive mode: a fall of at most this share of live replicas is not made
+    release_band: float = 0.25  # predictive mode: a fall leaves this share of a replica spare beyond the sized load
     warm_pool_size: int | None = None
     warm_pool_percent: float = 0.0
     budget_share: float = 0.12
@@ -368,10 +370,12 @@ def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
 
 
 def _serving_target(inp: StepInputs, need_lead: int, mode: str, observed_need: int | None, held: int,
-                    used: int | None) -> tuple[int, str]:
+                    used: int | None, banded: int) -> tuple[int, str]:
     p, live = inp.params, inp.replicas.live
     target = max(need_lead, p.min_serving)
     why = f"forecast needs {need_lead} within the lead"
+    if mode == PREDICTIVE and target < live and banded > target:  # a fall leaves `release_band` of a replica spare
+        target, why = min(live, banded), f"{banded} within {p.release_band:g} of a replica of the load sized"
     if target < live and held > target:  # either mode: a recommendation stands until its lead has passed
         target, why = min(live, held), f"{held} recommended by a step whose lead has not passed"
     if target < live and used is not None and used > target:  # either mode: a replica used within a load's time
@@ -501,8 +505,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
     used = _observed_need(inp, lambda peak: peak, lead)  # the replicas the peaks of the last lead filled, unsized
+    # a predictive fall is made only to a count the sized load fits with `release_band` of a replica spare: a load
+    # hovering at a replica's boundary (the level's noise, the margin coming down) started and released one there
+    banded = replicas_needed(margin(fc.upper) + p.release_band * slots, slots, p.headroom)
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
-                                  holds.held(state.lead_holds, inp.now), used)
+                                  holds.held(state.lead_holds, inp.now), used, banded)
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
     why += f" (batch jobs {batch_lead})" if batch_lead else ""
     allowed = budget.allowed_share(state.warm_avg, state.warm_at, inp.now, p.budget_share, p.budget_window_s)

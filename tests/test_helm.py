@@ -183,7 +183,7 @@ def test_seed_values_reach_the_planner_and_the_hpa() -> None:
 def test_the_cold_start_budget_and_the_reactive_knobs_reach_the_planner_as_its_settings_read_them() -> None:
     """The operator's goal (issue 17) is set from the chart: the budget, the reactive fallback's tolerance and
     the interruption hold reach the planner and the beat, and the planner's own settings parse them."""
-    values = {"planner": {"coldStartBudget": 0.0005, "scaleDownTolerance": 0.2, "marginRule": "quantile",
+    values = {"planner": {"coldStartBudget": 0.0005, "scaleDownTolerance": 0.2, "marginRule": "quantile", "releaseBand": 0.5,
                           "interruption": {"share": 0.05, "minRequests": 40, "holdSeconds": 1800, "pauseMemory": 16}}}
     docs = render(values)
     for name in ("-planner", "-beat"):
@@ -195,7 +195,7 @@ def test_the_cold_start_budget_and_the_reactive_knobs_reach_the_planner_as_its_s
             s = PlannerSettings()
         assert (s.cold_start_budget, s.scale_down_tolerance, s.margin_rule) == (0.0005, 0.2, "quantile")
         assert (s.interruption_share, s.interruption_min_requests, s.interruption_hold_s) == (0.05, 40.0, 1800.0)
-        assert s.pause_memory == 16
+        assert s.pause_memory == 16 and s.release_band == 0.5
     default = env_of(find(render(), "Deployment", "-planner"))
     assert default["PREWARM_PLANNER_COLD_START_BUDGET"] == str(PlannerSettings().cold_start_budget)
     assert default["PREWARM_PLANNER_MARGIN_RULE"] == PlannerSettings().margin_rule

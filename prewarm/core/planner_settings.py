@@ -28,6 +28,7 @@ class PlannerSettings(_Group):
     default_cold_start_s: float = Field(8.7, gt=0)
     stabilization_s: float = Field(300.0, ge=0)  # the reactive fallback's window (forecast-quality gate closed)
     scale_down_tolerance: float = Field(0.1, ge=0, lt=1)  # the reactive fallback keeps a fall of at most this share
+    release_band: float = Field(0.25, ge=0, lt=1)  # a predictive fall leaves this share of a replica spare (deadband)
     queue_beta: float = Field(1.5, ge=0)  # square-root staffing margin: slots for a mean load a are a + beta sqrt(a)
     error_threshold: float = Field(0.1, gt=0)  # recent typical relative error above which scale-downs turn reactive
     warm_pool_size: int | None = Field(None, ge=0)  # fixed warm pool; None: warm_pool_percent of the need

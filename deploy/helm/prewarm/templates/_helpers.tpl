@@ -101,6 +101,8 @@ prometheus.io/path: /metrics
   value: {{ .Values.planner.marginRule | quote }}
 - name: PREWARM_PLANNER_SCALE_DOWN_TOLERANCE
   value: {{ .Values.planner.scaleDownTolerance | quote }}
+- name: PREWARM_PLANNER_RELEASE_BAND
+  value: {{ .Values.planner.releaseBand | quote }}
 - name: PREWARM_PLANNER_INTERRUPTION_SHARE
   value: {{ .Values.planner.interruption.share | quote }}
 - name: PREWARM_PLANNER_INTERRUPTION_MIN_REQUESTS
