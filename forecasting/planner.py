@@ -507,7 +507,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     used = _observed_need(inp, lambda peak: peak, lead)  # the replicas the peaks of the last lead filled, unsized
     # a predictive fall is made only to a count the sized load fits with `release_band` of a replica spare: a load
     # hovering at a replica's boundary (the level's noise, the margin coming down) started and released one there
-    banded = replicas_needed(margin(fc.upper) + p.release_band * slots, slots, p.headroom)
+    # (no load sized, nothing to spare: a model scaled to zero is let go)
+    sized = margin(fc.upper)
+    banded = replicas_needed(sized + p.release_band * slots, slots, p.headroom) if sized > 0 else 0
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
                                   holds.held(state.lead_holds, inp.now), used, banded)
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
@@ -534,8 +536,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s,
                                         replace(p, interruption_hold_s=span), not ran, obs.peak)
     quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, span)
+    # a held fall keeps what its level's peak fills at least, as the replicas the peaks of a lead filled are kept
+    # while it runs (`used`): sized under it by a margin below beta, a return at the level found a replica fewer
     keep = inp.replicas.live if fall is None or fall.peak is None else min(inp.replicas.live, replicas_needed(max(
-        margin(fall.peak), pauses.return_peak(paused, fall.expected, fall.peak, lead, obs.bucket_s, p)), slots, p.headroom))
+        margin(fall.peak), fall.peak, pauses.return_peak(paused, fall.expected, fall.peak, lead, obs.bucket_s, p)),
+        slots, p.headroom))
     if fall is not None and held and target < keep:
         target = keep
         why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
