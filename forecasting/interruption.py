@@ -45,7 +45,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -133,3 +133,17 @@ def hold(quiet_since: float | None, now: float, is_interrupted: bool, hold_s: fl
         return None, False
     since = now if quiet_since is None else quiet_since
     return since, now - since <= hold_s
+
+
+def held_target(fall: Fall | None, held: bool, quiet_since: float | None, span_s: float, alpha: float | None,
+                hold_s: float, live: int, need: Callable[[float, float], int]) -> tuple[int, str] | None:
+    """The replicas a fall still held keeps and why (None: no fall held): every live one where the season leads,
+    else `need(expected requests, peak)` of the level's peak (within the live ones; the planner's is at least what
+    the peak fills, as it keeps the replicas the peaks of a lead filled while traffic runs). `span_s` over
+    `hold_s`: a silent fall held for the span its pauses ask for, at the share `alpha` the budget lets outlast it."""
+    if fall is None or not held:
+        return None
+    keep = live if fall.peak is None else min(live, need(fall.expected, fall.peak))
+    return keep, (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
+                  f"expectation since {quiet_since:.0f}: {keep} held (at most {span_s:.0f} s"
+                  + (f", as the budget lets {alpha:.1%} of its pauses outlast)" if span_s > hold_s else ")"))

@@ -30,10 +30,10 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    serve is in flight at the gateway, and sized again at every step it started replicas for a queue), never below
    a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below the replicas the
    peaks in flight of the last lead filled (a replica used within a load's time is not released: its return would
-   cost that load, and a forecast of the mean released it between peaks and started it again); in predictive mode a
-   fall leaves `release_band` of a replica spare beyond the load sized (a deadband); in reactive mode never below what
-   it sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its
-   own recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
+   cost that load, and a forecast of the mean released it between peaks and started it again); a predictive fall
+   leaves `release_band` of a replica spare (a deadband); in reactive mode never below what it sizes for the largest
+   peak observed within `stabilization_s` (the HPA's stabilization over its own recommendations), and a fall within
+   `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
    `budget_share` of the planned capacity; what it cuts is reported. The warm pool is a standing cost,
    sized against the plain budget (a stable size, no flapping); early scale-ups and holds before a
@@ -128,10 +128,6 @@ class PlannerParams:
     def __post_init__(self) -> None:
         if self.margin_rule not in RULES:
             raise ValueError(f"margin_rule {self.margin_rule!r} is not one of {', '.join(RULES)}")
-
-    @property
-    def column(self) -> str:
-        return f"q{self.quantile:g}"
 
 
 @dataclass(frozen=True)
@@ -490,7 +486,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         state = replace(state, sized=record_sizing(state.sized, inp.now, lead, fc.upper, offset, p) if scored else ())
     batch_lead, fired = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + lead)
     batch_next, _ = batch_replicas(p.batch_jobs, inp.model, inp.now, inp.now + obs.bucket_s)
-    fc_lead = replicas_needed(margin(fc.upper), slots, p.headroom)
+    fc_lead = replicas_needed(sized := margin(fc.upper), slots, p.headroom)  # `sized`: the slots the lead needs
     fc_next = replicas_needed(margin(fc.next_upper), slots, p.headroom)
     # a batch job adds its replicas to the load before it starts (the next bucket's forecast),
     # unless the forecast already covers it: a job the forecaster has learned is not provisioned twice
@@ -505,10 +501,7 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
     used = _observed_need(inp, lambda peak: peak, lead)  # the replicas the peaks of the last lead filled, unsized
-    # a predictive fall is made only to a count the sized load fits with `release_band` of a replica spare: a load
-    # hovering at a replica's boundary (the level's noise, the margin coming down) started and released one there
-    # (no load sized, nothing to spare: a model scaled to zero is let go)
-    sized = margin(fc.upper)
+    # a predictive fall leaves `release_band` of a replica spare (a deadband at a replica's boundary; at no load, none)
     banded = replicas_needed(sized + p.release_band * slots, slots, p.headroom) if sized > 0 else 0
     target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
                                   holds.held(state.lead_holds, inp.now), used, banded)
@@ -536,16 +529,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
         fall = interruption.interrupted(state.profile, obs.requests, obs.start, obs.bucket_s, p.stabilization_s,
                                         replace(p, interruption_hold_s=span), not ran, obs.peak)
     quiet_since, held = interruption.hold(state.quiet_since, inp.now, fall is not None, span)
-    # a held fall keeps what its level's peak fills at least, as the replicas the peaks of a lead filled are kept
-    # while it runs (`used`): sized under it by a margin below beta, a return at the level found a replica fewer
-    keep = inp.replicas.live if fall is None or fall.peak is None else min(inp.replicas.live, replicas_needed(max(
-        margin(fall.peak), fall.peak, pauses.return_peak(paused, fall.expected, fall.peak, lead, obs.bucket_s, p)),
-        slots, p.headroom))
-    if fall is not None and held and target < keep:
-        target = keep
-        why = (f"interruption: requests far below the {'profile' if fall.by_season else 'recent level'}'s "
-               f"expectation since {quiet_since:.0f}: {target} held (at most {span:.0f} s"
-               + (f", as the budget lets {alpha:.1%} of its pauses outlast)" if span > p.interruption_hold_s else ")"))
+    kept = interruption.held_target(fall, held, quiet_since, span, alpha, p.interruption_hold_s, inp.replicas.live,
+                                    lambda expected, peak: replicas_needed(max(margin(peak), peak, pauses.return_peak(
+                                        paused, expected, peak, lead, obs.bucket_s, p)), slots, p.headroom))
+    if kept is not None and target < kept[0]:
+        target, why = kept
     events = _events(inp, target, pool, need_next, need_lead, why, lead)
     if p.park_horizon_s > 0:
         events = _parked(inp, events, state, target, lead, staffed)

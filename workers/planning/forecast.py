@@ -211,7 +211,7 @@ def _report(ctx: WorkerContext, spec: ModelSpec, inp: StepInputs, decision: Deci
         "mode": decision.mode, "method": fc.method,
         "forecast_error": "" if fc.error is None else f"{fc.error:.3f}",
         "coverage": "" if fc.coverage is None else f"{fc.coverage:.3f}",
-        "rps_q0.5": f"{fc.median:.3f}", f"rps_{inp.params.column}": f"{fc.upper:.3f}",
+        "rps_q0.5": f"{fc.median:.3f}", f"rps_q{inp.params.quantile:g}": f"{fc.upper:.3f}",
         "need_now": str(decision.need_next), "need_lead": str(decision.need_lead),
         "serving_target": str(decision.target),
         "events": str(len(decision.events)), "new_events": str(len(new)), "dropped": str(len(decision.dropped)),
