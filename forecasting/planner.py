@@ -31,9 +31,10 @@ One decision per helper, in order (as Ray Serve's autoscaling policy reads):
    a recommendation whose lead has not passed (`forecasting.holds`), nor, in either mode, below the replicas the
    peaks in flight of the last lead filled (a replica used within a load's time is not released: its return would
    cost that load, and a forecast of the mean released it between peaks and started it again); a predictive fall
-   leaves `release_band` of a replica spare (a deadband); in reactive mode never below what it sizes for the largest
-   peak observed within `stabilization_s` (the HPA's stabilization over its own recommendations), and a fall within
-   `scale_down_tolerance` of the live replicas is not made;
+   leaves `release_band` of a replica spare (a deadband); in reactive mode (`forecasting.reactive`) a rise is made only
+   where the forecast's peak or the load so far fills more than the live replicas unsized, a fall never below what it
+   sizes for the largest peak observed within `stabilization_s` (the HPA's stabilization over its own
+   recommendations), and a fall within `scale_down_tolerance` of the live replicas is not made;
 5. the warm budget (`forecasting.budget`): warm capacity beyond the next bucket's need stays within
    `budget_share` of the planned capacity; what it cuts is reported. The warm pool is a standing cost,
    sized against the plain budget (a stable size, no flapping); early scale-ups and holds before a
@@ -59,7 +60,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from forecasting import budget, holds, interruption, park, pauses
+from forecasting import budget, holds, interruption, park, pauses, reactive
 from forecasting.batch import BatchJob, batch_replicas, batch_schedule
 from forecasting.budget import replicas_needed, warm_cost
 from forecasting.calibration import RULES, Sizing, calibrate, record_sizing, sizing
@@ -340,20 +341,6 @@ def _mode(fc: Forecast, p: PlannerParams) -> str:
     return PREDICTIVE if fc.error is not None and fc.error <= p.error_threshold else REACTIVE
 
 
-def _observed_need(inp: StepInputs, margin: Callable[[float], float], window_s: float) -> int | None:
-    """The replicas `margin` sizes for the largest peak in flight of the last `window_s` (None: less history than
-    that). The reactive floor over `stabilization_s` sizes the peak as the target is (unsized, it sat below the
-    target, which then followed each burst's forecast down within seconds and started it again at the next); the
-    lead's floor passes the peak unsized: the replicas it filled."""
-    obs, p = inp.observed, inp.params
-    k = int(math.ceil(window_s / obs.bucket_s))
-    if k == 0:
-        return 0  # no window: nothing observed holds capacity
-    if obs.peak.size < k:
-        return None
-    return replicas_needed(margin(float(obs.peak[-k:].max())), inp.model.slots, p.headroom)
-
-
 def _base_need(inp: StepInputs, before: float, margin: Any) -> int:
     """The replicas the load needed in the last bucket before `before` (a batch run's start): what
     the run's replicas come on top of. Once the run is visible in the gateway's counters the
@@ -493,6 +480,9 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
     base = _base_need(inp, fired, staffed) if batch_lead else 0
     now_need = replicas_needed(staffed(obs.now_load), slots, p.headroom) \
         if obs.now_load is not None and not inp.replicas.loading else 0
+    if mode == REACTIVE and not reactive.rise_shown(fc.upper, fc.next_upper, obs.now_load, inp.replicas.live, slots,
+                                                    p.headroom):  # the sized forecast holds live replicas, adds none
+        fc_lead, fc_next, now_need = (min(n, inp.replicas.live) for n in (fc_lead, fc_next, now_need))
     need_next = max(fc_next, base + batch_next, now_need)  # never below what the load so far in this bucket needs
     need_lead = max(fc_lead, need_next, base + batch_lead)
     floor_next = max(need_next, p.min_serving)
@@ -500,10 +490,11 @@ def step(inp: StepInputs, state: PlannerState) -> tuple[Decision, PlannerState]:
                        p.budget_share)[1]
     if inp.replicas.pooled:
         inp = replace(inp, replicas=_split_pool(inp.replicas, pool))
-    used = _observed_need(inp, lambda peak: peak, lead)  # the replicas the peaks of the last lead filled, unsized
+    used = reactive.observed_need(obs.peak, obs.bucket_s, lead, lambda x: x, slots, p.headroom)  # filled, unsized
     # a predictive fall leaves `release_band` of a replica spare (a deadband at a replica's boundary; at no load, none)
     banded = replicas_needed(sized + p.release_band * slots, slots, p.headroom) if sized > 0 else 0
-    target, why = _serving_target(inp, need_lead, mode, _observed_need(inp, margin, p.stabilization_s),
+    observed = reactive.observed_need(obs.peak, obs.bucket_s, p.stabilization_s, margin, slots, p.headroom)
+    target, why = _serving_target(inp, need_lead, mode, observed,
                                   holds.held(state.lead_holds, inp.now), used, banded)
     state = replace(state, lead_holds=holds.record(state.lead_holds, inp.now, lead, need_lead))
     why += f" (batch jobs {batch_lead})" if batch_lead else ""

@@ -153,6 +153,23 @@ def test_a_peak_is_not_staffed_twice_the_calibrated_margin_counts_from_the_staff
     assert d.mode == PREDICTIVE and d.need_lead == 3  # a mean load in flight is staffed: 12 + 1.5 sqrt(12) = 17.2
 
 
+def test_a_reactive_rise_is_made_only_where_the_forecast_fills_the_live_replicas_unsized() -> None:
+    """While the forecasts are poor, the sized forecast adds replicas only where its peak, unsized, fills more than
+    are live; then the rise is to the sized count. Sized on a poor forecast's noise, Mooncake at 8.7 s stepped
+    11 -> 13 -> 11 replicas every minute or two while its peaks filled 5-7 (47 starts in the hour to the HPA's 12)."""
+    rng = np.random.default_rng(0)
+    y = np.where(rng.random(400) < 0.2, 10.0, 1.0)  # bursts: the mean's forecast is poor, the gate is closed
+    peak = np.full(400, 12.0)  # 12 in flight fill 2 replicas of 8; sized at margin 3.5, 12 + 2 sqrt(12) = 18.9 slots: 3
+    sized = replace(BASE, margin_initial=3.5)
+    d, _ = step(inputs(y, ready=2, peak=peak, params=sized), PlannerState())
+    assert d.mode == REACTIVE and d.forecast.upper == 12.0
+    assert d.target == 2 and not [e for e in d.events if e.kind is ScaleEventKind.SCALE_UP]  # it holds the 2, adds none
+    d, _ = step(inputs(y, ready=1, peak=peak, params=sized), PlannerState())
+    assert d.target == 3 and kinds(d) == [("scale_up", "serving", 2)]  # 12 fill more than 1: the sized count
+    d, _ = step(inputs([12.0] * 400, ready=2, params=sized), PlannerState())
+    assert d.mode == PREDICTIVE and d.target == 4  # a good forecast is sized whole: 12 + 3.5 sqrt(12) = 24.1 slots
+
+
 def test_the_reactive_floor_is_sized_as_the_target_is() -> None:
     """The reactive fallback keeps what it sizes for the largest peak of the stabilization window (the HPA's
     stabilization over its own recommendations), not that peak unsized: sized below the target, the floor let
