@@ -20,7 +20,7 @@ from forecasting.fleet.catalog import Tier
 from forecasting.planner import BatchJob, PlannerParams, PlannerState, ReplicaCounts, StepInputs, \
     observed_from_counts, step
 from prewarm.core import keys
-from prewarm.core.domain import ModelSpec, Replica, ReplicaState, ScaleEvent, ScaleEventKind
+from prewarm.core.domain import ModelSpec, Pool, Replica, ReplicaState, ScaleEvent, ScaleEventKind
 from prewarm.core.errors import SettingsError
 from prewarm.core.settings import RedisSettings, Settings
 from prewarm.policy.validation import Outcome, check_performance
@@ -35,6 +35,7 @@ from workers.planning.fleet import fleet_catalog
 from workers.planning.forecast import forecast_and_plan, history
 from workers.planning.forecast import inputs as inputs_of
 from workers.planning.kubernetes import actuator_for, apply_target
+from workers.planning.nodes import live_nodes, release_slot
 
 T0 = 1_700_000_000.0
 
@@ -85,6 +86,34 @@ def test_scale_down_cancels_loading_replicas_and_never_retires_one_a_hold_keeps(
     kept = {m["args"][0] for m in tasks if m["task"] == KEEP_WARM}
     assert retired == set(loading)
     assert kept == set(ready[:3]) and not kept & retired
+
+
+def test_two_scale_ups_applied_before_any_agent_registers_never_pick_one_slot(ctx: WorkerContext) -> None:
+    """One plan's serving rise (x2) and warm-pool start (x1), applied at once: each slot is reserved for its
+    replica until the agent registers it, so the three prewarms name three replicas (before, the warm pool's
+    replica and a serving one were both the first slot of the emptiest node: the plan's 3 became 2)."""
+    publish_node(ctx.client, "n1", 2)
+    publish_node(ctx.client, "n2", 2)
+    now = time.time()
+    serving = ScaleEvent("up-serving", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=2)
+    warm = ScaleEvent("up-warm", ScaleEventKind.SCALE_UP, "m", "r1", at=now - 1, replicas=1, pool=Pool.WARM)
+    submit_events(ctx, [serving, warm])
+    app = make_app(ctx.settings)
+    try:
+        chosen = apply_event(ctx, app, "up-serving").replica_ids + apply_event(ctx, app, "up-warm").replica_ids
+    finally:
+        app.close()
+    assert len(set(chosen)) == 3, chosen
+    queued = [m["args"][0] for n in ("n1", "n2") for m in queued_tasks(ctx.client, node_queue(n)) if m["task"] == PREWARM]
+    assert sorted(queued) == sorted(chosen)
+    # the agent registers the replica and releases its slot's claim: the registry holds the slot from then on
+    rid = chosen[0]
+    node, slot = rid.split("/")[-2], int(rid.split("/")[-1])
+    assert ctx.client.get(keys.slot_claim(node, slot)) == rid
+    ctx.registry.register(Replica("m", "r1", node, slot, state=ReplicaState.PENDING, created_at=now), now=now)
+    release_slot(ctx, node, slot, rid)
+    assert ctx.client.get(keys.slot_claim(node, slot)) is None
+    assert slot in next(ns for ns in live_nodes(ctx) if ns.node == node).used
 
 
 # --- Kubernetes: the pods are one Deployment, the warm pool among them ------------------------------------

@@ -19,7 +19,7 @@ from workers.names import DEMAND_QUEUE, HANDLE_DEMAND, KEEP_WARM, PLANNER_QUEUE,
 from workers.node.supervision import RuntimeExited
 from prewarm.core.errors import failure_reason
 from workers.node.bringup import DeadlineExceeded
-from workers.planning.nodes import NodeSlots, choose_placement
+from workers.planning.nodes import NodeSlots, pick_slots
 from workers.planning.tasks import resolve_revision
 
 
@@ -126,9 +126,9 @@ def test_failure_reasons_are_low_cardinality_codes(exc: BaseException, reason: s
 
 def test_placement_prefers_the_node_with_most_free_slots() -> None:
     nodes = [NodeSlots("a", 2, frozenset({0})), NodeSlots("b", 3, frozenset({1})), NodeSlots("c", 1, frozenset({0}))]
-    assert choose_placement(nodes) == ("b", 0)
-    assert choose_placement([NodeSlots("a", 1, frozenset({0}))]) is None
-    assert choose_placement([NodeSlots("z", 2, frozenset()), NodeSlots("y", 2, frozenset())]) == ("y", 0)
+    assert pick_slots(nodes, 1) == [("b", 0)]
+    assert pick_slots([NodeSlots("a", 1, frozenset({0}))], 1) == []
+    assert pick_slots([NodeSlots("z", 2, frozenset()), NodeSlots("y", 2, frozenset())], 1) == [("y", 0)]
 
 
 def test_revision_comes_from_configuration_then_history() -> None:

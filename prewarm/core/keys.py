@@ -262,6 +262,12 @@ def placement_refused(model_key: str) -> str:
     return f"{PREFIX}:refused:{model_key}"
 
 
+#: The replica a node's slot is reserved for between its choice (a scale-up, a scale from zero, a placement
+#: elsewhere) and its registration by the agent, which releases it: two choosers at once never pick one slot.
+def slot_claim(node: str, slot: int) -> str:
+    return f"{PREFIX}:slotclaim:{node}:{slot}"
+
+
 #: The replica id a refused replica was placed again as (a redelivered retry re-sends the same prewarm).
 def placement_claim(replica_id: str) -> str:
     return f"{PREFIX}:elsewhere:{replica_id}"

@@ -43,6 +43,7 @@ from workers.node.canary import compare_with_stable, speed_rule
 from workers.node.memory import CACHED, DISK, in_snapshot
 from workers.node.supervision import HostedRuntime, RuntimeExited
 from workers.node.tiers import TierOutcome, admit_load, wake_locked
+from workers.planning.nodes import release_slot
 from workers.node.lock import ReplicaLock
 from workers.payload import PrewarmRequest
 from workers.node.engine_validation import EngineServer, engine_report, record_engine
@@ -364,6 +365,7 @@ class PrewarmJob:
             log.info("replica %s registered %s (state %s)", self.rid, "new" if created else "existing", rec.state.value)
         else:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
+        release_slot(ctx, ref.node, ref.slot, self.rid)  # the registry holds its slot now, not the chooser's claim
         if ctx.runtimes.get(self.rid) is None:  # its runtime is not up yet: book its GPU memory first
             admit_load(ctx, self.rid, ref.model, model_dir, self.deadline)
         tier = CACHED if in_snapshot(ctx.settings.runtime.snapshot_dir, f"{ref.model}@{ref.revision}") else DISK

@@ -31,7 +31,7 @@ from prewarm.core.domain import Pool, replica_id
 from workers import names
 from workers.context import WorkerContext
 from workers.payload import PlaceElsewhereRequest
-from workers.planning.nodes import live_nodes, pick_slots
+from workers.planning.nodes import NodeSlots, live_nodes, pick_slots, release_slot, reserve_slots
 
 log = logging.getLogger("prewarm.planner.elsewhere")
 
@@ -60,10 +60,15 @@ def place_elsewhere(ctx: WorkerContext, app: Celery, req: PlaceElsewhereRequest)
     if chosen is None:
         passed_over = ctx.client.smembers(refused)
         infos = {ns.node: ctx.client.hgetall(keys.node_info(ns.node)) for ns in live_nodes(ctx)}
-        nodes = [ns for ns in live_nodes(ctx)
-                 if ns.node not in passed_over and ns.free and _room(infos.get(ns.node, {}), req.need_bytes)]
         snaps = {n: frozenset(s for s in info.get("snapshots", "").split(",") if s) for n, info in infos.items()}
-        got = pick_slots(nodes, 1, model_key=model_key, snapshots=snaps)
+
+        def nodes() -> list[NodeSlots]:
+            return [ns for ns in live_nodes(ctx)
+                    if ns.node not in passed_over and ns.free and _room(infos.get(ns.node, {}), req.need_bytes)]
+
+        got = pick_slots(nodes(), 1, model_key=model_key, snapshots=snaps) if ctx.settings.planner.dry_run else \
+            reserve_slots(ctx, 1, lambda node, slot: replica_id(ref.model, ref.revision, node, slot), nodes=nodes,
+                          model_key=model_key, snapshots=snaps)
         if not got:
             log.error("no other node has room for %s (%.3g GB; passed over: %s) after %s: %s", model_key,
                       req.need_bytes / GB, ", ".join(sorted(passed_over)), ref.replica_id, req.reason)
@@ -73,6 +78,7 @@ def place_elsewhere(ctx: WorkerContext, app: Celery, req: PlaceElsewhereRequest)
         candidate = replica_id(ref.model, ref.revision, node, slot)
         if not ctx.client.set(claim, candidate, nx=True, ex=keys.PLACEMENT_REFUSED_TTL_S):
             chosen = ctx.client.get(claim)  # a concurrent copy of this retry claimed first: send its choice
+            release_slot(ctx, node, slot, candidate)  # and the slot reserved for ours goes back
         else:
             chosen = candidate
     if ctx.settings.planner.dry_run:

@@ -11,7 +11,8 @@ The planner (`forecasting.planner.plan`) decides; this module only interprets it
    a removal: the event's score moves to the lease's end (the broker's visibility timeout),
    so an event whose apply task never ran is dispatched again instead of lost;
 3. `apply_event`: SCALE_UP prewarms new replicas on the chosen nodes (the event's
-   placement, else the node with most free slots), SCALE_DOWN cancels replicas still
+   placement, else the node with most free slots; each slot reserved for its replica until
+   its agent registers it, so two events applied at once never pick one slot), SCALE_DOWN cancels replicas still
    coming up, then retires ready ones (newest first each); PARK puts the newest ready to sleep
    instead (drain, level-1 sleep) and a later SCALE_UP wakes parked replicas before it loads
    new ones; HOLD keeps ready replicas warm until the event's hold ends. The replica
@@ -41,7 +42,7 @@ from prewarm.core.domain import LIVE_STATES, NodeView, Replica, ReplicaState, Sc
 from prewarm.core.errors import InvalidPayload
 from workers import names
 from workers.context import WorkerContext
-from workers.planning.nodes import live_nodes, pick_slots
+from workers.planning.nodes import live_nodes, reserve_slots
 
 log = logging.getLogger("prewarm.planner.executor")
 
@@ -232,9 +233,12 @@ def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
         raise InvalidPayload(f"scale event {ev.event_id} asks for {ev.replicas} replicas")
     if ev.kind is ScaleEventKind.SCALE_UP:  # parked replicas are woken first (a wake, not a load)
         woken = [r.id for r in _asleep_of(ctx, ev)][: ev.replicas]
-        slots = pick_slots(live_nodes(ctx), ev.replicas - len(woken), wanted=ev.nodes,
-                           model_key=f"{ev.model}@{ev.revision}")
-        return woken + [replica_id(ev.model, ev.revision, node, slot) for node, slot in slots]
+        def replica_of(node: str, slot: int) -> str:
+            return replica_id(ev.model, ev.revision, node, slot)
+
+        slots = reserve_slots(ctx, ev.replicas - len(woken), replica_of, wanted=ev.nodes,
+                              model_key=f"{ev.model}@{ev.revision}")
+        return woken + [replica_of(node, slot) for node, slot in slots]
     return [r.id for r in _candidates(ctx, ev)[: ev.replicas]]
 
 

@@ -1,13 +1,16 @@
 """The live nodes the planner may place replicas on, read from what agents publish (`keys.node_info`).
 
 The choice of a node is the planner's one placement rule (`forecasting.placement.place`),
-applied here to slots (`pick_slots`); `live_nodes` is the one read behind it.
+applied here to slots (`pick_slots`); `live_nodes` is the one read behind it. A chosen slot is
+reserved for its replica (`reserve_slots`, `keys.slot_claim`) until the agent registers it
+(`release_slot`), so choosers running at once (two scale events of one plan, a scale from zero)
+never send two replicas to one slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from forecasting.placement import place
 from prewarm.core import keys
@@ -51,21 +54,62 @@ def pick_slots(nodes: Iterable[NodeSlots], n: int, *, wanted: Sequence[str] = ()
     return chosen
 
 
-def choose_placement(nodes: Iterable[NodeSlots]) -> tuple[str, int] | None:
-    """One replica's (node, slot) by the same rule; None when every node is full."""
-    got = pick_slots(nodes, 1)
-    return got[0] if got else None
+def reserve_slots(ctx: WorkerContext, n: int, replica_of: Callable[[str, int], str], *,
+                  nodes: Callable[[], list[NodeSlots]] | None = None, wanted: Sequence[str] = (),
+                  model_key: str = "", snapshots: Mapping[str, frozenset[str]] | None = None) -> list[tuple[str, int]]:
+    """Up to `n` (node, slot) pairs chosen as `pick_slots` chooses among `nodes()` (default: `live_nodes`), each
+    reserved for its replica (`replica_of(node, slot)`) by SET NX on its `keys.slot_claim`. A slot another
+    chooser reserved first is passed over and the rest chosen again on a fresh read, where that reservation
+    shows as used. The agent that registers the replica releases the claim (`release_slot`); a claim whose
+    replica never registers lapses after the broker's visibility timeout, when an unacknowledged prewarm
+    would have been delivered again."""
+    read = nodes if nodes is not None else (lambda: live_nodes(ctx))
+    ttl = max(1, int(ctx.settings.agent.effective_visibility_timeout_s))
+    got: list[tuple[str, int]] = []
+    for _ in range(n + 8):  # a lost claim is a reservation the next read sees: each round makes progress
+        if len(got) >= n:
+            break
+        picks = pick_slots(read(), n - len(got), wanted=wanted[len(got):], model_key=model_key, snapshots=snapshots)
+        if not picks:
+            break
+        for node, slot in picks:
+            if not ctx.client.set(keys.slot_claim(node, slot), replica_of(node, slot), nx=True, ex=ttl):
+                break
+            got.append((node, slot))
+    return got
+
+
+#: Delete a slot's claim only while it names the replica that registered (a later claim stays).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def release_slot(ctx: WorkerContext, node: str, slot: int, replica: str) -> None:
+    """The slot's reservation ends: `replica` is registered, and the registry now holds the slot."""
+    ctx.client.eval(_RELEASE, 1, keys.slot_claim(node, slot), replica)
 
 
 def live_nodes(ctx: WorkerContext) -> list[NodeSlots]:
+    """The nodes a live agent publishes, each with the slots its live replicas and the pending reservations use."""
     out = []
     for node in sorted(ctx.client.smembers(keys.NODES) | _published_nodes(ctx)):
         info: Mapping[str, str] = ctx.client.hgetall(keys.node_info(node))
         if not info or info.get("ready") != "1":
             continue  # no live agent publishes this node
-        used = frozenset(r.slot for r in ctx.registry.live_on_node(node))
-        out.append(NodeSlots(node, int(info.get("replica_slots", "1")), used))
+        slots = int(info.get("replica_slots", "1"))
+        used = frozenset(r.slot for r in ctx.registry.live_on_node(node)) | _claimed(ctx, node, slots)
+        out.append(NodeSlots(node, slots, used))
     return out
+
+
+def _claimed(ctx: WorkerContext, node: str, slots: int) -> frozenset[int]:
+    """The slots of `node` reserved for a replica its agent has not registered yet."""
+    if slots <= 0:
+        return frozenset()
+    held = ctx.client.mget([keys.slot_claim(node, s) for s in range(slots)])
+    return frozenset(s for s, rid in enumerate(held) if rid is not None)
 
 
 def sleep_reports(ctx: WorkerContext, nodes: Iterable[str] | None = None) -> dict[str, dict[str, bool]]:

@@ -33,7 +33,7 @@ from workers import context, delivery, payload
 from workers.context import WorkerContext
 from workers.planning.elsewhere import place_elsewhere as run_place_elsewhere
 from workers.planning.executor import apply_event, dispatch_due
-from workers.planning.nodes import choose_placement, live_nodes
+from workers.planning.nodes import live_nodes, pick_slots, reserve_slots
 from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
 from workers.planning.forecast import plan_model, planned_models
 from workers.planning.kubernetes import owns_replicas
@@ -110,14 +110,16 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
         log.warning("unmet demand for %s, but no revision is known (set PREWARM_PLANNER_MODELS=%s@<rev>)", model,
                     model)
         return {"model": model, "outcome": "unknown_model"}
-    placement = choose_placement(live_nodes(ctx))
-    if placement is None:
+    dry = ctx.settings.planner.dry_run  # dry-run never acts, nor reserves a slot: it says what would start
+    placement = pick_slots(live_nodes(ctx), 1) if dry else \
+        reserve_slots(ctx, 1, lambda node, slot: replica_id(model, revision, node, slot))
+    if not placement:
         log.warning("unmet demand for %s, but no live node has a free slot", model)
         ctx.client.delete(keys.demand_claim(model))
         return {"model": model, "outcome": "no_capacity"}
-    node, slot = placement
+    node, slot = placement[0]
     rid = replica_id(model, revision, node, slot)
-    if ctx.settings.planner.dry_run:  # dry-run never acts: say what would have been started
+    if dry:
         log.info("dry run: scale from zero for %s would prewarm %s", model, rid)
         ctx.client.delete(keys.demand_claim(model))
         return {"model": model, "outcome": "dry_run", "replica_id": rid}
