@@ -282,3 +282,22 @@ def test_prewarm_keeps_capacity_between_recurring_bursts() -> None:
     assert (prewarm.wait[~later] > P.wait_threshold_s).sum() > 0  # the first burst is unforeseeable
     assert prewarm.wait[later].max() <= P.wait_threshold_s
     assert set(policy.modes) == {"reactive"}
+
+
+def test_a_planner_that_starts_after_its_history_sees_only_its_own_replicas() -> None:
+    """`plan_from_s` (`prewarm up --history`): until the planner's first step the replay keeps its starting
+    replicas; from that step on the planner sees only its own, as the live one, which starts on an empty stack.
+    The replicas held before serve until its own are ready (nothing waits), then go."""
+    trace = request_trace([float(i) for i in range(900)], context=1000.0, generated=10.0)
+    work = build_workload(trace, P)
+    policy = Prewarm(record=True, plan_from_s=300.0)
+    run = replay(work, policy, P)
+    held = Prewarm(plan_from_s=300.0).start(PolicyEnv(work=work, params=P))
+    assert held >= 1 and (run.live[:300] == held).all()
+    first = policy.decisions[0]
+    assert first[0] >= 300.0 and first[1].live == 0  # none of the held replicas is the planner's
+    want = first[2].target + first[2].pool_target
+    assert want >= 1 and run.live[int(first[0]) + 1] == held + want  # the held serve while its own load
+    assert run.wait.max() <= P.wait_threshold_s
+    last = policy.decisions[-1]
+    assert last[1].live == run.live[-1] == last[2].target + last[2].pool_target  # then only its own are live

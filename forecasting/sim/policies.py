@@ -310,8 +310,11 @@ class Prewarm(Policy):
         self.period_s = self.params.interval_s
         self.record = record
         # the planner's first step (trace seconds): before it the replay keeps its starting replicas, as when
-        # a live planner started after the traffic it plans from (`prewarm up --history`)
+        # a live planner started after the traffic it plans from (`prewarm up --history`). That planner starts
+        # on an empty stack, so from its first step on it sees only its own replicas: those the replay held
+        # before (`inherited`) serve until its own are ready, then go
         self.plan_from_s = plan_from_s
+        self.inherited: int | None = None
         self.model_name = model_name  # the planned model's name: batch jobs apply to the model they name
         self.decisions: list[tuple[float, ReplicaCounts, Decision]] = []
         self.modes: dict[str, int] = {}
@@ -342,6 +345,7 @@ class Prewarm(Policy):
         self.pool = 0
         self.decisions = []
         self.modes = {}
+        self.inherited = None
         self._replayed_bucket = -1
         # as if it had been running, as every policy starts: the first minute's load sized as its first step sizes
         # a load, with the margin it starts from (sized without it, the replay handed it fewer replicas than any
@@ -401,13 +405,20 @@ class Prewarm(Policy):
             self.cold_p95 = obs.cold_start_p95_s
         if obs.now < self.plan_from_s:
             return obs.ready + obs.loading
-        inputs = self.inputs(obs.now, obs.ready, obs.loading)
+        if self.inherited is None:
+            self.inherited = obs.ready + obs.loading if self.plan_from_s > 0 else 0
+        own = max(0, obs.ready + obs.loading - self.inherited)
+        loading = min(obs.loading, own)
+        inputs = self.inputs(obs.now, own - loading, loading)
         decision, self.state = step(inputs, self.state)
         self.pool = decision.pool_target
         self.modes[decision.mode] = self.modes.get(decision.mode, 0) + 1
         if self.record:
             self.decisions.append((obs.now, inputs.replicas, decision))
-        return decision.target + decision.pool_target
+        want = decision.target + decision.pool_target
+        if self.inherited and (own - loading >= want or (own > 0 and loading == 0)):
+            self.inherited = 0  # the planner's own replicas are ready: the ones held before it go
+        return want + self.inherited
 
 
 class PrewarmFixedMargin(Prewarm):
