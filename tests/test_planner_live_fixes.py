@@ -104,7 +104,8 @@ def test_two_scale_ups_applied_before_any_agent_registers_never_pick_one_slot(ct
     finally:
         app.close()
     assert len(set(chosen)) == 3, chosen
-    queued = [m["args"][0] for n in ("n1", "n2") for m in queued_tasks(ctx.client, node_queue(n)) if m["task"] == PREWARM]
+    queued = [m["args"][0] for n in ("n1", "n2") for m in queued_tasks(ctx.client, node_queue(n))
+              if m["task"] == PREWARM]
     assert sorted(queued) == sorted(chosen)
     # the agent registers the replica and releases its slot's claim: the registry holds the slot from then on
     rid = chosen[0]

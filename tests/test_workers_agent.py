@@ -132,9 +132,12 @@ def _post(url: str, body: dict[str, Any], timeout: float = 30.0) -> tuple[int, A
 
 def test_prewarm_reaches_ready_and_answers(world: World) -> None:
     rid = f"tiny@r1/{NODE}/0"
+    world.client.set(keys.slot_claim(NODE, 0), rid, ex=600)  # the planner's reservation of its slot
     world.app.send_task(PREWARM, args=[rid, "serving", None])  # model dir resolved from runtime.models_dir
     rec = world.wait_state(rid, "ready", "failed")
     assert rec.state is ReplicaState.READY, rec.reason
+    # the prewarm ended and released the reservation: the registry holds the slot
+    wait_for(lambda: world.client.get(keys.slot_claim(NODE, 0)) is None, 10, "the slot's reservation to end")
     assert rec.progress == 1.0 and rec.phase.value == "done"
     assert world.transitions(rid) == [("", "pending"), ("pending", "loading"), ("loading", "warming"),
                                       ("warming", "ready")]

@@ -263,7 +263,7 @@ def placement_refused(model_key: str) -> str:
 
 
 #: The replica a node's slot is reserved for between its choice (a scale-up, a scale from zero, a placement
-#: elsewhere) and its registration by the agent, which releases it: two choosers at once never pick one slot.
+#: elsewhere) and the end of the agent's prewarm, which releases it: two choosers at once never pick one slot.
 def slot_claim(node: str, slot: int) -> str:
     return f"{PREFIX}:slotclaim:{node}:{slot}"
 

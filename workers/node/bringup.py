@@ -318,6 +318,13 @@ class PrewarmJob:
     # --- the job ----------------------------------------------------------------------
     def run(self) -> PrewarmResult:
         ref = self.req.replica
+        try:
+            return self._run()
+        finally:  # registered (the registry holds its slot now) or never started: the chooser's reservation ends
+            release_slot(self.ctx, ref.node, ref.slot, self.rid)
+
+    def _run(self) -> PrewarmResult:
+        ref = self.req.replica
         if ref.node != self.ctx.node:
             raise InvalidPayload(f"replica {self.rid} belongs to node {ref.node!r}, "
                                  f"but this agent serves node {self.ctx.node!r}")
@@ -365,7 +372,6 @@ class PrewarmJob:
             log.info("replica %s registered %s (state %s)", self.rid, "new" if created else "existing", rec.state.value)
         else:
             log.info("replica %s resumes from state %s", self.rid, rec.state.value)
-        release_slot(ctx, ref.node, ref.slot, self.rid)  # the registry holds its slot now, not the chooser's claim
         if ctx.runtimes.get(self.rid) is None:  # its runtime is not up yet: book its GPU memory first
             admit_load(ctx, self.rid, ref.model, model_dir, self.deadline)
         tier = CACHED if in_snapshot(ctx.settings.runtime.snapshot_dir, f"{ref.model}@{ref.revision}") else DISK

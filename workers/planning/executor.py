@@ -12,10 +12,10 @@ The planner (`forecasting.planner.plan`) decides; this module only interprets it
    so an event whose apply task never ran is dispatched again instead of lost;
 3. `apply_event`: SCALE_UP prewarms new replicas on the chosen nodes (the event's
    placement, else the node with most free slots; each slot reserved for its replica until
-   its agent registers it, so two events applied at once never pick one slot), SCALE_DOWN cancels replicas still
-   coming up, then retires ready ones (newest first each); PARK puts the newest ready to sleep
-   instead (drain, level-1 sleep) and a later SCALE_UP wakes parked replicas before it loads
-   new ones; HOLD keeps ready replicas warm until the event's hold ends. The replica
+   its agent's prewarm of it ends, so two events applied at once never pick one slot),
+   SCALE_DOWN cancels replicas still coming up, then retires ready ones (newest first
+   each); PARK puts the newest ready to sleep instead (drain, level-1 sleep) and a later
+   SCALE_UP wakes parked replicas before it loads new ones; HOLD keeps ready replicas warm until the event's hold ends. The replica
    ids chosen are written to the event record before any task is sent, so a redelivered
    apply re-sends the same (idempotent) prewarms instead of choosing new slots. Only an
    applied event leaves the queue.

@@ -2,8 +2,8 @@
 
 The choice of a node is the planner's one placement rule (`forecasting.placement.place`),
 applied here to slots (`pick_slots`); `live_nodes` is the one read behind it. A chosen slot is
-reserved for its replica (`reserve_slots`, `keys.slot_claim`) until the agent registers it
-(`release_slot`), so choosers running at once (two scale events of one plan, a scale from zero)
+reserved for its replica (`reserve_slots`, `keys.slot_claim`) until the agent's prewarm of it
+ends (`release_slot`), so choosers running at once (two scale events of one plan, a scale from zero)
 never send two replicas to one slot.
 """
 
@@ -60,9 +60,10 @@ def reserve_slots(ctx: WorkerContext, n: int, replica_of: Callable[[str, int], s
     """Up to `n` (node, slot) pairs chosen as `pick_slots` chooses among `nodes()` (default: `live_nodes`), each
     reserved for its replica (`replica_of(node, slot)`) by SET NX on its `keys.slot_claim`. A slot another
     chooser reserved first is passed over and the rest chosen again on a fresh read, where that reservation
-    shows as used. The agent that registers the replica releases the claim (`release_slot`); a claim whose
-    replica never registers lapses after the broker's visibility timeout, when an unacknowledged prewarm
-    would have been delivered again."""
+    shows as used. The agent's prewarm of the replica releases the claim when it ends (`release_slot`: registered,
+    the registry holds the slot; failed before, the slot is free again); a claim whose prewarm never runs
+    lapses after the broker's visibility timeout, when an unacknowledged prewarm would have been delivered
+    again."""
     read = nodes if nodes is not None else (lambda: live_nodes(ctx))
     ttl = max(1, int(ctx.settings.agent.effective_visibility_timeout_s))
     got: list[tuple[str, int]] = []
@@ -87,7 +88,8 @@ return 0
 
 
 def release_slot(ctx: WorkerContext, node: str, slot: int, replica: str) -> None:
-    """The slot's reservation ends: `replica` is registered, and the registry now holds the slot."""
+    """The slot's reservation for `replica` ends: its prewarm registered it (the registry holds the slot now) or
+    ended before."""
     ctx.client.eval(_RELEASE, 1, keys.slot_claim(node, slot), replica)
 
 
