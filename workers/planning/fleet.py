@@ -57,7 +57,7 @@ from workers.context import WorkerContext
 from workers.planning.forecast import ModelPlan, inputs, load_planner_state, planned_models, publish_cluster_target, \
     save_planner_state
 from workers.planning.kubernetes import owns_replicas
-from workers.planning.nodes import live_nodes, measured_ready_p95, sleep_reports
+from workers.planning.nodes import live_nodes, measured_ready_p95, reserve_slots, sleep_reports
 
 log = logging.getLogger("prewarm.planner.fleet")
 
@@ -279,6 +279,13 @@ def fleet_decide(ctx: WorkerContext, *, now: float, state: RoundState) -> tuple[
     return FleetDecision(tuple(names_), specs, catalog, result), state
 
 
+def _reserve_on(ctx: WorkerContext, node: str, model: str, revision: str) -> int | None:
+    """A free slot of `node` reserved for the model's replica there (`reserve_slots`); None: none is free."""
+    got = reserve_slots(ctx, 1, lambda n, s: replica_id(model, revision, n, s),
+                        nodes=lambda: [ns for ns in live_nodes(ctx) if ns.node == node])
+    return got[0][1] if got else None
+
+
 def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[ModelPlan]:
     """One fleet round over every planned model; returns one `ModelPlan` per model."""
     global _STATE
@@ -312,6 +319,9 @@ def fleet_and_plan(ctx: WorkerContext, app: Celery, *, now: float) -> list[Model
             sent[action.model].append(asleep_here[0])
         elif action.kind in (ActionKind.LOAD, ActionKind.WAKE):
             free = [s for s in range(slots.get(action.node, 0)) if s not in used_slots.get(action.node, set())]
+            if free and not p.dry_run:  # the slot reserved for its replica, as the executor's are
+                slot = _reserve_on(ctx, action.node, spec.name, spec.revision)
+                free = [] if slot is None else [slot]
             if not free:
                 log.warning("fleet: no free slot on %s for %s", action.node, action.model)
                 continue
