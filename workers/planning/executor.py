@@ -15,7 +15,8 @@ The planner (`forecasting.planner.plan`) decides; this module only interprets it
    its agent's prewarm of it ends, so two events applied at once never pick one slot),
    SCALE_DOWN cancels replicas still coming up, then retires ready ones (newest first
    each); PARK puts the newest ready to sleep instead (drain, level-1 sleep) and a later
-   SCALE_UP wakes parked replicas before it loads new ones; HOLD keeps ready replicas warm until the event's hold ends. The replica
+   SCALE_UP wakes parked replicas before it loads new ones; HOLD keeps ready replicas warm
+   until the event's hold ends. The replica
    ids chosen are written to the event record before any task is sent, so a redelivered
    apply re-sends the same (idempotent) prewarms instead of choosing new slots. Only an
    applied event leaves the queue.
@@ -233,6 +234,7 @@ def _choose(ctx: WorkerContext, ev: ScaleEvent) -> list[str]:
         raise InvalidPayload(f"scale event {ev.event_id} asks for {ev.replicas} replicas")
     if ev.kind is ScaleEventKind.SCALE_UP:  # parked replicas are woken first (a wake, not a load)
         woken = [r.id for r in _asleep_of(ctx, ev)][: ev.replicas]
+
         def replica_of(node: str, slot: int) -> str:
             return replica_id(ev.model, ev.revision, node, slot)
 

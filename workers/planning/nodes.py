@@ -80,7 +80,7 @@ def reserve_slots(ctx: WorkerContext, n: int, replica_of: Callable[[str, int], s
     return got
 
 
-#: Delete a slot's claim only while it names the replica that registered (a later claim stays).
+#: Delete a slot's claim only while it names the given replica (another replica's later claim stays).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
