@@ -90,7 +90,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     server = EmbeddedRedis().start()
     dirs = [_model(tmp / "models", m, seed) for seed, m in enumerate(("a", "b", "c"))]
     footprint = max(load_manifest(d).total_bytes for d in dirs) / 1e9
-    common = {"PREWARM_AGENT_TASK_TIME_LIMIT_S": "60", "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "61",
+    # a task's deadline outlasts the streamed request the eviction waits for (over a minute on a busy machine),
+    # as the load that waits for the eviction's memory must
+    common = {"PREWARM_AGENT_TASK_TIME_LIMIT_S": "300", "PREWARM_AGENT_VISIBILITY_TIMEOUT_S": "301",
               "PREWARM_GATEWAY_HOLD_TIMEOUT_S": "60", "PREWARM_GATEWAY_UPSTREAM_TIMEOUT_S": "600", "PREWARM_PLANNER_MODELS": '["a@r1","b@r1","c@r1"]'}
     env = worker_env(server.url, tmp, PREWARM_AGENT_NODE=NODE, PREWARM_METRICS_PORT=str(free_port()),
                      PREWARM_AGENT_WAKE_TIMEOUT_S="5",  # well under the gateway's hold (60 s)
