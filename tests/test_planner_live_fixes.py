@@ -35,7 +35,7 @@ from workers.planning.fleet import fleet_catalog
 from workers.planning.forecast import forecast_and_plan, history
 from workers.planning.forecast import inputs as inputs_of
 from workers.planning.kubernetes import actuator_for, apply_target
-from workers.planning.nodes import live_nodes, release_slot
+from workers.planning.nodes import live_nodes, release_slot, reserve_slots
 
 T0 = 1_700_000_000.0
 
@@ -116,6 +116,26 @@ def test_two_scale_ups_applied_before_any_agent_registers_never_pick_one_slot(ct
     assert ctx.client.get(keys.slot_claim(node, slot)) is None
     assert slot in next(ns for ns in live_nodes(ctx) if ns.node == node).used
 
+
+
+def test_a_dry_run_chooses_slots_as_the_live_path_does_and_reserves_none(ctx: WorkerContext) -> None:
+    """`prewarm plan --dry-run` says which slots a scale from zero or a placement elsewhere would take
+    (`reserve_slots`'s choice) and claims none of them: a dry run leaves the next live choice unchanged."""
+    publish_node(ctx.client, "n1", 2)
+
+    def replica_of(node: str, slot: int) -> str:
+        return f"m@r1/{node}/{slot}"
+
+    ctx.settings.planner.dry_run = True
+    try:
+        dry = reserve_slots(ctx, 2, replica_of)
+    finally:
+        ctx.settings.planner.dry_run = False
+    assert dry == [("n1", 0), ("n1", 1)]
+    assert ctx.client.get(keys.slot_claim("n1", 0)) is None and ctx.client.get(keys.slot_claim("n1", 1)) is None
+    assert reserve_slots(ctx, 1, replica_of) == [("n1", 0)]  # the live choice, which a claim now holds
+    assert ctx.client.get(keys.slot_claim("n1", 0)) == "m@r1/n1/0"
+    release_slot(ctx, "n1", 0, "m@r1/n1/0")
 
 # --- Kubernetes: the pods are one Deployment, the warm pool among them ------------------------------------
 NS = "inference"

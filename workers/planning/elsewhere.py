@@ -31,7 +31,7 @@ from prewarm.core.domain import Pool, replica_id
 from workers import names
 from workers.context import WorkerContext
 from workers.payload import PlaceElsewhereRequest
-from workers.planning.nodes import NodeSlots, live_nodes, pick_slots, release_slot, reserve_slots
+from workers.planning.nodes import NodeSlots, live_nodes, release_slot, reserve_slots
 
 log = logging.getLogger("prewarm.planner.elsewhere")
 
@@ -66,9 +66,8 @@ def place_elsewhere(ctx: WorkerContext, app: Celery, req: PlaceElsewhereRequest)
             return [ns for ns in live_nodes(ctx)
                     if ns.node not in passed_over and ns.free and _room(infos.get(ns.node, {}), req.need_bytes)]
 
-        got = pick_slots(nodes(), 1, model_key=model_key, snapshots=snaps) if ctx.settings.planner.dry_run else \
-            reserve_slots(ctx, 1, lambda node, slot: replica_id(ref.model, ref.revision, node, slot), nodes=nodes,
-                          model_key=model_key, snapshots=snaps)
+        got = reserve_slots(ctx, 1, lambda node, slot: replica_id(ref.model, ref.revision, node, slot), nodes=nodes,
+                            model_key=model_key, snapshots=snaps)  # a dry run reserves nothing
         if not got:
             log.error("no other node has room for %s (%.3g GB; passed over: %s) after %s: %s", model_key,
                       req.need_bytes / GB, ", ".join(sorted(passed_over)), ref.replica_id, req.reason)

@@ -63,8 +63,10 @@ def reserve_slots(ctx: WorkerContext, n: int, replica_of: Callable[[str, int], s
     shows as used. The agent's prewarm of the replica releases the claim when it ends (`release_slot`: registered,
     the registry holds the slot; failed before, the slot is free again); a claim whose prewarm never runs
     lapses after the broker's visibility timeout, when an unacknowledged prewarm would have been delivered
-    again."""
+    again. A dry run (`planner.dry_run`) reserves nothing: it returns what would be chosen."""
     read = nodes if nodes is not None else (lambda: live_nodes(ctx))
+    if ctx.settings.planner.dry_run:
+        return pick_slots(read(), n, wanted=wanted, model_key=model_key, snapshots=snapshots)
     ttl = max(1, int(ctx.settings.agent.effective_visibility_timeout_s))
     got: list[tuple[str, int]] = []
     for _ in range(n + 8):  # a lost claim is a reservation the next read sees: each round makes progress

@@ -33,7 +33,7 @@ from workers import context, delivery, payload
 from workers.context import WorkerContext
 from workers.planning.elsewhere import place_elsewhere as run_place_elsewhere
 from workers.planning.executor import apply_event, dispatch_due
-from workers.planning.nodes import live_nodes, pick_slots, reserve_slots
+from workers.planning.nodes import reserve_slots
 from workers.planning.forecast import forecast_and_plan as run_forecast_and_plan
 from workers.planning.forecast import plan_model, planned_models
 from workers.planning.kubernetes import owns_replicas
@@ -111,8 +111,7 @@ def handle_demand_for(ctx: WorkerContext, app: Celery, model: str) -> dict[str, 
                     model)
         return {"model": model, "outcome": "unknown_model"}
     dry = ctx.settings.planner.dry_run  # dry-run never acts, nor reserves a slot: it says what would start
-    placement = pick_slots(live_nodes(ctx), 1) if dry else \
-        reserve_slots(ctx, 1, lambda node, slot: replica_id(model, revision, node, slot))
+    placement = reserve_slots(ctx, 1, lambda node, slot: replica_id(model, revision, node, slot))
     if not placement:
         log.warning("unmet demand for %s, but no live node has a free slot", model)
         ctx.client.delete(keys.demand_claim(model))
