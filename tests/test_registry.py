@@ -12,6 +12,7 @@ from prewarm.core import keys
 from prewarm.core.domain import LoadPhase, Pool, Replica, ReplicaState
 from prewarm.registry.embedded import EmbeddedRedis
 from prewarm.core.errors import IllegalTransition, RegistryUnavailable, ReplicaNotFound
+from prewarm.registry.references import EnginePhases
 from prewarm.registry.replicas import ReplicaRegistry
 from prewarm.core.settings import RegistrySettings
 
@@ -213,6 +214,22 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     reg.record_baseline_sample("llama", "h200", 0.07, "r3", samples=3)
     assert 0 < redis_client.ttl(keys.baseline_samples("llama", "h200", "r3")) <= keys.BASELINE_TTL_S
 
+
+
+def test_measured_durations_are_kept_newest_first_and_capped(redis_client: "redis.Redis[str]") -> None:
+    """Image pulls, per-tier times to ready and an engine's phases keep the last `LOADTIMES_KEEP` figures each."""
+    reg = ReplicaRegistry(redis_client, SETTINGS)
+    phases = EnginePhases(redis_client)
+    for s in range(keys.LOADTIMES_KEEP + 5):
+        reg.record_image_pull("llama", "r1", "h200", float(s))
+        reg.record_ready_time("llama", "asleep", "h200", float(s))
+        phases.record("llama", EnginePhases.SERVER_START, "h200", float(s))
+    newest = [float(s) for s in range(keys.LOADTIMES_KEEP + 4, 4, -1)]
+    assert reg.image_pulls("llama", "r1", "h200") == newest
+    assert phases.times("llama", EnginePhases.SERVER_START, "h200") == newest
+    assert phases.times("llama", EnginePhases.WARM_VALIDATE, "h200") == []
+    assert reg.ready_time_p95("llama", "asleep", "h200") is not None
+    assert reg.ready_time_p95("llama", "disk", "h200") is None
 
 def test_redis_restart_is_repopulated_by_heartbeats() -> None:
     """A Redis restarted without persistence: errors are RegistryUnavailable, then heartbeats rebuild it."""

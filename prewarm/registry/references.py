@@ -21,7 +21,7 @@ from prewarm.core import keys
 from prewarm.policy.engine_checks import SpeedBaseline
 from prewarm.policy.reference import Probe, probes_from_json, probes_to_json
 from prewarm.registry.lua import BASELINE_SAMPLE
-from prewarm.registry.replicas import _wrap_redis_errors, figures, push_figure
+from prewarm.registry.replicas import _wrap_redis_errors, figures, record_figure
 
 if TYPE_CHECKING:
     import redis
@@ -95,10 +95,7 @@ class EnginePhases:
 
     @_wrap_redis_errors
     def record(self, model: str, phase: str, node_class: str, seconds: float) -> None:
-        key = keys.engine_phase_times(model, phase, node_class)
-        pipe = self.client.pipeline(transaction=True)
-        push_figure(pipe, key, seconds)
-        pipe.execute()
+        record_figure(self.client, keys.engine_phase_times(model, phase, node_class), seconds)
 
     @_wrap_redis_errors
     def times(self, model: str, phase: str, node_class: str) -> list[float]:

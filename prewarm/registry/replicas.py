@@ -110,6 +110,13 @@ def push_figure(pipe: "redis.client.Pipeline[str]", key: str, seconds: float) ->
     pipe.ltrim(key, 0, keys.LOADTIMES_KEEP - 1)
 
 
+def record_figure(client: "redis.Redis[str]", key: str, seconds: float) -> None:
+    """`push_figure` in a transaction of its own."""
+    pipe = client.pipeline(transaction=True)
+    push_figure(pipe, key, seconds)
+    pipe.execute()
+
+
 def figures(client: "redis.Redis[str]", key: str) -> list[float]:
     """The durations `push_figure` kept under `key`, newest first."""
     return [float(v) for v in client.lrange(key, 0, -1)]
@@ -357,10 +364,7 @@ class ReplicaRegistry:
     @_wrap_redis_errors
     def record_image_pull(self, model: str, revision: str, node_class: str, seconds: float) -> None:
         """An image pull a new pod waited for (the first start of its image on a node), kept apart from the lead."""
-        key = keys.image_pulls(model, revision, node_class)
-        pipe = self.client.pipeline(transaction=True)
-        push_figure(pipe, key, seconds)
-        pipe.execute()
+        record_figure(self.client, keys.image_pulls(model, revision, node_class), seconds)
 
     @_wrap_redis_errors
     def image_pulls(self, model: str, revision: str, node_class: str) -> list[float]:
@@ -369,10 +373,7 @@ class ReplicaRegistry:
     @_wrap_redis_errors
     def record_ready_time(self, model: str, tier: str, node_class: str, seconds: float) -> None:
         """One measured time to ready from `tier` (asleep / cached / disk): the catalog's per-tier figure."""
-        key = keys.ready_times(model, tier, node_class)
-        pipe = self.client.pipeline(transaction=True)
-        push_figure(pipe, key, seconds)
-        pipe.execute()
+        record_figure(self.client, keys.ready_times(model, tier, node_class), seconds)
 
     @_wrap_redis_errors
     def ready_time_p95(self, model: str, tier: str, node_class: str) -> float | None:
