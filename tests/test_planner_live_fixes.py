@@ -117,7 +117,6 @@ def test_two_scale_ups_applied_before_any_agent_registers_never_pick_one_slot(ct
     assert slot in next(ns for ns in live_nodes(ctx) if ns.node == node).used
 
 
-
 def test_a_dry_run_chooses_slots_as_the_live_path_does_and_reserves_none(ctx: WorkerContext) -> None:
     """`prewarm plan --dry-run` says which slots a scale from zero or a placement elsewhere would take
     (`reserve_slots`'s choice) and claims none of them: a dry run leaves the next live choice unchanged."""
@@ -136,6 +135,7 @@ def test_a_dry_run_chooses_slots_as_the_live_path_does_and_reserves_none(ctx: Wo
     assert reserve_slots(ctx, 1, replica_of) == [("n1", 0)]  # the live choice, which a claim now holds
     assert ctx.client.get(keys.slot_claim("n1", 0)) == "m@r1/n1/0"
     release_slot(ctx, "n1", 0, "m@r1/n1/0")
+
 
 # --- Kubernetes: the pods are one Deployment, the warm pool among them ------------------------------------
 NS = "inference"

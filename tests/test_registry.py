@@ -215,7 +215,6 @@ def test_load_times_and_baseline(redis_client: "redis.Redis[str]") -> None:
     assert 0 < redis_client.ttl(keys.baseline_samples("llama", "h200", "r3")) <= keys.BASELINE_TTL_S
 
 
-
 def test_measured_durations_are_kept_newest_first_and_capped(redis_client: "redis.Redis[str]") -> None:
     """Image pulls, per-tier times to ready and an engine's phases keep the last `LOADTIMES_KEEP` figures each."""
     reg = ReplicaRegistry(redis_client, SETTINGS)
@@ -230,6 +229,7 @@ def test_measured_durations_are_kept_newest_first_and_capped(redis_client: "redi
     assert phases.times("llama", EnginePhases.WARM_VALIDATE, "h200") == []
     assert reg.ready_time_p95("llama", "asleep", "h200") is not None
     assert reg.ready_time_p95("llama", "disk", "h200") is None
+
 
 def test_redis_restart_is_repopulated_by_heartbeats() -> None:
     """A Redis restarted without persistence: errors are RegistryUnavailable, then heartbeats rebuild it."""
