@@ -29,8 +29,8 @@ from benchmarks.common import parser, report
 from forecasting.data.traces import HistoryError, load_trace
 from forecasting.fleet.traces import read_client_rates
 from forecasting.sim.interface import Observation
-from forecasting.sim.policies import Prewarm
-from forecasting.sim.scoring import run_backtest, score
+from forecasting.sim.policies import Prewarm, PrewarmFixedMargin
+from forecasting.sim.scoring import score
 from forecasting.sim.simulate import replay
 from forecasting.sim.workload import SimParams, build_workload
 from prewarm.cli.backtest import _head  # `prewarm backtest --limit-s`: the first S seconds of a trace
@@ -116,6 +116,7 @@ def main(argv: list[str]) -> int:
     policy = TracedPrewarm(planner_settings=planner)
     s = score(replay(work, policy, params), work, params)
     path = np.asarray(policy.path, dtype=np.float64).reshape(-1, 3)
+    mean = mean_margin(path)
     budget = policy.params.cold_start_budget
     day_budget = budget * work.n_requests / (work.duration_s / 86400.0) if work.duration_s > 0 else math.nan
     eps = episodes(path, args.gap_s)
@@ -123,25 +124,22 @@ def main(argv: list[str]) -> int:
         e["budget_days"] = e["waits"] / day_budget if day_budget > 0 else math.nan
     rows: list[tuple[str, Any, str]] = [
         ("prewarm: waited", s["cold_start_share"], f"the budget {budget:.4%}; {s['gpu_hours']:,.1f} GPU-hours"),
-        ("prewarm: mean margin", mean_margin(path), f"from {policy.params.margin_initial:g}; {len(eps)} wait episodes"),
+        ("prewarm: mean margin", mean, f"from {policy.params.margin_initial:g}; {len(eps)} wait episodes"),
     ]
     for e in eps:
         rows.append((f"episode at {e['start_s'] / 3600:.2f} h", e["waits"],
                      f"{e['budget_days']:.2f} days of the budget; margin {e['margin_before']:.2f} -> "
                      f"{e['margin_peak']:.2f}; to {e['end_s'] / 3600:.2f} h"))
     ablation: dict[str, dict[str, float]] = {}
-    if fixed:
-        kw = {"planner_settings": planner}
-        for m in fixed:
-            row = run_backtest(trace, params, ["prewarm_fixed_margin"],
-                               policy_kwargs={"prewarm_fixed_margin": kw | {"margin": m}})["result"]["rows"][0]
-            ablation[f"{m:g}"] = {"share": row["cold_start_share"], "gpu_hours": row["gpu_hours"]}
-            rows.append((f"fixed margin {m:g}: waited", row["cold_start_share"],
-                         f"{row['gpu_hours']:,.1f} GPU-hours ({row['gpu_hours'] / s['gpu_hours']:.3f}x prewarm's)"))
+    for m in fixed:  # the same workload (the same seeded arrivals), replayed as `prewarm backtest` replays a policy
+        f = score(replay(work, PrewarmFixedMargin(margin=m, planner_settings=planner), params), work, params)
+        ablation[f"{m:g}"] = {"share": f["cold_start_share"], "gpu_hours": f["gpu_hours"]}
+        rows.append((f"fixed margin {m:g}: waited", f["cold_start_share"],
+                     f"{f['gpu_hours']:,.1f} GPU-hours ({f['gpu_hours'] / s['gpu_hours']:.3f}x prewarm's)"))
     report(f"the cold-start budget's margin, {args.cold_start:g} s cold starts", rows,
            {"trace": work.source, "cold_start_s": args.cold_start, "seed": args.seed, "limit_s": args.limit_s,
             "cold_start_budget": budget, "share": s["cold_start_share"], "gpu_hours": s["gpu_hours"],
-            "requests": work.n_requests, "mean_margin": mean_margin(path), "episodes": eps, "fixed": ablation},
+            "requests": work.n_requests, "mean_margin": mean, "episodes": eps, "fixed": ablation},
            args.json)
     return 0
 
